@@ -1,0 +1,61 @@
+"""Device arguments: one normalisation shared by every fdp entry point."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+
+DeviceLike = Union[torch.device, str, int]  # noqa: UP007 (a runtime alias, py3.10)
+"""A device as users write it: ``torch.device``, ``"cuda:1"``, ``"cpu"``, or a CUDA index."""
+
+
+def as_device(device: object, *, call: str, arg: str) -> torch.device:
+    """Normalises one device argument; ``-1`` means CPU, a bare int a CUDA index."""
+    # bool is an int subclass; True silently meaning cuda:1 would be a trap.
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(
+            f"{call}: `{arg}` expected a torch.device, a device string such as 'cuda:1' "
+            f"or 'cpu', or a CUDA index; got {device!r} of type {type(device).__name__}"
+        )
+    if isinstance(device, int):
+        if device == -1:
+            return torch.device("cpu")
+        if device < 0:
+            raise ValueError(
+                f"{call}: `{arg}` expected a CUDA index >= 0 or -1 for the CPU; got {device}"
+            )
+        return torch.device("cuda", device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"{call}: `{arg}` is not a device: got {device!r} ({err})") from None
+    if dev.type == "cpu":
+        # Every CPU tensor reports plain "cpu"; "cpu:1" is the same memory.
+        return torch.device("cpu")
+    index: int | None = dev.index
+    if index is None and dev.type == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def default_devices() -> list[torch.device]:
+    """Every CUDA device, else one CPU replica (as DataParallel, plus the CPU)."""
+    if torch.cuda.is_available():
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [torch.device("cpu")]
+
+
+def as_devices(devices: object, *, call: str, arg: str = "devices") -> list[torch.device]:
+    """Normalises a device list; ``None`` means :func:`default_devices`. Repeats are kept."""
+    if devices is None:
+        return default_devices()
+    if isinstance(devices, (str, torch.device, int)) or not isinstance(devices, Sequence):
+        raise TypeError(
+            f"{call}: `{arg}` expected a sequence of devices such as ['cuda:0', 'cuda:1'] "
+            f"or ['cpu', 'cpu']; got {devices!r} of type {type(devices).__name__}"
+        )
+    if len(devices) == 0:
+        raise ValueError(f"{call}: `{arg}` expected at least one device; got an empty sequence")
+    return [as_device(d, call=call, arg=f"{arg}[{i}]") for i, d in enumerate(devices)]

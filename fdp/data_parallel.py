@@ -1,0 +1,149 @@
+"""``data_parallel`` for pure functions over parameter pytrees, and ``make_functional``."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from fdp._device import DeviceLike, as_device, as_devices
+from fdp.parallel_apply import parallel_apply
+from fdp.replicate import _replicate
+from fdp.scatter_gather import _gather, _scatter_kwargs
+
+__all__ = ["data_parallel", "make_functional"]
+
+T = TypeVar("T")
+
+
+def data_parallel(
+    fn: Callable[..., T],
+    params: Any,
+    inputs: Any,
+    *,
+    devices: Sequence[DeviceLike] | None = None,
+    output_device: DeviceLike | None = None,
+    dim: int = 0,
+    kwargs: Mapping[str, Any] | None = None,
+) -> Any:
+    """Evaluates ``fn(params, *inputs, **kwargs)`` data-parallel over ``devices``.
+
+    The batch (every tensor leaf of ``inputs`` and ``kwargs``) is split along
+    ``dim``, ``params`` is replicated to each device, ``fn`` runs once per
+    device concurrently, and the outputs are gathered on ``output_device``.
+    The result equals one call on the whole batch when ``fn`` treats examples
+    independently; gradients of every ``params`` leaf that requires grad are
+    summed over replicas onto that leaf's own device.
+
+    Args:
+        fn: ``fn(params, *args, **kwargs)``, a pure function of its arguments
+            (see :func:`make_functional` for an ``nn.Module``).
+        params: a pytree of tensors (or ``None``) passed as ``fn``'s first
+            argument.
+        inputs: a tensor, or a plain tuple of positional arguments.
+        devices: one replica per entry; repeats allowed (``["cpu", "cpu"]``).
+            Default: every CUDA device, else one CPU replica.
+        output_device: where outputs are gathered; ``-1`` is the CPU.
+            Default: ``devices[0]``.
+        dim: the batch dimension of inputs and outputs.
+        kwargs: keyword arguments for ``fn``, split like ``inputs``.
+
+    Returns:
+        ``fn``'s output pytree with tensor leaves concatenated along ``dim``
+        (0-dim outputs become one entry per replica).
+
+    Example:
+        >>> import torch, fdp
+        >>> params = {"w": torch.randn(3, 2, requires_grad=True)}
+        >>> x = torch.randn(8, 3)
+        >>> y = fdp.data_parallel(lambda p, x: x @ p["w"], params, x, devices=["cpu", "cpu"])
+        >>> torch.allclose(y, x @ params["w"])
+        True
+    """
+    call = "fdp.data_parallel"
+    devs = as_devices(devices, call=call)
+    target = (
+        devs[0]
+        if output_device is None
+        else as_device(output_device, call=call, arg="output_device")
+    )
+    chunks, kw_chunks = _scatter_kwargs(inputs, kwargs, devs, dim=dim, chunk_sizes=None, call=call)
+    used = devs[: len(chunks)]
+    replicas = _replicate(params, used, call=call)
+    outputs = parallel_apply(fn, replicas, chunks, kw_chunks, used)
+    return _gather(outputs, target, dim=dim, call=call)
+
+
+def _shell(module: nn.Module) -> nn.Module:
+    """A copy of the module tree that shares every tensor but owns its attribute dicts.
+
+    ``functional_call`` swaps tensors in and out of module attributes; on a
+    shell of its own, each thread swaps without disturbing the others or the
+    original module.
+    """
+    memo: dict[int, nn.Module] = {}
+
+    def visit(m: nn.Module) -> nn.Module:
+        if id(m) in memo:
+            return memo[id(m)]
+        shell = copy.copy(m)
+        memo[id(m)] = shell
+        shell.__dict__["_parameters"] = dict(m._parameters)
+        shell.__dict__["_buffers"] = dict(m._buffers)
+        shell.__dict__["_modules"] = {
+            name: None if child is None else visit(child) for name, child in m._modules.items()
+        }
+        return shell
+
+    return visit(module)
+
+
+def make_functional(module: nn.Module) -> tuple[Callable[..., Any], dict[str, torch.Tensor]]:
+    """Splits a module into a pure function and its state.
+
+    ``state`` maps each name of ``module.named_parameters()`` and
+    ``module.named_buffers()`` to the module's own tensor (so gradients and
+    in-place buffer updates land on the module). ``fn(state, *args,
+    **kwargs)`` runs the module's forward with the tensors in ``state``
+    (missing names fall back to the module's own); it is safe to call from
+    several threads at once because each thread works on a private shell of
+    the module (built on its first call) rather than swapping attributes on
+    the shared one. Submodules added to ``module`` after this call are not
+    seen by threads that already built their shell.
+
+    Args:
+        module: the module to split.
+
+    Returns:
+        ``(fn, state)``.
+
+    Example:
+        >>> import torch, fdp
+        >>> net = torch.nn.Linear(3, 2)
+        >>> fn, state = fdp.make_functional(net)
+        >>> x = torch.randn(4, 3)
+        >>> torch.allclose(fn(state, x), net(x))
+        True
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"fdp.make_functional: `module` expected a torch.nn.Module; got {type(module).__name__}"
+        )
+    state: dict[str, torch.Tensor] = dict(module.named_parameters())
+    state.update(module.named_buffers())
+    local = threading.local()
+
+    def fn(state: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        target = module
+        # Compiled code runs on one thread; dynamo traces the real module.
+        if not torch.compiler.is_compiling():
+            if not hasattr(local, "shell"):
+                local.shell = _shell(module)
+            target = local.shell
+        return torch.func.functional_call(target, dict(state), args, kwargs)
+
+    return fn, state

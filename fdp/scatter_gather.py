@@ -1,0 +1,335 @@
+"""Splitting a batch across devices and joining per-replica outputs again.
+
+Mirrors ``torch.nn.parallel.scatter_gather`` for arbitrary pytrees (optree),
+on any device, CPU included. Both directions are differentiable: chunks are
+``split`` views moved with ``Tensor.to`` and outputs are joined with
+``torch.cat``, so autograd routes gradients back to the original batch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fdp import _tree
+from fdp._device import DeviceLike, as_device, as_devices
+
+__all__ = ["gather", "scatter", "scatter_kwargs"]
+
+
+def _as_args(inputs: Any) -> tuple[Any, ...]:
+    # A plain tuple is the positional arguments; anything else (a tensor, a
+    # dict, a namedtuple batch) is the single positional argument.
+    return inputs if type(inputs) is tuple else (inputs,)
+
+
+def _chunk_sizes(
+    batch: int, n_devices: int, chunk_sizes: Sequence[int] | None, *, call: str
+) -> list[int]:
+    if chunk_sizes is None:
+        n = max(1, min(n_devices, batch))
+        # As even as possible; the first ``batch % n`` chunks get one more.
+        return [batch // n + (1 if i < batch % n else 0) for i in range(n)]
+    if isinstance(chunk_sizes, (str, bytes)) or not isinstance(chunk_sizes, Sequence):
+        raise TypeError(
+            f"{call}: `chunk_sizes` expected a sequence of ints, one per device; "
+            f"got {chunk_sizes!r}"
+        )
+    sizes = list(chunk_sizes)
+    if len(sizes) != n_devices:
+        raise ValueError(
+            f"{call}: `chunk_sizes` expected one size per device ({n_devices} devices); "
+            f"got {len(sizes)} sizes {sizes}"
+        )
+    for i, size in enumerate(sizes):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{call}: `chunk_sizes[{i}]` expected a positive int; got {size!r}")
+    if sum(sizes) != batch:
+        raise ValueError(
+            f"{call}: `chunk_sizes` expected sizes summing to the batch size {batch}; "
+            f"got {sizes} (sum {sum(sizes)})"
+        )
+    return sizes
+
+
+def _scatter_leaves(
+    leaves: list[Any],
+    path_of: Callable[[int], str],
+    devices: list[torch.device],
+    *,
+    dim: int,
+    chunk_sizes: Sequence[int] | None,
+    call: str,
+) -> list[list[Any]]:
+    """Per device, the leaves of its chunk: tensors split along ``dim``, others shared."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{call}: `dim` expected an int; got {dim!r}")
+    batch: int | None = None
+    first = -1
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        ndim = leaf.dim()
+        if not -ndim <= dim < ndim:
+            expected = f"dim in [{-ndim}, {ndim - 1}]" if ndim else "at least one dimension"
+            raise ValueError(
+                f"{call}: `dim` is out of range for leaf {path_of(i)}, {_tree.describe(leaf)}; "
+                f"expected {expected}, got dim={dim}"
+            )
+        size = leaf.shape[dim]
+        if batch is None:
+            batch, first = size, i
+        elif size != batch:
+            raise ValueError(
+                f"{call}: every tensor leaf must have the same size along dim {dim}; "
+                f"leaf {path_of(first)} has {batch}, leaf {path_of(i)} has {size}"
+            )
+    if batch is None:
+        # Nothing to split: every device gets the same arguments.
+        return [list(leaves) for _ in devices]
+    sizes = _chunk_sizes(batch, len(devices), chunk_sizes, call=call)
+    per_device: list[list[Any]] = [[] for _ in sizes]
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            for chunk in per_device:
+                chunk.append(leaf)
+            continue
+        parts = torch.split(leaf, sizes, dim) if len(sizes) > 1 else (leaf,)
+        # ``devices`` may be longer: a small batch uses the first few.
+        for chunk, part, device in zip(per_device, parts, devices, strict=False):
+            # non_blocking is safe only when the destination is an accelerator.
+            chunk.append(part.to(device, non_blocking=device.type != "cpu"))
+    return per_device
+
+
+def scatter(
+    inputs: Any,
+    devices: Sequence[DeviceLike],
+    *,
+    dim: int = 0,
+    chunk_sizes: Sequence[int] | None = None,
+) -> list[tuple[Any, ...]]:
+    """Splits a batch into per-device argument tuples.
+
+    Tensor leaves anywhere in ``inputs`` (nested tuple/list/dict/namedtuple) are
+    split along ``dim`` and moved to their device; other leaves (ints,
+    strings, ``None``) are shared by every chunk. A batch smaller than the
+    device count gives fewer chunks, one per example.
+
+    Args:
+        inputs: a tensor, or a plain tuple of positional arguments (any other
+            object counts as the single positional argument).
+        devices: where chunk ``i`` goes; repeats allowed (``["cpu", "cpu"]``).
+        dim: the batch dimension of every tensor leaf.
+        chunk_sizes: the size of each chunk, one per device, summing to the
+            batch size. Default: as even as possible.
+
+    Returns:
+        One tuple of positional arguments per used device, in device order.
+
+    Raises:
+        ValueError: ``dim`` out of range for a leaf, leaves whose batch sizes
+            differ, bad ``chunk_sizes`` or empty ``devices``.
+
+    Example:
+        >>> import torch, fdp
+        >>> chunks = fdp.scatter((torch.arange(5), "tag"), ["cpu", "cpu"])
+        >>> [c[0].tolist() for c in chunks], chunks[1][1]
+        ([[0, 1, 2], [3, 4]], 'tag')
+    """
+    call = "fdp.scatter"
+    devs = as_devices(devices, call=call)
+    args = _as_args(inputs)
+    leaves, spec = _tree.flatten(args)
+    chunks = _scatter_leaves(
+        leaves,
+        lambda i: _tree.path(args, i, "inputs"),
+        devs,
+        dim=dim,
+        chunk_sizes=chunk_sizes,
+        call=call,
+    )
+    return [_tree.unflatten(spec, chunk) for chunk in chunks]
+
+
+def scatter_kwargs(
+    inputs: Any,
+    kwargs: Mapping[str, Any] | None,
+    devices: Sequence[DeviceLike],
+    *,
+    dim: int = 0,
+    chunk_sizes: Sequence[int] | None = None,
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    """:func:`scatter` for positional and keyword arguments together.
+
+    Both are split with one batch size (checked across them), so chunk ``i``
+    of the positional arguments goes with chunk ``i`` of the keywords.
+
+    Example:
+        >>> import torch, fdp
+        >>> args, kws = fdp.scatter_kwargs(torch.ones(4, 2), {"mask": torch.ones(4)}, ["cpu"] * 2)
+        >>> [a[0].shape[0] for a in args], [k["mask"].shape[0] for k in kws]
+        ([2, 2], [2, 2])
+    """
+    call = "fdp.scatter_kwargs"
+    return _scatter_kwargs(
+        inputs, kwargs, as_devices(devices, call=call), dim=dim, chunk_sizes=chunk_sizes, call=call
+    )
+
+
+def _scatter_kwargs(
+    inputs: Any,
+    kwargs: Mapping[str, Any] | None,
+    devs: list[torch.device],
+    *,
+    dim: int,
+    chunk_sizes: Sequence[int] | None,
+    call: str,
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"{call}: `kwargs` expected a mapping or None; got {type(kwargs).__name__}")
+    args = _as_args(inputs)
+    kw = dict(kwargs)
+    arg_leaves, arg_spec = _tree.flatten(args)
+    kw_leaves, kw_spec = _tree.flatten(kw)
+    n_args = len(arg_leaves)
+
+    def path_of(i: int) -> str:
+        if i < n_args:
+            return _tree.path(args, i, "inputs")
+        return _tree.path(kw, i - n_args, "kwargs")
+
+    chunks = _scatter_leaves(
+        arg_leaves + kw_leaves, path_of, devs, dim=dim, chunk_sizes=chunk_sizes, call=call
+    )
+    return (
+        [_tree.unflatten(arg_spec, c[:n_args]) for c in chunks],
+        [_tree.unflatten(kw_spec, c[n_args:]) for c in chunks],
+    )
+
+
+def _same(a: object, b: object) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # e.g. arrays whose == is elementwise
+        return False
+
+
+def gather(outputs: Sequence[Any], output_device: DeviceLike, *, dim: int = 0) -> Any:
+    """Joins per-replica outputs into one pytree on ``output_device``.
+
+    Tensor leaves are concatenated along ``dim`` (differentiably); 0-dim
+    tensors become a vector with one entry per replica, with a warning, as in
+    DataParallel. Non-tensor leaves must be equal in every replica and are
+    returned once. Dicts, lists, tuples and namedtuples keep their types.
+
+    Args:
+        outputs: one output pytree per replica, all of the same structure.
+        output_device: where the result goes; ``-1`` means the CPU.
+        dim: the dimension to concatenate along.
+
+    Raises:
+        ValueError: replicas returned different structures, different
+            non-tensor leaves, or tensors whose shapes cannot be joined.
+
+    Example:
+        >>> import torch, fdp
+        >>> out = fdp.gather([{"y": torch.zeros(2)}, {"y": torch.ones(1)}], "cpu")
+        >>> out["y"].tolist()
+        [0.0, 0.0, 1.0]
+    """
+    call = "fdp.gather"
+    target = as_device(output_device, call=call, arg="output_device")
+    return _gather(outputs, target, dim=dim, call=call)
+
+
+def _gather(outputs: Sequence[Any], target: torch.device, *, dim: int, call: str) -> Any:
+    if isinstance(outputs, (str, bytes)) or not isinstance(outputs, Sequence) or not outputs:
+        raise ValueError(f"{call}: `outputs` expected a non-empty sequence of per-replica outputs")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{call}: `dim` expected an int; got {dim!r}")
+    flat = [_tree.flatten(out) for out in outputs]
+    spec = flat[0][1]
+    for r, (_, other) in enumerate(flat[1:], start=1):
+        if other != spec:
+            raise ValueError(
+                f"{call}: `outputs` replicas returned different structures; "
+                f"expected (replica 0) {spec}, got (replica {r}) {other}"
+            )
+    n_leaves = len(flat[0][0])
+    joined: list[Any] = []
+    warned = False
+    for j in range(n_leaves):
+        values = [leaves[j] for leaves, _ in flat]
+        is_tensor = [isinstance(v, torch.Tensor) for v in values]
+
+        def path(j: int = j) -> str:
+            return _tree.path(outputs[0], j, "output")
+
+        if not any(is_tensor):
+            for r, value in enumerate(values[1:], start=1):
+                if not _same(value, values[0]):
+                    raise ValueError(
+                        f"{call}: `outputs` non-tensor leaf {path()} differs between replicas; "
+                        f"expected (replica 0) {values[0]!r}, got (replica {r}) {value!r}; "
+                        "return a tensor to have it gathered"
+                    )
+            joined.append(values[0])
+            continue
+        if not all(is_tensor):
+            r = is_tensor.index(not is_tensor[0])
+            raise ValueError(
+                f"{call}: `outputs` leaf {path()} is {_tree.describe(values[0])} in replica 0 "
+                f"but {_tree.describe(values[r])} in replica {r}"
+            )
+        tensors: list[torch.Tensor] = values
+        if all(t.dim() == 0 for t in tensors):
+            if not warned:
+                warnings.warn(
+                    f"{call}: asked to gather along dimension {dim}, but some outputs "
+                    "are scalars; they are returned as a vector with one entry per replica",
+                    UserWarning,
+                    stacklevel=3,
+                )
+                warned = True
+            tensors = [t.reshape(1) for t in tensors]
+            leaf_dim = 0
+        else:
+            leaf_dim = _check_joinable(tensors, dim, path, call=call)
+        if len(tensors) == 1 and tensors[0].device == target:
+            joined.append(tensors[0])
+        else:
+            joined.append(torch.cat([t.to(target) for t in tensors], leaf_dim))
+    return _tree.unflatten(spec, joined)
+
+
+def _check_joinable(
+    tensors: list[torch.Tensor], dim: int, path: Callable[[], str], *, call: str
+) -> int:
+    ndim = tensors[0].dim()
+    if not -ndim <= dim < ndim:
+        expected = f"dim in [{-ndim}, {ndim - 1}]" if ndim else "at least one dimension"
+        raise ValueError(
+            f"{call}: `dim` is out of range for output leaf {path()}, "
+            f"{_tree.describe(tensors[0])}; expected {expected}, got dim={dim}"
+        )
+    d = dim % ndim
+    expected_shape = tensors[0].shape[:d] + tensors[0].shape[d + 1 :]
+    for r, t in enumerate(tensors[1:], start=1):
+        if t.dim() != ndim or t.shape[:d] + t.shape[d + 1 :] != expected_shape:
+            raise ValueError(
+                f"{call}: output leaf {path()} cannot be joined along dim {dim}: "
+                f"expected (replica 0) shape {tuple(tensors[0].shape)} in every other "
+                f"dimension, got (replica {r}) {tuple(t.shape)}"
+            )
+        if t.dtype != tensors[0].dtype:
+            raise ValueError(
+                f"{call}: output leaf {path()} has dtype {tensors[0].dtype} in replica 0 "
+                f"but {t.dtype} in replica {r}"
+            )
+    return d

@@ -1,0 +1,65 @@
+"""Developer sessions: ``nox`` runs tests, typecheck and lint; see README."""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["tests", "typecheck", "lint"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+
+PYPROJECT = nox.project.load_toml("pyproject.toml")
+CONSTRAINTS = ("-c", "constraints.txt")
+# One inductor/triton cache for every session and run, so cold compiles are paid once.
+COMPILE_CACHE = {"TORCHINDUCTOR_CACHE_DIR": os.path.abspath(".compile-cache")}
+
+
+def install(session: nox.Session, *groups: str) -> None:
+    """Installs fdp (editable) and dependency groups under the pinned constraints."""
+    requirements = [r for g in groups for r in nox.project.dependency_groups(PYPROJECT, g)]
+    session.install(*CONSTRAINTS, "-e", ".", *requirements)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite (pytest, doctests included)."""
+    install(session, "test")
+    session.run("pytest", *session.posargs, env=COMPILE_CACHE)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over the package, tests, examples and benchmarks."""
+    install(session, "typecheck")
+    session.run("mypy", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff lint and format check."""
+    session.install(*CONSTRAINTS, *nox.project.dependency_groups(PYPROJECT, "lint"))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def train(session: nox.Session) -> None:
+    """The main job: trains the digits classifier with data_parallel (pass args after --)."""
+    install(session, "examples")
+    session.run("python", "examples/train_digits.py", *session.posargs, env=COMPILE_CACHE)
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """Runs every example briefly."""
+    install(session, "examples")
+    session.run("python", "examples/train_digits.py", "--epochs", "2", "--min-accuracy", "0")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks (ratios measured side by side in one run); not run by default."""
+    install(session, "examples")
+    session.run("python", "benchmarks/bench_data_parallel.py", *session.posargs)
