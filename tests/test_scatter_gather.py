@@ -1,0 +1,239 @@
+"""scatter, scatter_kwargs and gather against plain torch.split / torch.cat references."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import optree
+import pytest
+import torch
+
+import fdp
+from tests.helpers import CPU, Pair, count_copies, fake, label, leaves, plain, tree_allclose
+
+
+def batch_corpus() -> dict[str, Any]:
+    """Inputs trees with tensor leaves of batch 7 and shared non-tensor leaves."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 3, generator=g)
+    return {
+        "tensor": x,
+        "args": (x, torch.arange(7), "tag", None, 2.5),
+        "nested": ({"a": [x, (x[:, 0], None)], "b": Pair(torch.ones(7, 1, 2), "s")},),
+        "mixed_dtypes": (x.double(), torch.arange(7, dtype=torch.int64), x > 0),
+        "ordered": (collections.OrderedDict([("z", x), ("a", x * 2)]),),
+    }
+
+
+def expected_sizes(batch: int, n: int) -> list[int]:
+    n = max(1, min(batch, n))
+    return [len(c) for c in torch.arange(batch).tensor_split(n)]
+
+
+@pytest.mark.parametrize("n_devices", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", list(batch_corpus()))
+def test_scatter_matches_split_and_gather_inverts_it(name: str, n_devices: int) -> None:
+    inputs = batch_corpus()[name]
+    chunks = fdp.scatter(inputs, ["cpu"] * n_devices)
+    sizes = expected_sizes(7, n_devices)
+    assert len(chunks) == len(sizes)
+    args = inputs if type(inputs) is tuple else (inputs,)
+    start = 0
+    for chunk, size in zip(chunks, sizes, strict=True):
+        expected = optree.tree_map(
+            lambda x, s=start, n=size: x[s : s + n] if isinstance(x, torch.Tensor) else x,
+            args,
+            none_is_leaf=True,
+        )
+        tree_allclose(chunk, expected)
+        # Non-tensor leaves are shared, not copied.
+        for got, orig in zip(leaves(chunk), leaves(args), strict=True):
+            if not isinstance(orig, torch.Tensor):
+                assert got is orig
+        start += size
+    tree_allclose(fdp.gather(chunks, "cpu"), args)
+
+
+def test_scatter_and_gather_are_differentiable() -> None:
+    x = torch.randn(6, 4, requires_grad=True)
+    weight = torch.randn(6, 4)
+    chunks = fdp.scatter((x,), ["cpu", "cpu", "cpu"])
+    out = fdp.gather([(c[0] * 2,) for c in chunks], "cpu")
+    (grad,) = torch.autograd.grad((out[0] * weight).sum(), [x])
+    torch.testing.assert_close(grad, 2 * weight)
+
+
+def test_scatter_along_other_dims() -> None:
+    x = torch.randn(2, 5, 3)
+    for dim in (1, -2):
+        chunks = fdp.scatter(x, ["cpu", "cpu"], dim=dim)
+        torch.testing.assert_close(chunks[0][0], x[:, :3])
+        torch.testing.assert_close(chunks[1][0], x[:, 3:])
+        torch.testing.assert_close(fdp.gather([c[0] for c in chunks], -1, dim=dim), x)
+
+
+def test_small_batch_uses_fewer_devices() -> None:
+    chunks = fdp.scatter(torch.arange(2), ["cpu"] * 4)
+    assert [c[0].tolist() for c in chunks] == [[0], [1]]
+    # An empty batch still gives one (empty) chunk, so fn runs once.
+    (only,) = fdp.scatter(torch.zeros(0, 3), ["cpu"] * 4)
+    assert only[0].shape == (0, 3)
+
+
+def test_inputs_without_tensors_go_to_every_device() -> None:
+    assert fdp.scatter((1, "a"), ["cpu"] * 3) == [(1, "a")] * 3
+
+
+def test_chunk_sizes() -> None:
+    x = torch.arange(10)
+    chunks = fdp.scatter(x, ["cpu"] * 3, chunk_sizes=[1, 6, 3])
+    assert [c[0].tolist() for c in chunks] == [[0], [1, 2, 3, 4, 5, 6], [7, 8, 9]]
+
+
+@pytest.mark.parametrize(
+    ("chunk_sizes", "match"),
+    [
+        ([5, 5], r"one size per device \(3 devices\); got 2 sizes"),
+        ([2, 2, 2], r"summing to the batch size 10; got \[2, 2, 2\] \(sum 6\)"),
+        ([0, 5, 5], r"`chunk_sizes\[0\]` expected a positive int; got 0"),
+        ("abc", r"`chunk_sizes` expected a sequence of ints"),
+    ],
+)
+def test_bad_chunk_sizes(chunk_sizes: Any, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        fdp.scatter(torch.arange(10), ["cpu"] * 3, chunk_sizes=chunk_sizes)
+
+
+def test_dim_out_of_range_names_the_leaf() -> None:
+    inputs = ({"x": torch.ones(4, 2), "y": [torch.ones(4)]},)
+    with pytest.raises(ValueError, match=r"fdp.scatter: `dim` is out of range for leaf ") as err:
+        fdp.scatter(inputs, ["cpu", "cpu"], dim=1)
+    assert "inputs[0]['y'][0]" in str(err.value)
+    assert "expected dim in [-1, 0], got dim=1" in str(err.value)
+    with pytest.raises(ValueError, match=r"inputs\[0\].*expected at least one dimension"):
+        fdp.scatter(torch.tensor(3.0), ["cpu"])
+
+
+def test_batch_size_mismatch_names_both_leaves() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"same size along dim 0; leaf inputs\[0\] has 4, leaf inputs\[1\]\['b'\] has 5",
+    ):
+        fdp.scatter((torch.ones(4), {"b": torch.ones(5)}), ["cpu", "cpu"])
+
+
+def test_scatter_kwargs_splits_both_with_one_batch() -> None:
+    x, mask = torch.randn(5, 2), torch.arange(5)
+    args, kws = fdp.scatter_kwargs((x,), {"mask": mask, "flag": True}, ["cpu", "cpu"])
+    assert [a[0].shape[0] for a in args] == [3, 2]
+    torch.testing.assert_close(torch.cat([k["mask"] for k in kws]), mask)
+    assert all(k["flag"] is True for k in kws)
+    with pytest.raises(ValueError, match=r"leaf inputs\[0\] has 5, leaf kwargs\['mask'\] has 4"):
+        fdp.scatter_kwargs((x,), {"mask": torch.arange(4)}, ["cpu", "cpu"])
+    with pytest.raises(TypeError, match=r"`kwargs` expected a mapping"):
+        fdp.scatter_kwargs((x,), [1], ["cpu"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("devices", "error", "match"),
+    [
+        ([], ValueError, r"`devices` expected at least one device; got an empty sequence"),
+        ("cpu", TypeError, r"`devices` expected a sequence of devices"),
+        ([True], TypeError, r"`devices\[0\]` expected a torch.device.*got True"),
+        (["cpu", "nonsense"], ValueError, r"`devices\[1\]` is not a device: got 'nonsense'"),
+        ([-3], ValueError, r"`devices\[0\]` expected a CUDA index >= 0 or -1 for the CPU; got -3"),
+    ],
+)
+def test_bad_devices(devices: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        fdp.scatter(torch.ones(2), devices)
+
+
+def test_gather_keeps_container_types_and_key_order() -> None:
+    def out(i: int) -> Any:
+        t = torch.full((2,), float(i))
+        return {
+            "z": Pair(t, [t, (t, None)]),
+            "a": collections.OrderedDict([("k", t)]),
+            "const": "same",
+        }
+
+    got = fdp.gather([out(0), out(1)], "cpu")
+    assert list(got) == ["z", "a", "const"]
+    assert isinstance(got["z"], Pair)
+    assert isinstance(got["a"], collections.OrderedDict)
+    assert optree.tree_structure(got, none_is_leaf=True) == optree.tree_structure(
+        out(0), none_is_leaf=True
+    )
+    torch.testing.assert_close(got["z"].first, torch.tensor([0.0, 0.0, 1.0, 1.0]))
+    assert got["z"].second[1][1] is None
+
+
+def test_gather_scalars_become_a_vector_with_a_warning() -> None:
+    losses = [torch.tensor(1.0, requires_grad=True), torch.tensor(2.0, requires_grad=True)]
+    with pytest.warns(UserWarning, match=r"returned as a vector with one entry per replica"):
+        got = fdp.gather([{"loss": losses[0]}, {"loss": losses[1]}], -1)
+    torch.testing.assert_close(got["loss"], torch.tensor([1.0, 2.0]))
+    got["loss"].sum().backward()
+    assert [x.grad for x in losses] == [torch.tensor(1.0), torch.tensor(1.0)]
+
+
+def test_gather_single_output_on_target_is_not_copied() -> None:
+    y = torch.randn(3)
+    assert fdp.gather([y], "cpu") is y
+
+
+@pytest.mark.parametrize(
+    ("outputs", "match"),
+    [
+        (
+            [{"a": torch.ones(1)}, {"b": torch.ones(1)}],
+            r"replicas returned different structures; expected \(replica 0\) PyTreeSpec\(\{'a'",
+        ),
+        (
+            [{"n": 1}, {"n": 2}],
+            r"non-tensor leaf output\['n'\] differs between replicas; "
+            r"expected \(replica 0\) 1, got \(replica 1\) 2",
+        ),
+        (
+            [[torch.ones(1)], [3]],
+            r"leaf output\[0\] is a tensor of shape \(1,\).* in replica 0 but int 3 in replica 1",
+        ),
+        (
+            [(torch.ones(2, 3),), (torch.ones(2, 4),)],
+            r"output leaf output\[0\] cannot be joined along dim 0: expected \(replica 0\) shape "
+            r"\(2, 3\) in every other dimension, got \(replica 1\) \(2, 4\)",
+        ),
+        (
+            [(torch.ones(2),), (torch.ones(2, dtype=torch.float64),)],
+            r"output\[0\] has dtype torch.float32 in replica 0 but torch.float64 in replica 1",
+        ),
+        ([], r"`outputs` expected a non-empty sequence"),
+    ],
+)
+def test_gather_errors(outputs: list[Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fdp.gather(outputs, "cpu")
+
+
+def test_gather_dim_out_of_range() -> None:
+    with pytest.raises(ValueError, match=r"out of range for output leaf output\['y'\].*got dim=2"):
+        fdp.gather([{"y": torch.ones(2, 2)}] * 2, "cpu", dim=2)
+
+
+def test_placement_on_fake_devices() -> None:
+    """Chunks land on their own device; gather brings everything to the output device."""
+    x = torch.randn(6, 2)
+    inputs = label((x, {"m": torch.arange(6)}), 0)
+    chunks = fdp.scatter(inputs, [fake(0), fake(1), fake(2)])
+    for i, (cx, cd) in enumerate(chunks):
+        assert cx.device == fake(i)
+        assert cd["m"].device == fake(i)
+    torch.testing.assert_close(plain(chunks[2][0]), x[4:])
+    with count_copies() as copies:
+        out = fdp.gather([c[0] * 1 for c in chunks], fake(1))
+    assert out.device == fake(1)
+    assert copies() == 2  # the chunks from devices 0 and 2
+    torch.testing.assert_close(plain(out), x)
+    assert fdp.gather([torch.ones(1)], -1).device == CPU
