@@ -101,7 +101,7 @@ class Labelled(torch.Tensor):
             requires_grad=data.requires_grad,
         )
         out.data_ = data
-        return out  # type: ignore[no-any-return]
+        return out
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"Labelled({self.data_!r}, device={self.device})"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any
+from typing import Any, cast
 
 import optree
 import pytest
@@ -19,7 +19,8 @@ def make_params(seed: int = 0) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
 
     def p(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) / shape[0] ** 0.5).requires_grad_()
+        t: torch.Tensor = torch.randn(*shape, generator=g) / shape[0] ** 0.5
+        return t.requires_grad_()
 
     return {
         "layers": [{"w": p(5, 8), "b": p(8)}, {"w": p(8, 8), "b": p(8)}],
@@ -59,7 +60,9 @@ def make_batch(n: int, seed: int = 1) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 
 def loss_of(out: dict[str, Any]) -> torch.Tensor:
-    return (out["logits"] ** 2).sum() + out["masked"].first.sum()
+    logits: torch.Tensor = out["logits"]
+    masked: torch.Tensor = out["masked"].first
+    return (logits**2).sum() + masked.sum()
 
 
 @pytest.mark.parametrize("batch", [7, 2])
@@ -71,11 +74,12 @@ def test_outputs_and_grads_match_one_call(n: int, batch: int) -> None:
     out = fdp.data_parallel(model, params, inputs, devices=["cpu"] * n, kwargs=kwargs)
     ref = model(ref_params, *inputs, **kwargs)
     tree_allclose(out, ref)
-    loss_of(out).backward()
-    loss_of(ref).backward()
+    torch.autograd.backward(loss_of(out))
+    torch.autograd.backward(loss_of(ref))
     for got, want in zip(tensor_leaves(params), tensor_leaves(ref_params), strict=True):
         if want.requires_grad:
-            assert got.grad is not None and want.grad is not None
+            assert got.grad is not None
+            assert want.grad is not None
             torch.testing.assert_close(got.grad, want.grad)
         else:
             assert got.grad is None
@@ -192,7 +196,7 @@ def test_cuda_devices_match_cpu_reference() -> None:
         lambda t: (
             t.detach().cuda().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
         ),
-        params,
+        cast(Any, params),
         none_is_leaf=True,
     )
     inputs, kwargs = make_batch(11)  # on the CPU: scatter moves each chunk
@@ -200,15 +204,15 @@ def test_cuda_devices_match_cpu_reference() -> None:
     out = fdp.data_parallel(model, on_cuda, inputs, devices=devices, kwargs=kwargs)
     ref = model(params, *inputs, **kwargs)
     assert out["logits"].device == torch.device("cuda", 0)
-    tol = {"rtol": 1e-4, "atol": 1e-5}
-    torch.testing.assert_close(out["logits"].cpu(), ref["logits"], **tol)
-    loss_of(out).backward()
-    loss_of(ref).backward()
+    torch.testing.assert_close(out["logits"].cpu(), ref["logits"], rtol=1e-4, atol=1e-5)
+    torch.autograd.backward(loss_of(out))
+    torch.autograd.backward(loss_of(ref))
     for got, want in zip(tensor_leaves(on_cuda), tensor_leaves(params), strict=True):
         if want.requires_grad:
-            assert got.grad is not None and want.grad is not None
+            assert got.grad is not None
+            assert want.grad is not None
             assert got.grad.device == got.device
-            torch.testing.assert_close(got.grad.cpu(), want.grad, **tol)
+            torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.cuda
@@ -259,10 +263,11 @@ def test_make_functional_with_data_parallel_matches_module(n: int) -> None:
     out = fdp.data_parallel(fn, state, x, devices=["cpu"] * n, kwargs={"scale": 3.0})
     ref = ref_net(x, scale=3.0)
     torch.testing.assert_close(out, ref)
-    out.pow(2).sum().backward()
-    ref.pow(2).sum().backward()
+    torch.autograd.backward(out.pow(2).sum())
+    torch.autograd.backward(ref.pow(2).sum())
     for (name, p), (_, q) in zip(net.named_parameters(), ref_net.named_parameters(), strict=True):
-        assert p.grad is not None and q.grad is not None, name
+        assert p.grad is not None, name
+        assert q.grad is not None, name
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
@@ -277,9 +282,11 @@ def test_make_functional_train_mode_batchnorm() -> None:
     torch.testing.assert_close(net.norm.running_mean, ref_net.norm.running_mean)
     torch.testing.assert_close(net.norm.running_var, ref_net.norm.running_var)
     # Two replicas: each chunk is normalised with its own batch statistics.
-    ref = torch.cat([copy.deepcopy(ref_net)(chunk) for chunk in x.split(4)])
+    ref = torch.cat([copy.deepcopy(ref_net)(chunk) for chunk in torch.split(x, 4)])
     torch.testing.assert_close(fdp.data_parallel(fn, state, x, devices=["cpu", "cpu"]), ref)
-    assert int(net.norm.num_batches_tracked) == 1 + 2  # one per replica call
+    steps = net.norm.num_batches_tracked
+    assert steps is not None
+    assert int(steps) == 1 + 2  # one per replica call
 
 
 def test_make_functional_is_thread_safe() -> None:

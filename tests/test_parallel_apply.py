@@ -65,17 +65,17 @@ def test_first_exception_by_replica_index_after_all_finish() -> None:
 
 
 def test_exception_in_replica_zero_and_odd_constructors() -> None:
-    class Odd(Exception):
+    class OddError(Exception):
         def __init__(self, a: int, b: int) -> None:
             super().__init__(a, b)
 
     def fn(p: int, x: int) -> int:
-        raise Odd(1, 2)
+        raise OddError(1, 2)
 
-    with pytest.raises(RuntimeError, match=r"replica 0 on device cpu raised Odd") as err:
+    with pytest.raises(RuntimeError, match=r"replica 0 on device cpu raised OddError") as err:
         fdp.parallel_apply(fn, [0, 1], [(0,), (0,)])
-    assert isinstance(err.value.__cause__, Odd)
-    with pytest.raises(RuntimeError, match=r"replica 0 on device cpu raised Odd"):
+    assert isinstance(err.value.__cause__, OddError)
+    with pytest.raises(RuntimeError, match=r"replica 0 on device cpu raised OddError"):
         fdp.parallel_apply(fn, [0], [(0,)])
 
 

@@ -57,7 +57,7 @@ def test_cpu_replicas_share_leaves_and_sum_grads(name: str, n: int) -> None:
         assert replica is not params
         # Same device: the replica holds the leaf itself, no copy.
         assert all(a is b for a, b in zip(leaves(replica), leaves(params), strict=True))
-    weighted_loss(replicas).backward()
+    torch.autograd.backward(weighted_loss(replicas))
     for leaf, expected in zip(tensor_leaves(params), reference_grads(params, n), strict=True):
         assert leaf.grad is not None
         torch.testing.assert_close(leaf.grad, expected)
@@ -162,7 +162,8 @@ def test_fake_devices_under_backward_accumulate_on_leaves() -> None:
     loss: Callable[[torch.Tensor], torch.Tensor] = lambda t: (t.to(fake(1)) ** 3).sum()  # noqa: E731
     sum(loss(r["w"]) for r in replicas).backward()  # type: ignore[union-attr]
     w = params["w"]
-    assert w.grad is not None and w.grad.device == fake(1)
+    assert w.grad is not None
+    assert w.grad.device == fake(1)
     torch.testing.assert_close(plain(w.grad), 3 * 3 * plain(w) ** 2)
 
 
@@ -172,4 +173,5 @@ def test_structure_and_none_preserved() -> None:
     assert optree.tree_structure(replica, none_is_leaf=True) == optree.tree_structure(
         params, none_is_leaf=True
     )
-    assert replica["bias"] is None and replica["more"][0] is None
+    assert replica["bias"] is None
+    assert replica["more"][0] is None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, cast
 
 import optree
 import pytest
@@ -43,7 +43,7 @@ def test_scatter_matches_split_and_gather_inverts_it(name: str, n_devices: int) 
     for chunk, size in zip(chunks, sizes, strict=True):
         expected = optree.tree_map(
             lambda x, s=start, n=size: x[s : s + n] if isinstance(x, torch.Tensor) else x,
-            args,
+            cast(Any, args),
             none_is_leaf=True,
         )
         tree_allclose(chunk, expected)
