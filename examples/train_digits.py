@@ -12,6 +12,7 @@ back onto the parameters, where a stock ``torch.optim`` optimiser updates them.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from typing import Any
@@ -30,7 +31,7 @@ Params = dict[str, list[dict[str, torch.Tensor]]]
 def init_params(sizes: list[int], *, generator: torch.Generator) -> Params:
     """He-initialised weights and zero biases, one dict per layer."""
     layers = []
-    for fan_in, fan_out in zip(sizes[:-1], sizes[1:], strict=True):
+    for fan_in, fan_out in itertools.pairwise(sizes):
         w = torch.randn(fan_in, fan_out, generator=generator) * (2.0 / fan_in) ** 0.5
         layers.append({"w": w.requires_grad_(), "b": torch.zeros(fan_out, requires_grad=True)})
     return {"layers": layers}
