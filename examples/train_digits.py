@@ -17,7 +17,6 @@ import sys
 import time
 from typing import Any
 
-import optree
 import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
@@ -28,12 +27,13 @@ import fdp
 Params = dict[str, list[dict[str, torch.Tensor]]]
 
 
-def init_params(sizes: list[int], *, generator: torch.Generator) -> Params:
-    """He-initialised weights and zero biases, one dict per layer."""
+def init_params(sizes: list[int], *, device: str, generator: torch.Generator) -> Params:
+    """He-initialised weights and zero biases, one dict per layer, on ``device``."""
     layers = []
     for fan_in, fan_out in itertools.pairwise(sizes):
         w = torch.randn(fan_in, fan_out, generator=generator) * (2.0 / fan_in) ** 0.5
-        layers.append({"w": w.requires_grad_(), "b": torch.zeros(fan_out, requires_grad=True)})
+        b = torch.zeros(fan_out)
+        layers.append({"w": w.to(device).requires_grad_(), "b": b.to(device).requires_grad_()})
     return {"layers": layers}
 
 
@@ -82,12 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     torch.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = load_data(args.seed)
+    # The parameters live where replica 0 runs; fdp copies them to the others.
     params = init_params(
-        [64, args.hidden, args.hidden, 10], generator=torch.Generator().manual_seed(args.seed)
+        [64, args.hidden, args.hidden, 10],
+        device=devices[0],
+        generator=torch.Generator().manual_seed(args.seed),
     )
-    # Put the parameters where replica 0 lives; fdp copies them to the others.
-    params = optree.tree_map(lambda t: t.detach().to(devices[0]).requires_grad_(), params)
-    optimizer = torch.optim.Adam(optree.tree_leaves(params), lr=args.lr)
+    leaves = [t for layer in params["layers"] for t in layer.values()]
+    optimizer = torch.optim.Adam(leaves, lr=args.lr)
     print(
         f"digits: {len(x_train)} train / {len(x_test)} test images, "
         f"{len(devices)} replicas on {devices}"
