@@ -1,8 +1,8 @@
 """Running one function per replica concurrently.
 
-Eager calls use a persistent thread pool: torch releases the GIL inside its
-kernels, so replicas on several devices (or several CPU replicas) overlap.
-The calling thread runs replica 0 itself, which saves one hand-off per call.
+Eager calls use persistent worker threads (see :class:`_Job`): torch
+releases the GIL inside its kernels, so replicas on several devices (or
+several CPU replicas) overlap.
 Worker threads start with torch's default thread-local state, so grad mode,
 inference mode, autocast and the current CUDA device and stream are carried
 over explicitly. Threads cannot be traced by dynamo and ``torch.func``
@@ -13,10 +13,12 @@ devices).
 
 from __future__ import annotations
 
+import functools
+import queue
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import ExitStack
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any, NoReturn
 
 import torch
@@ -27,29 +29,75 @@ from fdp._device import DeviceLike, as_device
 __all__ = ["parallel_apply"]
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
+_SPIN_S = 200e-6
 
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
 _worker = threading.local()
 
 
-def _mark_worker() -> None:
+class _Job:
+    """One replica's call, run by whichever thread claims it first.
+
+    The caller queues replicas 1..n-1 for the workers, runs replica 0, then
+    claims and runs inline whatever no worker has started yet. Waking a
+    blocked thread costs tens of microseconds, more than a small replica's
+    whole forward: stealing makes small calls cost no hand-off at all, while
+    large replicas (workers wake long before replica 0 finishes) still run in
+    parallel. A caller can always finish its own jobs, so nothing deadlocks
+    however many threads call at once.
+    """
+
+    __slots__ = ("call", "claim", "done", "error", "result")
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.call = call
+        self.claim = threading.Lock()
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run_if_unclaimed(self) -> None:
+        if not self.claim.acquire(blocking=False):
+            return
+        try:
+            self.result = self.call()
+        except BaseException as err:  # handed to the caller, which re-raises it
+            self.error = err
+        finally:
+            self.done.release()
+
+    def wait(self) -> None:
+        done = self.done
+        if done.acquire(blocking=False):
+            return
+        # Poll briefly before blocking (sleep(0) releases the GIL): the last
+        # microseconds of a worker's job are cheaper to wait out than a wake-up.
+        deadline = time.perf_counter() + _SPIN_S
+        while not done.acquire(blocking=False):
+            if time.perf_counter() > deadline:
+                done.acquire()
+                return
+            time.sleep(0)
+
+
+_jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+_n_workers = 0
+_workers_lock = threading.Lock()
+
+
+def _work() -> None:
     _worker.active = True
+    while True:
+        _jobs.get().run_if_unclaimed()
 
 
-def _get_pool(size: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_size < size:
-            old = _pool
-            _pool = ThreadPoolExecutor(
-                max_workers=size, thread_name_prefix="fdp-replica", initializer=_mark_worker
-            )
-            _pool_size = size
-            if old is not None:
-                old.shutdown(wait=False)
-        return _pool
+def _ensure_workers(n: int) -> None:
+    """Starts persistent daemon workers until there are at least ``n``."""
+    global _n_workers
+    with _workers_lock:
+        while _n_workers < n:
+            threading.Thread(target=_work, name=f"fdp-replica-{_n_workers}", daemon=True).start()
+            _n_workers += 1
 
 
 def _run_inline() -> bool:
@@ -63,8 +111,21 @@ def _run_inline() -> bool:
     )
 
 
+@contextmanager
+def _intra_op_threads(n: int) -> Iterator[None]:
+    old = torch.get_num_threads()  # per thread: workers start with the full count
+    if old == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 class _State:
-    """The caller's thread-local torch state that a worker must reproduce."""
+    """What a replica's thread must reproduce of the caller's torch state."""
 
     def __init__(self, devices: list[torch.device]) -> None:
         self.grad = torch.is_grad_enabled()
@@ -76,16 +137,33 @@ class _State:
         ]
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.streams = {d: torch.cuda.current_stream(d) for d in set(devices) if d.type == "cuda"}
+        # A new thread starts with grad on, inference mode off, no autocast.
+        self.carry = not self.grad or self.inference or bool(self.autocast)
+        # Concurrent CPU replicas share the caller's intra-op threads rather
+        # than each starting a full team: oversubscribed cores cost ~10%.
+        n_cpu = sum(d.type == "cpu" for d in devices)
+        self.cpu_threads = max(1, torch.get_num_threads() // n_cpu) if n_cpu > 1 else 0
 
-    def enter(self, stack: ExitStack, device: torch.device) -> None:
-        stack.enter_context(torch.inference_mode(self.inference))
-        stack.enter_context(torch.set_grad_enabled(self.grad))
-        for device_type, dtype in self.autocast:
-            stack.enter_context(
-                torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache)
-            )
+    def needed(self, device: torch.device, *, on_caller: bool) -> bool:
+        if device.type == "cpu":
+            return bool(self.cpu_threads) or (self.carry and not on_caller)
+        return True
+
+    def enter(self, stack: ExitStack, device: torch.device, *, on_caller: bool) -> None:
+        if not on_caller:
+            if self.inference:
+                stack.enter_context(torch.inference_mode())
+            if not self.grad:
+                stack.enter_context(torch.no_grad())
+            for device_type, dtype in self.autocast:
+                stack.enter_context(
+                    torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache)
+                )
         if device.type == "cuda":
+            stack.enter_context(torch.cuda.device(device))
             stack.enter_context(torch.cuda.stream(self.streams[device]))
+        elif device.type == "cpu" and self.cpu_threads:
+            stack.enter_context(_intra_op_threads(self.cpu_threads))
 
 
 def _call(
@@ -95,15 +173,32 @@ def _call(
     kwargs: dict[str, Any],
     device: torch.device,
     state: _State | None,
+    *,
+    on_caller: bool = False,
 ) -> Any:
-    if state is None and device.type != "cuda":
+    if state is None:
+        if device.type != "cuda":
+            return fn(replica, *args, **kwargs)
+        with torch.cuda.device(device):
+            return fn(replica, *args, **kwargs)
+    if not state.needed(device, on_caller=on_caller):
         return fn(replica, *args, **kwargs)
     with ExitStack() as stack:
-        if device.type == "cuda":
-            stack.enter_context(torch.cuda.device(device))
-        if state is not None:
-            state.enter(stack, device)
+        state.enter(stack, device, on_caller=on_caller)
         return fn(replica, *args, **kwargs)
+
+
+# Per function: did replica 0 take less than a thread wake-up last time? Then
+# threads cannot help and the replicas run in a loop. Timed again on every
+# call, so a function that grows (a bigger batch) goes back to threads.
+_SMALL_S = 50e-6
+_small: dict[int, bool] = {}
+
+
+def _remember(fn: Callable[..., Any], seconds: float) -> None:
+    if len(_small) > 1024:
+        _small.clear()
+    _small[id(fn)] = seconds < _SMALL_S
 
 
 def _reraise(index: int, device: torch.device, err: BaseException) -> NoReturn:
@@ -175,37 +270,55 @@ def parallel_apply(
         devs = [as_device(d, call=call, arg=f"devices[{i}]") for i, d in enumerate(devices)]
     args = [a if type(a) is tuple else (a,) for a in inputs]
 
-    if n == 1 or _run_inline():
-        compiling = torch.compiler.is_compiling()
-        outputs = []
-        for i in range(n):
-            if compiling:
-                outputs.append(fn(replicas[i], *args[i], **kws[i]))
-                continue
-            try:
-                outputs.append(_call(fn, replicas[i], args[i], kws[i], devs[i], None))
-            except Exception as err:
-                _reraise(i, devs[i], err)
-        return outputs
+    if n == 1 or _run_inline() or _small.get(id(fn), False):
+        return _loop(fn, replicas, args, kws, devs)
 
     state = _State(devs)
-    pool = _get_pool(n - 1)
-    futures: list[Future[Any]] = [
-        pool.submit(_call, fn, replicas[i], args[i], kws[i], devs[i], state) for i in range(1, n)
+    jobs = [
+        _Job(functools.partial(_call, fn, replicas[i], args[i], kws[i], devs[i], state))
+        for i in range(1, n)
     ]
-    first: tuple[Any, BaseException | None]
+    _ensure_workers(n - 1)
+    for job in jobs:
+        _jobs.put(job)
+    first: Any = None
+    error: BaseException | None = None
+    start = time.perf_counter()
     try:
-        # The calling thread already has the caller's state.
-        first = (_call(fn, replicas[0], args[0], kws[0], devs[0], None), None)
+        first = _call(fn, replicas[0], args[0], kws[0], devs[0], state, on_caller=True)
     except Exception as err:
-        first = (None, err)
-    wait(futures)
-    if first[1] is not None:
-        _reraise(0, devs[0], first[1])
-    outputs = [first[0]]
-    for i, future in enumerate(futures, start=1):
-        failure = future.exception()
-        if failure is not None:
-            _reraise(i, devs[i], failure)
-        outputs.append(future.result())
+        error = err
+    _remember(fn, time.perf_counter() - start)
+    for job in jobs:
+        job.run_if_unclaimed()
+    # Every replica finishes before anything is raised.
+    for job in jobs:
+        job.wait()
+    if error is not None:
+        _reraise(0, devs[0], error)
+    for i, job in enumerate(jobs, start=1):
+        if job.error is not None:
+            _reraise(i, devs[i], job.error)
+    return [first, *(job.result for job in jobs)]
+
+
+def _loop(
+    fn: Callable[..., Any],
+    replicas: Sequence[Any],
+    args: list[tuple[Any, ...]],
+    kws: Sequence[dict[str, Any]],
+    devs: list[torch.device],
+) -> list[Any]:
+    """The replicas one after another on the calling thread."""
+    if torch.compiler.is_compiling():
+        return [fn(r, *a, **k) for r, a, k in zip(replicas, args, kws, strict=True)]
+    outputs = []
+    for i in range(len(replicas)):
+        start = time.perf_counter()
+        try:
+            outputs.append(_call(fn, replicas[i], args[i], kws[i], devs[i], None))
+        except Exception as err:
+            _reraise(i, devs[i], err)
+        if i == 0:
+            _remember(fn, time.perf_counter() - start)
     return outputs

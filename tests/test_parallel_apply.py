@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -35,6 +36,33 @@ def test_replicas_run_concurrently() -> None:
         return p * x
 
     assert fdp.parallel_apply(fn, [1, 2, 3], [(10,), (10,), (10,)]) == [10, 20, 30]
+
+
+def test_concurrent_cpu_replicas_share_intra_op_threads() -> None:
+    total = torch.get_num_threads()
+    barrier = threading.Barrier(2, timeout=10)
+
+    def fn(p: Any, x: Any) -> int:
+        barrier.wait()
+        return torch.get_num_threads()
+
+    assert fdp.parallel_apply(fn, [0, 0], [(0,), (0,)]) == [max(1, total // 2)] * 2
+    assert torch.get_num_threads() == total
+
+
+def test_tiny_replicas_run_on_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Replicas shorter than a thread wake-up run in a loop from the second call on.
+    monkeypatch.setattr(sys.modules["fdp.parallel_apply"], "_SMALL_S", 10.0)
+    idents: list[int] = []
+
+    def fn(p: Any, x: Any) -> int:
+        idents.append(threading.get_ident())
+        return 0
+
+    fdp.parallel_apply(fn, [0, 1, 2], [(0,)] * 3)
+    idents.clear()
+    fdp.parallel_apply(fn, [0, 1, 2], [(0,)] * 3)
+    assert idents == [threading.get_ident()] * 3
 
 
 def test_thread_pool_is_reused() -> None:
