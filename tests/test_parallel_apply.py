@@ -4,50 +4,68 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
 import fdp
+from tests.helpers import fake
+
+FAKE = [fake(i) for i in range(4)]  # distinct devices: replicas run in threads
 
 
 def affine(p: dict[str, torch.Tensor], x: torch.Tensor, *, shift: float = 0.0) -> torch.Tensor:
     return x @ p["w"] + shift
 
 
+def concurrently(fn: Callable[..., Any], n: int) -> Callable[..., Any]:
+    """fn behind a barrier of n: every replica must run on a thread of its own, or time out."""
+    barrier = threading.Barrier(n, timeout=10)
+
+    def wrapped(*args: Any) -> Any:
+        barrier.wait()
+        return fn(*args)
+
+    return wrapped
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_matches_a_sequential_loop(n: int) -> None:
+@pytest.mark.parametrize("on", ["cpu", "fake"])
+def test_matches_a_sequential_loop(n: int, on: str) -> None:
     torch.manual_seed(n)
     replicas = [{"w": torch.randn(3, 2)} for _ in range(n)]
     inputs = [torch.randn(4, 3) for _ in range(n)]  # bare tensors count as one argument
     kwargs = [{"shift": float(i)} for i in range(n)]
-    got = fdp.parallel_apply(affine, replicas, inputs, kwargs, ["cpu"] * n)
+    devices: list[Any] = ["cpu"] * n if on == "cpu" else FAKE[:n]
+    got = fdp.parallel_apply(affine, replicas, inputs, kwargs, devices)
     for out, p, x, kw in zip(got, replicas, inputs, kwargs, strict=True):
         torch.testing.assert_close(out, affine(p, x, **kw))
 
 
-def test_replicas_run_concurrently() -> None:
-    # Each replica waits for all the others: a sequential loop would time out.
-    barrier = threading.Barrier(3, timeout=10)
-
-    def fn(p: int, x: int) -> int:
-        barrier.wait()
-        return p * x
-
-    assert fdp.parallel_apply(fn, [1, 2, 3], [(10,), (10,), (10,)]) == [10, 20, 30]
+def test_replicas_on_distinct_devices_run_concurrently() -> None:
+    fn = concurrently(lambda p, x: p * x, 3)
+    assert fdp.parallel_apply(fn, [1, 2, 3], [(10,)] * 3, None, FAKE[:3]) == [10, 20, 30]
 
 
-def test_concurrent_cpu_replicas_share_intra_op_threads() -> None:
-    total = torch.get_num_threads()
-    barrier = threading.Barrier(2, timeout=10)
+def test_cpu_replicas_run_in_a_loop_while_intra_op_threads_use_the_cores() -> None:
+    idents: list[int] = []
 
     def fn(p: Any, x: Any) -> int:
-        barrier.wait()
-        return torch.get_num_threads()
+        idents.append(threading.get_ident())
+        return 0
 
-    assert fdp.parallel_apply(fn, [0, 0], [(0,), (0,)]) == [max(1, total // 2)] * 2
-    assert torch.get_num_threads() == total
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        fdp.parallel_apply(fn, [0, 1, 2], [(0,)] * 3, None, ["cpu"] * 3)
+        assert idents == [threading.get_ident()] * 3
+        torch.set_num_threads(1)  # no intra-op parallelism: threads put the cores to use
+        got = fdp.parallel_apply(concurrently(fn, 2), [0, 1], [(0,)] * 2, None, ["cpu"] * 2)
+        assert got == [0, 0]
+    finally:
+        torch.set_num_threads(old)
 
 
 def test_tiny_replicas_run_on_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,23 +77,28 @@ def test_tiny_replicas_run_on_the_caller(monkeypatch: pytest.MonkeyPatch) -> Non
         idents.append(threading.get_ident())
         return 0
 
-    fdp.parallel_apply(fn, [0, 1, 2], [(0,)] * 3)
+    fdp.parallel_apply(fn, [0, 1, 2], [(0,)] * 3, None, FAKE[:3])
     idents.clear()
-    fdp.parallel_apply(fn, [0, 1, 2], [(0,)] * 3)
+    fdp.parallel_apply(fn, [0, 1, 2], [(0,)] * 3, None, FAKE[:3])
     assert idents == [threading.get_ident()] * 3
 
 
-def test_thread_pool_is_reused() -> None:
+def test_worker_threads_are_reused() -> None:
     def whoami(p: Any, x: Any) -> int:
         return threading.get_ident()
 
-    seen = {i for _ in range(20) for i in fdp.parallel_apply(whoami, [0] * 3, [(0,)] * 3)}
-    # The caller runs replica 0; two pool workers run the rest, every time.
+    seen: set[int] = set()
+    for _ in range(10):
+        fn = concurrently(whoami, 3)
+        seen.update(fdp.parallel_apply(fn, [0] * 3, [(0,)] * 3, None, FAKE[:3]))
+    # The caller runs replica 0; persistent workers run the rest, every time.
     assert threading.get_ident() in seen
-    assert len(seen) <= 1 + 3  # at most the caller and one pool's workers
+    assert len(seen) <= 1 + 3
 
 
-def test_first_exception_by_replica_index_after_all_finish() -> None:
+@pytest.mark.parametrize("on", ["cpu", "fake"])
+def test_first_exception_by_replica_index_after_all_finish(on: str) -> None:
+    devices: list[Any] = ["cpu"] * 4 if on == "cpu" else FAKE
     finished: list[int] = []
 
     def fn(p: int, x: int) -> int:
@@ -85,9 +108,10 @@ def test_first_exception_by_replica_index_after_all_finish() -> None:
         return p
 
     with pytest.raises(
-        KeyError, match=r"fdp.parallel_apply: replica 1 on device cpu raised KeyError: 'bad 1'"
+        KeyError,
+        match=rf"parallel_apply: replica 1 on device {devices[1]} raised KeyError: 'bad 1'",
     ) as err:
-        fdp.parallel_apply(fn, [0, 1, 2, 3], [(0,)] * 4, devices=["cpu"] * 4)
+        fdp.parallel_apply(fn, [0, 1, 2, 3], [(0,)] * 4, devices=devices)
     assert isinstance(err.value.__cause__, KeyError)
     assert sorted(finished) == [0, 2]
 
@@ -126,20 +150,18 @@ def state_probe(p: Any, x: Any) -> tuple[bool, bool, bool, torch.dtype]:
 
 
 def test_grad_inference_and_autocast_state_reach_the_workers() -> None:
-    n = 3
-    expected_default = (True, False, False, torch.float32)
-    assert fdp.parallel_apply(state_probe, [0] * n, [(0,)] * n) == [expected_default] * n
+    def probe() -> list[Any]:
+        # The barrier makes replicas 1 and 2 run on worker threads.
+        fn = concurrently(state_probe, 3)
+        return fdp.parallel_apply(fn, [0] * 3, [(0,)] * 3, None, FAKE[:3])
+
+    assert probe() == [(True, False, False, torch.float32)] * 3
     with torch.no_grad():
-        assert (
-            fdp.parallel_apply(state_probe, [0] * n, [(0,)] * n)
-            == [(False, False, False, torch.float32)] * n
-        )
+        assert probe() == [(False, False, False, torch.float32)] * 3
     with torch.inference_mode():
-        got = fdp.parallel_apply(state_probe, [0] * n, [(0,)] * n)
-    assert got == [(False, True, False, torch.float32)] * n
+        assert probe() == [(False, True, False, torch.float32)] * 3
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = fdp.parallel_apply(state_probe, [0] * n, [(0,)] * n)
-    assert got == [(True, False, True, torch.bfloat16)] * n
+        assert probe() == [(True, False, True, torch.bfloat16)] * 3
 
 
 def test_runs_inline_under_torch_func_transforms() -> None:
