@@ -231,7 +231,13 @@ def parallel_apply(
     kwargs: Sequence[dict[str, Any]] | None = None,
     devices: Sequence[DeviceLike] | None = None,
 ) -> list[Any]:
-    """Calls ``fn(replicas[i], *inputs[i], **kwargs[i])`` for every ``i`` concurrently.
+    """Calls ``fn(replicas[i], *inputs[i], **kwargs[i])`` for every ``i``.
+
+    Replicas on distinct devices run concurrently on persistent worker
+    threads. They run in a loop on the calling thread inside ``torch.func``
+    transforms and while compiling (threads cannot be traced), when all
+    replicas share the CPU and torch's intra-op threads already use its cores,
+    and when the last call's replica took less than a thread wake-up.
 
     Every call finishes before this returns; if any raised, the exception of
     the lowest replica index is re-raised (same type when possible), naming
