@@ -65,6 +65,22 @@ def loss_of(out: dict[str, Any]) -> torch.Tensor:
     return (logits**2).sum() + masked.sum()
 
 
+def assert_same_grads(out: Any, params: Any, ref: Any, ref_params: Any, **tol: float) -> None:
+    """Backpropagates loss_of through both; every params leaf's grad equals the reference's."""
+    torch.autograd.backward(loss_of(out))
+    torch.autograd.backward(loss_of(ref))
+    for got, want in zip(tensor_leaves(params), tensor_leaves(ref_params), strict=True):
+        if not want.requires_grad:
+            assert got.grad is None
+            continue
+        assert got.grad is not None
+        assert want.grad is not None
+        assert got.grad.device == got.device
+        torch.testing.assert_close(
+            got.grad.cpu(), want.grad, rtol=tol.get("rtol"), atol=tol.get("atol")
+        )
+
+
 @pytest.mark.parametrize("batch", [7, 2])
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_outputs_and_grads_match_one_call(n: int, batch: int) -> None:
@@ -74,15 +90,7 @@ def test_outputs_and_grads_match_one_call(n: int, batch: int) -> None:
     out = fdp.data_parallel(model, params, inputs, devices=["cpu"] * n, kwargs=kwargs)
     ref = model(ref_params, *inputs, **kwargs)
     tree_allclose(out, ref)
-    torch.autograd.backward(loss_of(out))
-    torch.autograd.backward(loss_of(ref))
-    for got, want in zip(tensor_leaves(params), tensor_leaves(ref_params), strict=True):
-        if want.requires_grad:
-            assert got.grad is not None
-            assert want.grad is not None
-            torch.testing.assert_close(got.grad, want.grad)
-        else:
-            assert got.grad is None
+    assert_same_grads(out, params, ref, ref_params)
 
 
 @pytest.mark.parametrize("api", ["autograd.grad", "func.grad", "func.grad_and_value"])
@@ -205,14 +213,7 @@ def test_cuda_devices_match_cpu_reference() -> None:
     ref = model(params, *inputs, **kwargs)
     assert out["logits"].device == torch.device("cuda", 0)
     torch.testing.assert_close(out["logits"].cpu(), ref["logits"], rtol=1e-4, atol=1e-5)
-    torch.autograd.backward(loss_of(out))
-    torch.autograd.backward(loss_of(ref))
-    for got, want in zip(tensor_leaves(on_cuda), tensor_leaves(params), strict=True):
-        if want.requires_grad:
-            assert got.grad is not None
-            assert want.grad is not None
-            assert got.grad.device == got.device
-            torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-4, atol=1e-5)
+    assert_same_grads(out, on_cuda, ref, params, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.cuda
