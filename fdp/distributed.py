@@ -1,0 +1,486 @@
+"""Data parallelism across processes on ``torch.distributed``, for parameter pytrees.
+
+``broadcast_params`` and ``all_reduce_grads`` are the building blocks;
+``DistributedDataParallel`` overlaps the gradient all-reduce with backward, as
+``torch.nn.parallel.DistributedDataParallel`` does for modules.
+
+How ``DistributedDataParallel`` hooks into backward: ``ddp(params)`` registers
+a gradient hook on every parameter leaf. Leaf hooks run as soon as a leaf's
+gradient is complete (the autograd engine runs them at top priority), which is
+what lets a bucket's all-reduce start while the rest of backward is still
+running. A node inserted between the params and the model would run only at
+the end of backward, because the engine orders ready nodes by creation. Each
+hook copies its gradient into its bucket's flat buffer; a full bucket is
+launched once every earlier bucket has been, so every rank issues the same
+collectives in the same order. A callback queued on the engine runs when
+backward ends: it launches what is left (leaves nobody used count as zero),
+waits, and hands the reduced gradients out:
+
+- ``loss.backward()``: each leaf's ``.grad`` becomes a view of its reduced
+  bucket. A ``.grad`` already there (accumulated under ``no_sync``) is folded
+  into the reduction, DDP's semantics.
+- ``torch.autograd.grad`` and ``torch.func.grad``: the hook hands the engine
+  the bucket view itself, and the callback reduces the bucket in place before
+  the engine returns it, so the returned gradients are the reduced ones.
+
+Collectives run under ``torch.no_grad()`` and with functorch's dispatch
+disabled: the c10d ops are differentiable and would otherwise be recorded
+(torch 2.13 raises under ``torch.func.grad``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
+
+from fdp import _bucket, _tree
+from fdp.comm_hooks import CommHook, allreduce_hook
+
+__all__ = ["DistributedDataParallel", "all_reduce_grads", "broadcast_params"]
+
+T = TypeVar("T")
+ProcessGroup = dist.ProcessGroup
+
+# torch's own default for broadcasting module states.
+_BROADCAST_CAP_BYTES = 250 * _bucket.MB
+
+
+def _require_initialized(call: str) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{call}: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group first (torchrun sets up the environment)"
+        )
+
+
+def _tensor_leaves(
+    tree: Any, *, call: str, arg: str, float_only: bool
+) -> tuple[list[Any], Any, list[torch.Tensor | None]]:
+    """Leaves, spec, and per leaf the tensor to communicate (None: not communicated)."""
+    leaves, spec = _tree.flatten(tree)
+    selected: list[torch.Tensor | None] = []
+    for i, leaf in enumerate(leaves):
+        if leaf is None:
+            selected.append(None)
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{call}: `{arg}` leaf {_tree.path(tree, i, arg)} expected a tensor or None; "
+                f"got {_tree.describe(leaf)}"
+            )
+        if leaf.layout != torch.strided:
+            raise TypeError(
+                f"{call}: `{arg}` leaf {_tree.path(tree, i, arg)} expected a dense tensor; "
+                f"got layout {leaf.layout}"
+            )
+        floating = leaf.is_floating_point() or leaf.is_complex()
+        selected.append(leaf if floating or not float_only else None)
+    return leaves, spec, selected
+
+
+def _signature(tree: Any, leaves: Sequence[Any], root: str) -> list[tuple[str, str]]:
+    described = []
+    for p, leaf in zip(_tree.paths(tree, root), leaves, strict=True):
+        if isinstance(leaf, torch.Tensor):
+            what = (
+                f"a tensor of shape {tuple(leaf.shape)}, dtype {leaf.dtype} on {leaf.device.type}"
+            )
+        else:
+            what = _tree.describe(leaf)
+        described.append((p, what))
+    return described
+
+
+def _check_agreement(
+    tree: Any, leaves: Sequence[Any], *, group: ProcessGroup | None, call: str, arg: str
+) -> None:
+    """Raises the same ValueError on every rank unless all ranks hold the same tree."""
+    mine = _signature(tree, leaves, arg)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    reference = gathered[0]
+    for rank, theirs in enumerate(gathered[1:], start=1):
+        for j in range(max(len(reference), len(theirs))):
+            a = reference[j] if j < len(reference) else ("<no leaf>", "no leaf")
+            b = theirs[j] if j < len(theirs) else ("<no leaf>", "no leaf")
+            if a != b:
+                raise ValueError(
+                    f"{call}: `{arg}` differs across ranks at leaf {j}: rank 0 has "
+                    f"{a[0]} = {a[1]}, rank {rank} has {b[0]} = {b[1]}"
+                )
+
+
+def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None) -> T:
+    """Gives every rank's tensor leaves rank ``src``'s values, in place.
+
+    Leaves are packed into flat buffers by device and dtype (up to 250 MB
+    each), so a tree of many small tensors costs a few collectives. All ranks
+    first check that they hold the same tree (structure, shapes, dtypes) and
+    raise the same ``ValueError`` if not.
+
+    Args:
+        tree: a pytree of tensors (``None`` leaves are skipped).
+        src: the global rank whose values win.
+        group: the process group (default: the world).
+
+    Returns:
+        ``tree`` itself, its leaves overwritten.
+
+    Example::
+
+        params = fdp.broadcast_params(params)  # after init_process_group
+    """
+    call = "fdp.broadcast_params"
+    _require_initialized(call)
+    leaves, _spec, tensors = _tensor_leaves(tree, call=call, arg="tree", float_only=False)
+    _check_agreement(tree, leaves, group=group, call=call, arg="tree")
+    buckets = _bucket.plan(tensors, cap_bytes=_BROADCAST_CAP_BYTES)
+    with torch.no_grad():
+        flats = [b.pack([tensors[i] for i in b.indices]) for b in buckets]
+        works = [dist.broadcast(f, src=src, group=group, async_op=True) for f in flats]
+        for bucket, flat, work in zip(buckets, flats, works, strict=True):
+            work.wait()
+            for i, view in zip(bucket.indices, bucket.views(flat), strict=True):
+                target = tensors[i]
+                if target is not None:
+                    target.copy_(view)
+    return tree
+
+
+def all_reduce_grads(
+    grads: T,
+    *,
+    group: ProcessGroup | None = None,
+    bucket_cap_mb: float = 25.0,
+    average: bool = True,
+) -> T:
+    """All-reduces a tree of gradients in buckets of about ``bucket_cap_mb``.
+
+    Tensor leaves are packed into flat buffers by device and dtype, in reverse
+    leaf order; every bucket's all-reduce is launched before the first is
+    waited for. ``None`` leaves stay ``None``. The input tensors are left as
+    they are.
+
+    Args:
+        grads: a pytree of floating-point tensors and ``None``.
+        group: the process group (default: the world).
+        bucket_cap_mb: the size of a bucket in MiB.
+        average: divide the sum by the group size.
+
+    Returns:
+        A tree of ``grads``' structure whose tensor leaves are views into the
+        reduced flat buffers (no copy back).
+
+    Example::
+
+        grads = torch.func.grad(loss)(params, batch)
+        grads = fdp.all_reduce_grads(grads)
+        params = optree.tree_map(lambda p, g: p - lr * g, params, grads)
+    """
+    call = "fdp.all_reduce_grads"
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"{call}: `bucket_cap_mb` expected > 0; got {bucket_cap_mb}")
+    _require_initialized(call)
+    leaves, spec, tensors = _tensor_leaves(grads, call=call, arg="grads", float_only=False)
+    for i, t in enumerate(tensors):
+        if t is not None and not (t.is_floating_point() or t.is_complex()):
+            raise TypeError(
+                f"{call}: `grads` leaf {_tree.path(grads, i, 'grads')} expected a floating-point "
+                f"tensor; got {_tree.describe(t)}"
+            )
+    buckets = _bucket.plan(tensors, cap_bytes=int(bucket_cap_mb * _bucket.MB))
+    out = list(leaves)
+    world = dist.get_world_size(group)
+    with torch.no_grad():
+        flats = [b.pack([tensors[i] for i in b.indices]) for b in buckets]
+        works = [dist.all_reduce(f, group=group, async_op=True) for f in flats]
+        for bucket, flat, work in zip(buckets, flats, works, strict=True):
+            work.wait()
+            if average:
+                flat.div_(world)
+            for i, view in zip(bucket.indices, bucket.views(flat), strict=True):
+                out[i] = view
+    return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
+
+
+def _unwrap(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under functorch's grad wrappers."""
+    functorch = torch._C._functorch
+    while functorch.is_gradtrackingtensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
+class _Step:
+    """The reduction state of one synchronised forward/backward."""
+
+    def __init__(self, ddp: DistributedDataParallel, leaves: list[Any], *, capture: bool) -> None:
+        self.ddp = ddp
+        self.leaves = leaves
+        n = len(ddp._buckets)
+        self.flats: list[torch.Tensor | None] = [None] * n
+        self.filled: list[set[int]] = [set() for _ in range(n)]
+        self.expected: list[int] = [0] * n
+        self.futures: list[torch.futures.Future[Any] | None] = [None] * n
+        self.hooked: list[int] = []
+        self.next_launch = 0
+        # None until the first hook decides: True = grads are captured and
+        # returned (autograd.grad, torch.func.grad), False = accumulated in .grad.
+        self.capture: bool | None = True if capture else None
+        self.queued = False
+        self.handles: list[RemovableHandle] = []
+        self.lock = threading.Lock()
+
+    def register(self) -> None:
+        seen: set[int] = set()
+        for k, bucket in enumerate(self.ddp._buckets):
+            for i in bucket.indices:
+                leaf = self.leaves[i]
+                # A tensor at several leaves (tied weights) is hooked once; its
+                # other leaves reduce zeros and get the same .grad.
+                if not leaf.requires_grad or id(leaf) in seen:
+                    continue
+                seen.add(id(leaf))
+                self.expected[k] += 1
+                self.hooked.append(i)
+                self.handles.append(leaf.register_hook(self._hook(i)))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _hook(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            return self.on_grad(i, grad)
+
+        return hook
+
+    def _flat(self, k: int) -> torch.Tensor:
+        flat = self.flats[k]
+        if flat is None:
+            flat = self.flats[k] = self.ddp._buckets[k].empty()
+        return flat
+
+    def _view(self, i: int) -> torch.Tensor:
+        k, j = self.ddp._where[i]
+        bucket = self.ddp._buckets[k]
+        start, shape = bucket.offsets[j], bucket.shapes[j]
+        return self._flat(k)[start : start + shape.numel()].view(shape)
+
+    def on_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        with self.lock, torch.no_grad(), torch._C._DisableFuncTorch():
+            leaf = self.leaves[i]
+            if self.capture is None:
+                self.capture = _engine_captures(leaf)
+            if not self.queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+                self.queued = True
+            view = self._view(i)
+            old = None if self.capture else leaf.grad
+            if old is None:
+                view.copy_(_unwrap(grad))
+            else:  # fold what earlier backwards (under no_sync) accumulated
+                torch.add(_unwrap(grad), old, out=view)
+            k = self.ddp._where[i][0]
+            self.filled[k].add(i)
+            while (
+                self.next_launch < len(self.flats)
+                and len(self.filled[self.next_launch]) == self.expected[self.next_launch]
+            ):
+                self._launch(self.next_launch)
+        return view if self.capture else grad
+
+    def _launch(self, k: int) -> None:
+        flat = self._flat(k)
+        bucket = self.ddp._buckets[k]
+        for j, i in enumerate(bucket.indices):
+            if i in self.filled[k]:
+                continue
+            start, shape = bucket.offsets[j], bucket.shapes[j]
+            view = flat[start : start + shape.numel()]
+            leaf = self.leaves[i]
+            old = None if self.capture or not leaf.requires_grad else leaf.grad
+            if old is None:
+                view.zero_()  # unused this step (or frozen): counts as zero
+            else:
+                view.copy_(old.reshape(-1))
+        self.futures[k] = self.ddp._comm_hook(flat, self.ddp._group)
+        self.next_launch = k + 1
+
+    def finish(self) -> None:
+        with self.lock, torch.no_grad(), torch._C._DisableFuncTorch():
+            try:
+                while self.next_launch < len(self.flats):
+                    self._launch(self.next_launch)
+                for k, fut in enumerate(self.futures):
+                    flat = self.flats[k]
+                    if fut is None or flat is None:
+                        raise RuntimeError("fdp internal error: a bucket was never launched")
+                    result = fut.wait()
+                    if result is not flat:
+                        flat.copy_(result)
+                if not self.capture:
+                    for i in self.hooked:
+                        self.leaves[i].grad = self._view(i)
+            finally:
+                self.remove()
+                if self.ddp._step is self:
+                    self.ddp._step = None
+
+
+def _engine_captures(leaf: torch.Tensor) -> bool:
+    """Whether the running backward returns grads (autograd.grad) instead of accumulating."""
+    node = torch.autograd.graph.get_gradient_edge(leaf).node
+    try:
+        torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        # torch refuses this query for leaves exactly when autograd.grad runs.
+        return True
+    return False
+
+
+class DistributedDataParallel:
+    """Averages the gradients of a parameter tree across ranks, overlapping backward.
+
+    ``ddp = DistributedDataParallel(params)`` plans buckets once: tensor
+    leaves grouped by device and dtype in reverse leaf order, a first bucket
+    of about ``first_bucket_cap_mb`` so communication starts early, then
+    buckets of about ``bucket_cap_mb``. Construction is collective: all ranks
+    check that they hold the same tree and raise the same ``ValueError``,
+    naming the first differing leaf, if not.
+
+    ``ddp(params)`` returns ``params`` unchanged. The backward that follows
+    all-reduces (averages) each bucket as soon as all its gradients exist,
+    while the rest of backward runs, launching buckets in the same order on
+    every rank. Gradients are handed out only once reduced:
+
+    - ``loss.backward()``: every leaf's ``.grad`` holds the average over
+      ranks, including leaves this rank did not use (they count as zero).
+    - ``torch.autograd.grad`` / ``torch.func.grad``: the returned gradients
+      are averaged. A leaf this rank did not use at all comes back as
+      torch returns it (``None``, or zeros from ``torch.func.grad``), while the
+      other ranks still receive its contribution as zero.
+
+    Non-floating leaves (integer buffers) and leaves that do not require grad
+    pass through untouched.
+
+    Args:
+        params: the parameter tree (tensors and ``None``).
+        group: the process group (default: the world).
+        bucket_cap_mb: bucket size in MiB.
+        first_bucket_cap_mb: size of the first bucket in MiB.
+        comm_hook: how a bucket is reduced (see :data:`CommHook`);
+            :func:`fp16_compress_hook` and :func:`bf16_compress_hook` halve the
+            bytes sent. Default: :func:`allreduce_hook`.
+
+    Example::
+
+        ddp = fdp.DistributedDataParallel(params)
+        for x, y in loader:
+            loss = loss_fn(model(ddp(params), x), y)
+            loss.backward()  # .grad is averaged over ranks
+            optimizer.step()
+            optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        *,
+        group: ProcessGroup | None = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        comm_hook: CommHook | None = None,
+    ) -> None:
+        call = "fdp.DistributedDataParallel"
+        for name, value in (
+            ("bucket_cap_mb", bucket_cap_mb),
+            ("first_bucket_cap_mb", first_bucket_cap_mb),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{call}: `{name}` expected a number > 0; got {value!r}")
+        if comm_hook is not None and not callable(comm_hook):
+            raise TypeError(f"{call}: `comm_hook` expected a callable; got {comm_hook!r}")
+        _require_initialized(call)
+        leaves, spec, tensors = _tensor_leaves(params, call=call, arg="params", float_only=True)
+        _check_agreement(params, leaves, group=group, call=call, arg="params")
+        self._group = group
+        self._spec = spec
+        self._comm_hook: CommHook = comm_hook or allreduce_hook
+        self._meta = [None if t is None else (t.shape, t.dtype, t.device) for t in tensors]
+        self._buckets = _bucket.plan(
+            tensors,
+            cap_bytes=int(bucket_cap_mb * _bucket.MB),
+            first_cap_bytes=int(first_bucket_cap_mb * _bucket.MB),
+        )
+        self._where = {
+            i: (k, j) for k, b in enumerate(self._buckets) for j, i in enumerate(b.indices)
+        }
+        paths = _tree.paths(params, "params")
+        self.buckets: list[tuple[str, ...]] = [
+            tuple(paths[i] for i in b.indices) for b in self._buckets
+        ]
+        """The leaf paths of each bucket, in reduction order."""
+        self._sync = True
+        self._step: _Step | None = None
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{b.numel * b.dtype.itemsize / _bucket.MB:.2f}" for b in self._buckets)
+        return f"fdp.DistributedDataParallel({len(self._buckets)} buckets, MiB: [{sizes}])"
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skips the reduction: gradients accumulate locally in ``.grad``.
+
+        The next synchronised backward folds what accumulated into its
+        reduction, so every rank then holds the average of the total.
+        """
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def __call__(self, params: T) -> T:
+        call = "fdp.DistributedDataParallel.__call__"
+        leaves, spec = _tree.flatten(params)
+        if spec != self._spec:
+            raise ValueError(
+                f"{call}: `params` has a different structure from the tree the buckets were "
+                f"planned for; expected {self._spec}, got {spec}"
+            )
+        for i, meta in enumerate(self._meta):
+            leaf = leaves[i]
+            got = (leaf.shape, leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor) else None
+            if meta is not None and got != meta:
+                raise ValueError(
+                    f"{call}: `params` leaf {_tree.path(params, i, 'params')} expected a tensor "
+                    f"of shape {tuple(meta[0])}, dtype {meta[1]} on {meta[2]}; "
+                    f"got {_tree.describe(leaf)}"
+                )
+        if self._step is not None:  # the last step's backward never ran
+            self._step.remove()
+            self._step = None
+        if not self._sync or not torch.is_grad_enabled():
+            return params
+        capture = torch._C._functorch.peek_interpreter_stack() is not None
+        if not capture:
+            for i in self._where:
+                if leaves[i].requires_grad and leaves[i].grad_fn is not None:
+                    raise ValueError(
+                        f"{call}: `params` leaf {_tree.path(params, i, 'params')} expected a "
+                        f"leaf of the autograd graph; got a tensor computed by "
+                        f"{type(leaves[i].grad_fn).__name__} (pass the tensors you update)"
+                    )
+        step = _Step(self, leaves, capture=capture)
+        step.register()
+        if step.hooked:
+            self._step = step
+        return params

@@ -1,0 +1,158 @@
+"""Gloo process groups for the tests: ranks spawned once, reused, never hanging.
+
+``World(n)`` spawns ``n`` processes that join a gloo group on 127.0.0.1 (with
+a process-group timeout) and then serve calls: ``world.run(fn, *args)`` runs
+``fn(rank, world_size, *args)`` on every rank and returns the results in rank
+order. ``fn`` must be a module-level function (it is pickled by name). A rank
+that raises makes ``run`` raise ``RankError`` with every rank's traceback; a
+call that does not finish within its join timeout kills the ranks and raises
+``TimeoutError``. Either way the world is closed, and :func:`world` starts a
+fresh one for the next test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PG_TIMEOUT_S = 30.0
+JOIN_TIMEOUT_S = 120.0
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(rank: int, size: int, port: int, pg_timeout_s: float, inbox: Any, outbox: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+        )
+        outbox.put((rank, True, "ready"))
+    except BaseException as e:
+        outbox.put((rank, False, "".join(traceback.format_exception(e))))
+        return
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            outbox.put((rank, True, fn(rank, size, *args)))
+        except BaseException as e:
+            outbox.put((rank, False, "".join(traceback.format_exception(e))))
+    dist.destroy_process_group()
+
+
+class World:
+    """``size`` gloo ranks serving calls; see the module docstring."""
+
+    def __init__(self, size: int, *, pg_timeout_s: float = PG_TIMEOUT_S) -> None:
+        ctx = mp.get_context("spawn")
+        self.size = size
+        self.closed = False
+        self.inboxes = [ctx.Queue() for _ in range(size)]
+        self.outbox = ctx.Queue()
+        port = free_port()
+        self.procs = [
+            ctx.Process(
+                target=_serve,
+                args=(rank, size, port, pg_timeout_s, self.inboxes[rank], self.outbox),
+                daemon=True,
+            )
+            for rank in range(size)
+        ]
+        for p in self.procs:
+            p.start()
+        self._collect(range(size), JOIN_TIMEOUT_S, what="joining the process group")
+
+    def _collect(self, ranks: Any, timeout_s: float, *, what: str) -> list[Any]:
+        wanted = set(ranks)
+        results: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        while wanted - results.keys():
+            try:
+                rank, ok, value = self.outbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.close()
+                missing = sorted(wanted - results.keys())
+                raise TimeoutError(
+                    f"ranks {missing} did not finish {what} within {timeout_s} s"
+                ) from None
+            results[rank] = (ok, value)
+        failed = {r: v for r, (ok, v) in results.items() if not ok}
+        if failed:
+            self.close()
+            raise RankError(
+                "\n".join(f"--- rank {r} raised:\n{tb}" for r, tb in sorted(failed.items()))
+            )
+        return [results[r][1] for r in sorted(wanted)]
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout_s: float = JOIN_TIMEOUT_S,
+        ranks: Any = None,
+    ) -> list[Any]:
+        """``fn(rank, size, *args)`` on every rank; the results of ``ranks`` (default all)."""
+        if self.closed:
+            raise RuntimeError("this World is closed")
+        for inbox in self.inboxes:
+            inbox.put((fn, args))
+        return self._collect(
+            range(self.size) if ranks is None else ranks, timeout_s, what=fn.__name__
+        )
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for p, inbox in zip(self.procs, self.inboxes, strict=True):
+            if p.is_alive():
+                inbox.put(None)
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+_worlds: dict[int, World] = {}
+
+
+def world(size: int) -> World:
+    """A live shared world of ``size`` ranks (a fresh one after a failure)."""
+    current = _worlds.get(size)
+    if current is None or current.closed or not all(p.is_alive() for p in current.procs):
+        if current is not None:
+            current.close()
+        current = _worlds[size] = World(size)
+    return current
+
+
+def close_all() -> None:
+    for w in _worlds.values():
+        w.close()
+    _worlds.clear()

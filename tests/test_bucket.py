@@ -1,0 +1,79 @@
+"""Bucket planning and flat pack/unpack (fdp._bucket), single process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fdp import _bucket
+from tests.helpers import Labelled, fake
+
+
+def f32(n: int) -> torch.Tensor:
+    return torch.randn(n)
+
+
+def test_reverse_order_and_caps() -> None:
+    # 4-byte floats: 10 elements = 40 bytes.
+    tensors: list[torch.Tensor | None] = [f32(10), f32(10), f32(10), f32(10), f32(10)]
+    buckets = _bucket.plan(tensors, cap_bytes=80, first_cap_bytes=40)
+    assert [b.indices for b in buckets] == [(4,), (3, 2), (1, 0)]
+    assert [b.numel for b in buckets] == [10, 20, 20]
+    assert buckets[1].offsets == (0, 10)
+
+
+def test_every_leaf_its_own_bucket_under_a_tiny_cap() -> None:
+    tensors: list[torch.Tensor | None] = [f32(3), None, f32(2), f32(1)]
+    buckets = _bucket.plan(tensors, cap_bytes=1)
+    assert [b.indices for b in buckets] == [(3,), (2,), (0,)]
+
+
+def test_dtypes_and_devices_never_share_a_bucket() -> None:
+    tensors: list[torch.Tensor | None] = [
+        f32(4),
+        torch.randn(4, dtype=torch.float64),
+        f32(4),
+        torch.randn(4, dtype=torch.float64),
+        Labelled(torch.empty(4), fake(1)),
+    ]
+    buckets = _bucket.plan(tensors, cap_bytes=1 << 20)
+    groups = {(b.dtype, b.device): b.indices for b in buckets}
+    assert groups == {
+        (torch.float32, torch.device("meta", 1)): (4,),
+        (torch.float64, torch.device("cpu")): (3, 1),
+        (torch.float32, torch.device("cpu")): (2, 0),
+    }
+
+
+def test_first_cap_applies_per_dtype() -> None:
+    tensors: list[torch.Tensor | None] = [
+        torch.randn(10, dtype=torch.float64),
+        f32(10),
+        torch.randn(10, dtype=torch.float64),
+        f32(10),
+    ]
+    buckets = _bucket.plan(tensors, cap_bytes=1000, first_cap_bytes=40)
+    # float32: leaf 3 fills the 40-byte first bucket; leaf 1 opens the next.
+    # float64: leaf 2 (80 bytes) fills its first bucket alone.
+    assert [b.indices for b in buckets] == [(3,), (2,), (1,), (0,)]
+
+
+@pytest.mark.parametrize("with_none", [False, True])
+def test_pack_and_views_round_trip(with_none: bool) -> None:
+    tensors = [torch.randn(2, 3), torch.randn(4), torch.randn(())]
+    (bucket,) = _bucket.plan(list(tensors), cap_bytes=1 << 20)
+    ordered: list[torch.Tensor | None] = [tensors[i] for i in bucket.indices]
+    if with_none:
+        ordered[1] = None
+    flat = bucket.pack(ordered)
+    assert flat.shape == (bucket.numel,)
+    for view, t in zip(bucket.views(flat), ordered, strict=True):
+        expected = torch.zeros(view.shape) if t is None else t
+        torch.testing.assert_close(view, expected)
+        assert view.data_ptr() >= flat.data_ptr()
+    flat.add_(1)  # views alias the buffer
+    torch.testing.assert_close(bucket.views(flat)[0], (ordered[0] or torch.zeros(())) + 1)
+
+
+def test_empty_plan() -> None:
+    assert _bucket.plan([None, None], cap_bytes=10) == []

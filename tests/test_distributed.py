@@ -1,0 +1,545 @@
+"""broadcast_params, all_reduce_grads and DistributedDataParallel on 2-4 gloo ranks.
+
+Every rank runs a module-level ``_body(rank, size, ...)`` in a spawned process
+(see tests/ranks.py); the test process computes the reference in one plain
+single-process, full-batch computation and compares every rank's results.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+
+import fdp
+from tests import ranks
+from tests.helpers import Pair, leaves, params_corpus, tree_allclose
+
+PER_RANK = 4
+TINY: dict[str, Any] = {"bucket_cap_mb": 1e-6, "first_bucket_cap_mb": 1e-6}  # a bucket per leaf
+SMALL: dict[str, Any] = {
+    "bucket_cap_mb": 2e-4,
+    "first_bucket_cap_mb": 1e-4,
+}  # a few leaves per bucket
+DEFAULT: dict[str, Any] = {}
+CAPS: dict[str, dict[str, Any]] = {"tiny": TINY, "small": SMALL, "default": DEFAULT}
+# Averaging over ranks sums in another order than the full-batch reference.
+TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def make_params(seed: int = 0) -> dict[str, Any]:
+    """A tree with nesting, a namedtuple, a None leaf, a float64 leaf and an int buffer."""
+    g = torch.Generator().manual_seed(seed)
+
+    def p(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(shape, generator=g).to(dtype).requires_grad_()
+
+    return {
+        "layers": [{"w": p(6, 8), "b": p(8)}, {"w": p(8, 8), "b": p(8)}],
+        "head": Pair(first=p(8, 3), second=None),
+        "scale": p(dtype=torch.float64),
+        "steps": torch.tensor(7),
+    }
+
+
+def model(params: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+    for layer in params["layers"]:
+        x = torch.tanh(x @ layer["w"] + layer["b"])
+    out: torch.Tensor = (x @ params["head"].first) * params["scale"].float()
+    return out + params["steps"]  # type: ignore[no-any-return]
+
+
+def loss_fn(params: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (model(params, x) - y).square().mean()
+
+
+def data(size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(size * PER_RANK, 6, generator=g), torch.randn(
+        size * PER_RANK, 3, generator=g
+    )
+
+
+def shard(t: torch.Tensor, rank: int) -> torch.Tensor:
+    return t[rank * PER_RANK : (rank + 1) * PER_RANK]
+
+
+def grad_tree(params: Any) -> Any:
+    """params' structure, each leaf replaced by its .grad (None where none)."""
+
+    def grad(t: Any) -> Any:
+        return t.grad if isinstance(t, torch.Tensor) else None
+
+    return optree.tree_map(grad, params, none_is_leaf=True)
+
+
+def reference_grads(size: int, *, seed: int = 0) -> Any:
+    """Full-batch grads in one process: what the averaged per-rank grads must equal."""
+    params = make_params(seed)
+    x, y = data(size)
+    torch.autograd.backward(loss_fn(params, x, y))
+    return grad_tree(params)
+
+
+def detached(params: Any) -> Any:
+    return optree.tree_map(
+        lambda t: t.detach() if isinstance(t, torch.Tensor) else t, params, none_is_leaf=True
+    )
+
+
+def float_paths(params: Any) -> list[int]:
+    return [
+        i
+        for i, t in enumerate(leaves(params))
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+
+
+# --------------------------------------------------------------------------- bodies
+
+
+def _ddp_grads(rank: int, size: int, mode: str, caps: dict[str, Any]) -> Any:
+    params: Any = make_params()
+    x, y = (shard(t, rank) for t in data(size))
+    if mode in ("func_grad", "grad_and_value"):
+        params = detached(params)
+    ddp = fdp.DistributedDataParallel(params, **caps)
+    if mode == "backward":
+        torch.autograd.backward(loss_fn(ddp(params), x, y))
+        return grad_tree(params), ddp.buckets
+    if mode == "backward_inputs":
+        ws = [layer["w"] for layer in params["layers"]]
+        torch.autograd.backward(loss_fn(ddp(params), x, y), inputs=ws)
+        return grad_tree(params), ddp.buckets
+    if mode == "autograd_grad":
+        flat, spec = optree.tree_flatten(params, none_is_leaf=True)
+        indices = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        got = torch.autograd.grad(loss_fn(ddp(params), x, y), [flat[i] for i in indices])
+        out: list[Any] = [None] * len(flat)
+        for i, g in zip(indices, got, strict=True):
+            out[i] = g
+        return optree.tree_unflatten(spec, out), ddp.buckets
+    # torch.func.grad refuses None and integer leaves in what it differentiates.
+    diff = {"layers": params["layers"], "first": params["head"].first, "scale": params["scale"]}
+
+    def full(d: dict[str, Any]) -> dict[str, Any]:
+        head = Pair(first=d["first"], second=None)
+        return {"layers": d["layers"], "head": head, "scale": d["scale"], "steps": params["steps"]}
+
+    def loss(d: dict[str, Any]) -> torch.Tensor:
+        return loss_fn(ddp(full(d)), x, y)
+
+    if mode == "func_grad":
+        grads = torch.func.grad(loss)(diff)
+    else:
+        grads, value = torch.func.grad_and_value(loss)(diff)
+        torch.testing.assert_close(value, loss_fn(params, x, y))
+    return {**full(grads), "steps": None}, ddp.buckets
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("caps", ["tiny", "small", "default"])
+def test_backward_grads_equal_full_batch_reference(size: int, caps: str) -> None:
+    results = ranks.world(size).run(_ddp_grads, "backward", CAPS[caps])
+    expected = reference_grads(size)
+    for grads, buckets in results:
+        tree_allclose(grads, expected, **TOL)
+        assert buckets == results[0][1]
+    n_float = len(float_paths(make_params()))
+    n_buckets = len(results[0][1])
+    assert n_buckets == (n_float if caps == "tiny" else 2 if caps == "default" else n_buckets)
+    if caps == "small":
+        assert 2 < n_buckets < n_float
+
+
+@pytest.mark.parametrize("mode", ["autograd_grad", "func_grad", "grad_and_value"])
+def test_returned_grads_equal_full_batch_reference(mode: str) -> None:
+    results = ranks.world(3).run(_ddp_grads, mode, TINY)
+    expected = reference_grads(3)
+    for grads, _ in results:
+        tree_allclose(grads, expected, **TOL)
+
+
+def test_backward_with_inputs_treats_the_other_leaves_as_unused() -> None:
+    # backward(inputs=...) computes grads for the named leaves only; the others
+    # count as unused: they contribute zero and receive the (zero) average.
+    results = ranks.world(2).run(_ddp_grads, "backward_inputs", SMALL)
+    expected = reference_grads(2)
+    for grads, _ in results:
+        for layer, ref in zip(grads["layers"], expected["layers"], strict=True):
+            torch.testing.assert_close(layer["w"], ref["w"], **TOL)
+            torch.testing.assert_close(layer["b"], torch.zeros(8))
+        torch.testing.assert_close(grads["head"].first, torch.zeros(8, 3))
+
+
+def test_bucket_order_and_default_first_bucket() -> None:
+    (_, buckets), *_ = ranks.world(2).run(_ddp_grads, "backward", DEFAULT)
+    # Reverse leaf order (optree sorts dict keys): float64 'scale' comes first,
+    # then the float32 leaves, all within the 1 MiB first bucket.
+    assert buckets == [
+        ("params['scale']",),
+        (
+            "params['layers'][1]['w']",
+            "params['layers'][1]['b']",
+            "params['layers'][0]['w']",
+            "params['layers'][0]['b']",
+            "params['head'].first",
+        ),
+    ]
+
+
+def _training(rank: int, size: int, steps: int) -> Any:
+    params = make_params(seed=rank)  # deliberately different: broadcast fixes it
+    fdp.broadcast_params(params)
+    ddp = fdp.DistributedDataParallel(params, **SMALL)
+    float_leaves = [t for t in leaves(params) if isinstance(t, torch.Tensor) and t.requires_grad]
+    opt = torch.optim.SGD(float_leaves, lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = (shard(t, rank) for t in data(size, seed=10 + step))
+        opt.zero_grad()
+        torch.autograd.backward(loss_fn(ddp(params), x, y))
+        opt.step()
+    return detached(params)
+
+
+def test_sgd_training_matches_full_batch_training() -> None:
+    size, steps = 2, 4
+    results = ranks.world(size).run(_training, steps)
+    params = make_params(seed=0)
+    float_leaves = [t for t in leaves(params) if isinstance(t, torch.Tensor) and t.requires_grad]
+    opt = torch.optim.SGD(float_leaves, lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = data(size, seed=10 + step)
+        opt.zero_grad()
+        torch.autograd.backward(loss_fn(params, x, y))
+        opt.step()
+    for result in results:
+        tree_allclose(result, detached(params), **TOL)
+
+
+def _no_sync(rank: int, size: int) -> Any:
+    params = make_params()
+    ddp = fdp.DistributedDataParallel(params, **SMALL)
+    x, y = data(3 * size)
+    micro = [(x[i::3], y[i::3]) for i in range(3)]  # three micro-batches per rank
+    local = []
+    with ddp.no_sync():
+        for mx, my in micro[:2]:
+            torch.autograd.backward(loss_fn(ddp(params), shard(mx, rank), shard(my, rank)))
+            local.append(grad_tree(detached_grads(params)))
+    mx, my = micro[2]
+    torch.autograd.backward(loss_fn(ddp(params), shard(mx, rank), shard(my, rank)))
+    return local, grad_tree(params)
+
+
+def detached_grads(params: Any) -> Any:
+    """A copy of params whose .grad are snapshots."""
+
+    def snap(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        c = t.detach().clone()
+        if t.grad is not None:
+            c.grad = t.grad.clone()
+        return c
+
+    return optree.tree_map(snap, params, none_is_leaf=True)
+
+
+def test_no_sync_accumulates_locally_then_reduces_the_total() -> None:
+    size = 2
+    results = ranks.world(size).run(_no_sync)
+    x, y = data(3 * size)
+    micro = [(x[i::3], y[i::3]) for i in range(3)]
+
+    def local_total(rank: int, upto: int) -> Any:
+        params = make_params()
+        for mx, my in micro[:upto]:
+            torch.autograd.backward(loss_fn(params, shard(mx, rank), shard(my, rank)))
+        return grad_tree(params)
+
+    totals = [local_total(r, 3) for r in range(size)]
+    average = optree.tree_map(
+        lambda *gs: None if gs[0] is None else sum(gs) / size, *totals, none_is_leaf=True
+    )
+    for rank, (local, synced) in enumerate(results):
+        # Inside no_sync: purely local accumulation, nothing reduced.
+        tree_allclose(local[1], local_total(rank, 2))
+        tree_allclose(synced, average, **TOL)
+
+
+def _different_leaves(rank: int, size: int, mode: str) -> Any:
+    g = torch.Generator().manual_seed(0)
+    params = {name: torch.randn(5, generator=g).requires_grad_() for name in "abcd"}
+    if mode == "func_grad":
+        params = detached(params)
+    used = {0: "a", 1: "ab", 2: "bc"}[rank]  # d: used by no rank
+    ddp = fdp.DistributedDataParallel(params, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
+    results = []
+    for step in range(3):  # repeated: nothing stale carries over
+
+        def loss(p: dict[str, torch.Tensor], step: int = step) -> torch.Tensor:
+            return sum((p[k] * (rank + step + 1)).sin().sum() for k in used)  # type: ignore[return-value]
+
+        if mode == "func_grad":
+            results.append(torch.func.grad(lambda p, loss=loss: loss(ddp(p)))(params))
+        else:
+            for t in params.values():
+                t.grad = None
+            torch.autograd.backward(loss(ddp(params)))
+            results.append({k: t.grad for k, t in params.items()})
+    return results
+
+
+@pytest.mark.parametrize("mode", ["backward", "func_grad"])
+def test_ranks_using_different_leaves(mode: str) -> None:
+    size = 3
+    results = ranks.world(size).run(_different_leaves, mode)
+    g = torch.Generator().manual_seed(0)
+    params = {name: torch.randn(5, generator=g) for name in "abcd"}
+    used = {0: "a", 1: "ab", 2: "bc"}
+    for step in range(3):
+        average = {}
+        for k, p in params.items():
+            local = [
+                torch.cos(p * (r + step + 1)) * (r + step + 1) if k in used[r] else torch.zeros(5)
+                for r in range(size)
+            ]
+            average[k] = sum(local) / size
+        for rank, per_step in enumerate(results):
+            got = per_step[step]
+            for k in "abcd":
+                if mode == "func_grad" and k not in used[rank]:
+                    # torch.func.grad's own answer for an input this rank never used.
+                    torch.testing.assert_close(got[k], torch.zeros(5))
+                else:
+                    torch.testing.assert_close(got[k], average[k])
+
+
+def _tied(rank: int, size: int) -> Any:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 4, generator=g).requires_grad_()
+    params = {"embed": w, "unembed": w, "b": torch.zeros(4, requires_grad=True)}
+    ddp = fdp.DistributedDataParallel(params, **TINY)
+    x = torch.randn(size * PER_RANK, 4, generator=g)
+    p = ddp(params)
+    torch.autograd.backward((shard(x, rank) @ p["embed"] @ p["unembed"].T + p["b"]).square().mean())
+    return w.grad, params["b"].grad
+
+
+def test_tied_weights_get_the_full_gradient() -> None:
+    results = ranks.world(2).run(_tied)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 4, generator=g).requires_grad_()
+    b = torch.zeros(4, requires_grad=True)
+    x = torch.randn(2 * PER_RANK, 4, generator=g)
+    torch.autograd.backward((x @ w @ w.T + b).square().mean())
+    for w_grad, b_grad in results:
+        torch.testing.assert_close(w_grad, w.grad)
+        torch.testing.assert_close(b_grad, b.grad)
+
+
+def _hooks(rank: int, size: int, name: str) -> Any:
+    params = make_params()
+    calls: list[int] = []
+
+    def counting(bucket: torch.Tensor, group: Any) -> torch.futures.Future[Any]:
+        calls.append(bucket.numel())
+        return fdp.allreduce_hook(bucket, group)
+
+    def out_of_place(bucket: torch.Tensor, group: Any) -> torch.futures.Future[Any]:
+        averaged = bucket / dist.get_world_size(group)  # a new tensor, not the bucket
+        work = dist.all_reduce(averaged, group=group, async_op=True)
+        assert work is not None
+        return work.get_future().then(lambda fut: fut.value()[0])  # type: ignore[no-any-return]
+
+    hook = {
+        "fp16": fdp.fp16_compress_hook,
+        "bf16": fdp.bf16_compress_hook,
+        "user": counting,
+        "out_of_place": out_of_place,
+    }
+    ddp = fdp.DistributedDataParallel(params, comm_hook=hook[name], **SMALL)
+    x, y = (shard(t, rank) for t in data(size))
+    torch.autograd.backward(loss_fn(ddp(params), x, y))
+    return grad_tree(params), len(ddp.buckets), calls
+
+
+@pytest.mark.parametrize(
+    ("name", "tol"),
+    [("fp16", 2e-3), ("bf16", 2e-2), ("user", 0.0), ("out_of_place", 0.0)],
+    ids=["fp16", "bf16", "user", "out_of_place"],
+)
+def test_comm_hooks(name: str, tol: float) -> None:
+    results = ranks.world(2).run(_hooks, name)
+    expected = reference_grads(2)
+    for grads, n_buckets, calls in results:
+        tolerances = {"rtol": tol, "atol": tol} if tol else {}
+        tree_allclose(grads, expected, **(tolerances or TOL))
+        # Full precision comes back whatever the wire carried.
+        assert grads["layers"][0]["w"].dtype == torch.float32
+        assert grads["scale"].dtype == torch.float64
+        if name == "user":
+            assert len(calls) == n_buckets
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def _broadcast(rank: int, size: int, src: int) -> Any:
+    trees = params_corpus(seed=rank)  # every rank starts from different values
+    out = fdp.broadcast_params(trees, src=src)
+    assert out is trees
+    return detached(trees)
+
+
+@pytest.mark.parametrize("src", [0, 1])
+def test_broadcast_params_gives_every_rank_the_source_values(src: int) -> None:
+    results = ranks.world(3).run(_broadcast, src)
+    expected = detached(params_corpus(seed=src))
+    for result in results:
+        tree_allclose(result, expected, rtol=0, atol=0)
+
+
+def _all_reduce(rank: int, size: int, cap: float, average: bool) -> Any:
+    def rank_values(t: Any) -> Any:
+        return None if t is None else (t.detach() * (rank + 1) + rank).to(t.dtype)
+
+    corpus: Any = params_corpus()
+    grads: Any = optree.tree_map(rank_values, corpus, none_is_leaf=True)
+    before = optree.tree_map(lambda t: None if t is None else t.clone(), grads, none_is_leaf=True)
+    out = fdp.all_reduce_grads(grads, bucket_cap_mb=cap, average=average)
+    tree_allclose(grads, before, rtol=0, atol=0)  # inputs untouched
+    bases = {t._base.data_ptr() for t in leaves(out) if t is not None and t._base is not None}
+    return out, len(bases)
+
+
+@pytest.mark.parametrize("cap", [1e-6, 25.0])
+@pytest.mark.parametrize("average", [True, False])
+def test_all_reduce_grads_equals_the_mean_over_ranks(cap: float, average: bool) -> None:
+    size = 4 if average else 2
+    results = ranks.world(size).run(_all_reduce, cap, average)
+    corpus: Any = params_corpus()
+
+    def expect(t: Any) -> Any:
+        if t is None:
+            return None
+        per_rank = [(t.detach() * (r + 1) + r).to(t.dtype).double() for r in range(size)]
+        total = sum(per_rank)
+        return (total / size if average else total).to(t.dtype)
+
+    expected = optree.tree_map(expect, corpus, none_is_leaf=True)
+    for out, n_bases in results:
+        tree_allclose(out, expected, rtol=2e-3, atol=2e-3)  # float16 leaves included
+        n_leaves = sum(1 for t in leaves(corpus) if t is not None)
+        # A tiny cap: one buffer per leaf. 25 MiB: one per dtype (f32, f64, f16).
+        assert n_bases == (n_leaves if cap < 1 else 3)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _mismatch(rank: int, size: int, what: str) -> str:
+    params = make_params()
+    if rank == 1 and what == "shape":
+        params["layers"][1]["w"] = torch.randn(8, 9, requires_grad=True)
+    if rank == 1 and what == "structure":
+        params["layers"].append({"w": torch.randn(8, 8), "b": torch.randn(8)})
+    if rank == 2 and what == "dtype":
+        params["scale"] = params["scale"].detach().float()
+    call = fdp.broadcast_params if what == "dtype" else fdp.DistributedDataParallel
+    with pytest.raises(ValueError, match="differs across ranks") as info:
+        call(params)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("what", "path"),
+    [
+        ("shape", "params['layers'][1]['w']"),
+        ("structure", "params['layers'][2]['b']"),
+        ("dtype", "tree['scale']"),
+    ],
+)
+def test_mismatched_trees_raise_on_every_rank(what: str, path: str) -> None:
+    messages = ranks.world(3).run(_mismatch, what)
+    assert len(set(messages)) == 1, messages  # the same error everywhere
+    assert path in messages[0]
+    if what == "shape":
+        assert "(8, 8)" in messages[0]
+        assert "(8, 9)" in messages[0]
+
+
+def _call_errors(rank: int, size: int) -> list[str]:
+    params = make_params()
+    ddp = fdp.DistributedDataParallel(params)
+    messages = []
+    wrong_shape = {**params, "scale": torch.zeros(2, dtype=torch.float64)}
+    wrong_tree = {**params, "extra": torch.zeros(1)}
+    non_leaf = {**params, "head": Pair(params["head"].first * 2, None)}
+    for bad in (wrong_shape, wrong_tree, non_leaf):
+        with pytest.raises(
+            ValueError, match=r"^fdp.DistributedDataParallel.__call__: `params`"
+        ) as info:
+            ddp(bad)
+        messages.append(str(info.value))
+    with pytest.raises(TypeError, match=r"`grads` leaf grads\['x'\]"):
+        fdp.all_reduce_grads({"x": "not a tensor"})
+    with pytest.raises(TypeError, match="floating-point"):
+        fdp.all_reduce_grads({"x": torch.ones(2, dtype=torch.int64)})
+    return messages
+
+
+def test_call_errors_name_the_leaf() -> None:
+    messages = ranks.world(2).run(_call_errors)[0]
+    assert "params['scale']" in messages[0]
+    assert "shape ()" in messages[0]
+    assert "different structure" in messages[1]
+    assert "params['head'].first" in messages[2]
+    assert "MulBackward0" in messages[2]
+
+
+def test_errors_before_any_collective() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fdp.all_reduce_grads({"x": torch.ones(1)})
+    with pytest.raises(ValueError, match="`bucket_cap_mb`"):
+        fdp.DistributedDataParallel({"x": torch.ones(1)}, bucket_cap_mb=0)
+    with pytest.raises(TypeError, match="`comm_hook`"):
+        fdp.DistributedDataParallel({"x": torch.ones(1)}, comm_hook="fp16")  # type: ignore[arg-type]
+    assert not dist.is_initialized()
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def _dies(rank: int, size: int) -> Any:
+    params = make_params()
+    ddp = fdp.DistributedDataParallel(params, **TINY)
+    x, y = (shard(t, rank) for t in data(size))
+    loss = loss_fn(ddp(params), x, y)
+    if rank == 1:
+        os._exit(3)  # dies mid-step, before its share of the all-reduce
+    start = time.monotonic()
+    try:
+        torch.autograd.backward(loss)
+    except Exception as e:
+        return type(e).__name__, str(e)[:300], time.monotonic() - start
+    return None, "backward returned", time.monotonic() - start
+
+
+def test_a_killed_rank_makes_the_others_raise() -> None:
+    pg_timeout = 10.0
+    world = ranks.World(2, pg_timeout_s=pg_timeout)
+    try:
+        (result,) = world.run(_dies, ranks=[0], timeout_s=4 * pg_timeout)
+    finally:
+        world.close()
+    error, message, elapsed = result
+    assert error is not None, message
+    assert elapsed < 2 * pg_timeout, (error, message, elapsed)
+    assert world.procs[1].exitcode == 3
