@@ -40,16 +40,28 @@ class Bucket:
             for start, shape in zip(self.offsets, self.shapes, strict=True)
         ]
 
-    def pack(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """One new flat buffer holding ``tensors`` (one per leaf; None packs zeros)."""
-        if all(t is not None for t in tensors):
-            return torch.cat([t.reshape(-1) for t in tensors if t is not None])
-        flat = self.empty()
+    def pack(
+        self,
+        tensors: Sequence[torch.Tensor | None],
+        *,
+        scale: float = 1.0,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """A flat buffer (``out``, or a new one) holding ``tensors`` times ``scale``.
+
+        ``None`` packs zeros. Scaling while packing costs no extra pass.
+        """
+        if scale == 1.0 and all(t is not None for t in tensors):
+            flat_leaves = [t.reshape(-1) for t in tensors if t is not None]
+            return torch.cat(flat_leaves) if out is None else torch.cat(flat_leaves, out=out)
+        flat = self.empty() if out is None else out
         for view, t in zip(self.views(flat), tensors, strict=True):
             if t is None:
                 view.zero_()
-            else:
+            elif scale == 1.0:
                 view.copy_(t)
+            else:
+                torch.mul(t, scale, out=view)
         return flat
 
 

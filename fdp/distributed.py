@@ -30,6 +30,7 @@ disabled: the c10d ops are differentiable and would otherwise be recorded
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -40,7 +41,7 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from fdp import _bucket, _tree
-from fdp.comm_hooks import CommHook, allreduce_hook
+from fdp.comm_hooks import CommHook
 
 __all__ = ["DistributedDataParallel", "all_reduce_grads", "broadcast_params"]
 
@@ -194,19 +195,51 @@ def all_reduce_grads(
                 f"{call}: `grads` leaf {_tree.path(grads, i, 'grads')} expected a floating-point "
                 f"tensor; got {_tree.describe(t)}"
             )
-    buckets = _bucket.plan(tensors, cap_bytes=int(bucket_cap_mb * _bucket.MB))
+    buckets, buffers = _cached_plan(tensors, int(bucket_cap_mb * _bucket.MB))
     out = list(leaves)
     world = dist.get_world_size(group)
     with torch.no_grad():
-        flats = [b.pack([tensors[i] for i in b.indices]) for b in buckets]
-        works = [dist.all_reduce(f, group=group, async_op=True) for f in flats]
+        works = []
+        flats = []
+        for k, bucket in enumerate(buckets):  # pack bucket k+1 while bucket k travels
+            buf = buffers[k]
+            if buf is None or _storage_users(buf) > 1:  # the last result is still alive
+                buf = buffers[k] = bucket.empty()
+            flats.append(bucket.pack([tensors[i] for i in bucket.indices], out=buf))
+            works.append(dist.all_reduce(flats[-1], group=group, async_op=True))
         for bucket, flat, work in zip(buckets, flats, works, strict=True):
             work.wait()
-            if average:
+            if average:  # overlaps the next bucket's all-reduce
                 flat.div_(world)
             for i, view in zip(bucket.indices, bucket.views(flat), strict=True):
                 out[i] = view
     return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
+
+
+_PlanKey = tuple[int, tuple[tuple[torch.Size, torch.dtype, torch.device] | None, ...]]
+_plans: collections.OrderedDict[
+    _PlanKey, tuple[list[_bucket.Bucket], list[torch.Tensor | None]]
+] = collections.OrderedDict()
+
+
+def _cached_plan(
+    tensors: list[torch.Tensor | None], cap_bytes: int
+) -> tuple[list[_bucket.Bucket], list[torch.Tensor | None]]:
+    """The buckets for these leaves, and buffers kept from earlier calls.
+
+    A training loop reduces the same tree every step: planning once and
+    reusing the flat buffers (when the caller has dropped the last result)
+    saves the planning and the page faults of fresh tens-of-MB buffers.
+    """
+    key = (cap_bytes, tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors))
+    hit = _plans.get(key)
+    if hit is None:
+        buckets = _bucket.plan(tensors, cap_bytes=cap_bytes)
+        hit = _plans[key] = (buckets, [None] * len(buckets))
+        while len(_plans) > 8:
+            _plans.popitem(last=False)
+    _plans.move_to_end(key)
+    return hit
 
 
 def _unwrap(t: torch.Tensor) -> torch.Tensor:
@@ -265,7 +298,7 @@ class _Step:
     def _flat(self, k: int) -> torch.Tensor:
         flat = self.flats[k]
         if flat is None:
-            flat = self.flats[k] = self.ddp._buckets[k].empty()
+            flat = self.flats[k] = self.ddp._buffer(k)
         return flat
 
     def _view(self, i: int) -> torch.Tensor:
@@ -284,10 +317,11 @@ class _Step:
                 self.queued = True
             view = self._view(i)
             old = None if self.capture else leaf.grad
+            scale = self.ddp._prescale
             if old is None:
-                view.copy_(_unwrap(grad))
+                torch.mul(_unwrap(grad), scale, out=view)
             else:  # fold what earlier backwards (under no_sync) accumulated
-                torch.add(_unwrap(grad), old, out=view)
+                torch.add(_unwrap(grad), old, out=view).mul_(scale)
             k = self.ddp._where[i][0]
             self.filled[k].add(i)
             while (
@@ -310,8 +344,8 @@ class _Step:
             if old is None:
                 view.zero_()  # unused this step (or frozen): counts as zero
             else:
-                view.copy_(old.reshape(-1))
-        self.futures[k] = self.ddp._comm_hook(flat, self.ddp._group)
+                torch.mul(old.reshape(-1), self.ddp._prescale, out=view)
+        self.futures[k] = self.ddp._reduce(flat, self.ddp._group)
         self.next_launch = k + 1
 
     def finish(self) -> None:
@@ -333,6 +367,20 @@ class _Step:
                 self.remove()
                 if self.ddp._step is self:
                     self.ddp._step = None
+
+
+def _sum_hook(bucket: torch.Tensor, group: ProcessGroup | None) -> torch.futures.Future[Any]:
+    work = dist.all_reduce(bucket, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])  # type: ignore[no-any-return]
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s storage (``t`` included)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # private API gone: never reuse
+        return 1 << 30
+    # The temporary Storage object made by untyped_storage() holds one more.
+    return int(use_count(t.untyped_storage()._cdata)) - 1
 
 
 def _engine_captures(leaf: torch.Tensor) -> bool:
@@ -413,7 +461,10 @@ class DistributedDataParallel:
         _check_agreement(params, leaves, group=group, call=call, arg="params")
         self._group = group
         self._spec = spec
-        self._comm_hook: CommHook = comm_hook or allreduce_hook
+        # The default hook's division is folded into packing the bucket (one
+        # pass over the gradients instead of two).
+        self._reduce: CommHook = comm_hook or _sum_hook
+        self._prescale = 1.0 if comm_hook else 1.0 / dist.get_world_size(group)
         self._meta = [None if t is None else (t.shape, t.dtype, t.device) for t in tensors]
         self._buckets = _bucket.plan(
             tensors,
@@ -430,6 +481,20 @@ class DistributedDataParallel:
         """The leaf paths of each bucket, in reduction order."""
         self._sync = True
         self._step: _Step | None = None
+        self._buffers: list[torch.Tensor | None] = [None] * len(self._buckets)
+
+    def _buffer(self, k: int) -> torch.Tensor:
+        """Bucket ``k``'s flat buffer, reused while nothing else holds a view of it.
+
+        Reuse matters: a fresh buffer of tens of MB costs page faults on every
+        step (measured: the copies into it took 4x longer). Gradients handed
+        out last step are views of it; while any is alive (kept ``.grad``,
+        saved results) the step gets a new buffer instead.
+        """
+        buf = self._buffers[k]
+        if buf is None or _storage_users(buf) > 1:
+            buf = self._buffers[k] = self._buckets[k].empty()
+        return buf
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{b.numel * b.dtype.itemsize / _bucket.MB:.2f}" for b in self._buckets)

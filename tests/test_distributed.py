@@ -543,3 +543,29 @@ def test_a_killed_rank_makes_the_others_raise() -> None:
     assert error is not None, message
     assert elapsed < 2 * pg_timeout, (error, message, elapsed)
     assert world.procs[1].exitcode == 3
+
+
+def _kept_results(rank: int, size: int) -> Any:
+    first = fdp.all_reduce_grads([torch.full((4,), float(rank))])
+    second = fdp.all_reduce_grads([torch.full((4,), float(rank + 10))])
+    params = make_params()
+    ddp = fdp.DistributedDataParallel(params)
+    kept = []
+    for step in range(2):
+        x, y = (shard(t, rank) for t in data(size, seed=step))
+        torch.autograd.backward(loss_fn(ddp(params), x, y))
+        kept.append((grad_tree(params), optree.tree_map(torch.clone, grad_tree(params))))
+        for t in leaves(params):
+            if isinstance(t, torch.Tensor):
+                t.grad = None
+    return first, second, kept
+
+
+def test_results_kept_by_the_caller_are_never_overwritten() -> None:
+    # fdp reuses its flat buffers across calls, but only once nothing else
+    # holds a view of them.
+    (first, second, kept), *_ = ranks.world(2).run(_kept_results)
+    torch.testing.assert_close(first[0], torch.full((4,), 0.5))
+    torch.testing.assert_close(second[0], torch.full((4,), 10.5))
+    for held, snapshot in kept:
+        tree_allclose(held, snapshot, rtol=0, atol=0)

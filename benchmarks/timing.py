@@ -1,0 +1,45 @@
+"""Side-by-side timing shared by the benchmarks.
+
+The machine may be shared and noisy, so the benchmarks report ratios of two
+measurements interleaved round by round, taking the median over rounds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def timed(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
+    """Seconds per call, over ``repeats`` calls."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / repeats
+
+
+def side_by_side(
+    a: Callable[[], Any],
+    b: Callable[[], Any],
+    *,
+    rounds: int,
+    repeats: int,
+    sync: Callable[[], None] = lambda: None,
+) -> tuple[float, float]:
+    """Median seconds per call of ``a`` and ``b``, interleaved round by round."""
+    for _ in range(max(2, repeats // 4)):  # warm-up: pools, allocator, caches
+        a()
+        b()
+    ta, tb = [], []
+    for r in range(rounds):
+        # Alternate which goes first so drift does not favour one side.
+        first, second = (a, b) if r % 2 == 0 else (b, a)
+        t1 = timed(first, repeats, sync)
+        t2 = timed(second, repeats, sync)
+        ta.append(t1 if r % 2 == 0 else t2)
+        tb.append(t2 if r % 2 == 0 else t1)
+    return statistics.median(ta), statistics.median(tb)
