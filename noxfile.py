@@ -51,11 +51,22 @@ def train(session: nox.Session) -> None:
     session.run("python", "examples/train_digits.py", *session.posargs, env=COMPILE_CACHE)
 
 
+TORCHRUN = ("torchrun", "--standalone", "--nproc_per_node=2")
+
+
+@nox.session
+def train_ddp(session: nox.Session) -> None:
+    """The same training on 2 processes with DistributedDataParallel (torchrun, gloo)."""
+    install(session, "examples")
+    session.run(*TORCHRUN, "examples/train_digits_ddp.py", *session.posargs, env=COMPILE_CACHE)
+
+
 @nox.session
 def examples(session: nox.Session) -> None:
     """Runs every example briefly."""
     install(session, "examples")
     session.run("python", "examples/train_digits.py", "--epochs", "2", "--min-accuracy", "0")
+    session.run(*TORCHRUN, "examples/train_digits_ddp.py", "--epochs", "2", "--min-accuracy", "0")
 
 
 @nox.session
@@ -63,3 +74,4 @@ def bench(session: nox.Session) -> None:
     """Benchmarks (ratios measured side by side in one run); not run by default."""
     install(session, "examples")
     session.run("python", "benchmarks/bench_data_parallel.py", *session.posargs)
+    session.run("python", "benchmarks/bench_distributed.py", *session.posargs)

@@ -1,0 +1,133 @@
+"""Train the digits MLP on several processes with fdp.DistributedDataParallel.
+
+The same model and data as train_digits.py, launched with torchrun: every
+process (rank) takes its share of each global batch, and
+``fdp.DistributedDataParallel`` averages the gradients across ranks during
+backward, bucket by bucket, so every rank takes the same optimiser step.
+
+    torchrun --standalone --nproc_per_node=2 examples/train_digits_ddp.py
+
+On CUDA machines each rank drives the GPU ``LOCAL_RANK`` over NCCL; across
+machines, run on every node (with the node's rank and a reachable host):
+
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 \\
+        --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 examples/train_digits_ddp.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+from train_digits import Params, init_params, load_data, mlp
+
+import fdp
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=128, help="global, over all ranks")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
+    parser.add_argument(
+        "--min-accuracy", type=float, default=0.9, help="exit 1 below this test accuracy"
+    )
+    return parser.parse_args(argv)
+
+
+def accuracy(params: Params, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((mlp(params, x).argmax(1) == y).float().mean())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        sys.exit("launch with torchrun, e.g. torchrun --standalone --nproc_per_node=2 " + __file__)
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        # The ranks share the machine's cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    dist.init_process_group(
+        args.backend or ("nccl" if cuda else "gloo"), timeout=datetime.timedelta(seconds=120)
+    )
+    try:
+        return train(args, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, device: torch.device) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x_train, y_train, x_test, y_test = (t.to(device) for t in load_data(args.seed))
+    # Each rank may start from different values; rank 0's win.
+    params = init_params(
+        [64, args.hidden, args.hidden, 10],
+        device=str(device),
+        generator=torch.Generator().manual_seed(args.seed + rank),
+    )
+    fdp.broadcast_params(params)
+    ddp = fdp.DistributedDataParallel(params)
+    leaves = [t for layer in params["layers"] for t in layer.values()]
+    optimizer = torch.optim.Adam(leaves, lr=args.lr)
+    if rank == 0:
+        print(
+            f"digits: {len(x_train)} train / {len(x_test)} test images, {world} ranks "
+            f"({dist.get_backend()}, {device.type}), {len(ddp.buckets)} gradient buckets"
+        )
+
+    start = time.perf_counter()
+    bar: tqdm[int] = tqdm(range(args.epochs), desc="training", unit="epoch", disable=rank != 0)
+    loss_sum = torch.zeros((), device=device)
+    for epoch in bar:
+        # Every rank draws the same order and takes every world-th sample of each batch.
+        order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
+        loss_sum.zero_()
+        for i in range(0, len(order), args.batch_size):
+            idx = order[i : i + args.batch_size][rank::world].to(device)
+            loss = F.cross_entropy(mlp(ddp(params), x_train[idx]), y_train[idx])
+            optimizer.zero_grad(set_to_none=True)
+            torch.autograd.backward(loss)  # grads averaged over ranks here
+            optimizer.step()
+            loss_sum += loss.detach() * len(idx)
+        dist.all_reduce(loss_sum)
+        bar.set_postfix(loss=f"{float(loss_sum) / len(order):.4f}")
+    elapsed = time.perf_counter() - start
+
+    # Every rank took the same steps: check that the parameters agree.
+    checksum = torch.stack([t.detach().double().sum() for t in leaves])
+    reference = checksum.clone()
+    dist.broadcast(reference, src=0)
+    in_sync = bool(torch.equal(checksum, reference))
+    test_acc = accuracy(params, x_test, y_test)
+    if rank == 0:
+        print(f"trained {args.epochs} epochs in {elapsed:.1f} s; final loss "
+              f"{float(loss_sum) / len(x_train):.4f}")  # fmt: skip
+        print(f"train accuracy {accuracy(params, x_train, y_train):.4f}")
+        print(f"test accuracy {test_acc:.4f}")
+    if not in_sync:
+        print(f"rank {rank}: parameters differ from rank 0's")
+        return 1
+    if test_acc < args.min_accuracy:
+        if rank == 0:
+            print(f"test accuracy {test_acc:.4f} is below --min-accuracy {args.min_accuracy}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
