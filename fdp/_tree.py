@@ -10,22 +10,77 @@ unflattening restores each dict's own insertion order.
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Iterator
 from typing import Any
 
 import optree
-from optree import PyTreeSpec
+import torch
 
 NONE_IS_LEAF = True
 
 
-def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
+def flatten(tree: Any) -> tuple[list[Any], Any]:
     """Leaves in optree order and the structure to rebuild the tree."""
+    if torch.compiler.is_compiling():
+        leaves: list[Any] = []
+        return leaves, _flatten_traceable(tree, leaves)
     return optree.tree_flatten(tree, none_is_leaf=NONE_IS_LEAF)
 
 
-def unflatten(spec: PyTreeSpec, leaves: list[Any]) -> Any:
+def unflatten(spec: Any, leaves: list[Any]) -> Any:
     """Inverse of :func:`flatten`."""
+    if isinstance(spec, tuple):
+        return _unflatten_traceable(spec, iter(leaves))
     return optree.tree_unflatten(spec, leaves)
+
+
+# Dynamo cannot trace optree.tree_flatten over dicts in torch 2.13 (it fails on
+# optree's DictMetaData), so while compiling fdp flattens the builtin
+# containers itself, in optree's order: dict and defaultdict keys sorted (in
+# insertion order when unsortable), OrderedDict in insertion order, tuples,
+# namedtuples and lists in order, everything else (None included) a leaf.
+# The spec is a nested tuple; unflatten restores each dict's insertion order.
+_LEAF = ("*",)
+
+
+def _sorted_keys(d: dict[Any, Any]) -> list[Any]:
+    try:
+        return sorted(d)
+    except TypeError:
+        return list(d)
+
+
+def _flatten_traceable(node: Any, leaves: list[Any]) -> tuple[Any, ...]:
+    kind = type(node)
+    if kind is dict or kind is collections.defaultdict or kind is collections.OrderedDict:
+        keys = list(node) if kind is collections.OrderedDict else _sorted_keys(node)
+        children = tuple(_flatten_traceable(node[k], leaves) for k in keys)
+        factory = node.default_factory if kind is collections.defaultdict else None
+        return ("dict", kind, factory, tuple(node), tuple(keys), children)
+    if kind is list or kind is tuple or (issubclass(kind, tuple) and hasattr(kind, "_fields")):
+        return ("seq", kind, tuple(_flatten_traceable(c, leaves) for c in node))
+    leaves.append(node)
+    return _LEAF
+
+
+def _unflatten_traceable(spec: tuple[Any, ...], leaves: Iterator[Any]) -> Any:
+    if spec == _LEAF:
+        return next(leaves)
+    if spec[0] == "dict":
+        _, kind, factory, order, keys, children = spec
+        values = {k: _unflatten_traceable(c, leaves) for k, c in zip(keys, children, strict=True)}
+        items = [(k, values[k]) for k in order]
+        if kind is collections.defaultdict:
+            return collections.defaultdict(factory, items)
+        return kind(items)
+    _, kind, children = spec
+    values_ = [_unflatten_traceable(c, leaves) for c in children]
+    if kind is list:
+        return values_
+    if kind is tuple:
+        return tuple(values_)
+    return kind(*values_)  # a namedtuple
 
 
 def paths(tree: Any, root: str) -> list[str]:

@@ -31,16 +31,16 @@ disabled: the c10d ops are differentiable and would otherwise be recorded
 from __future__ import annotations
 
 import collections
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
-from torch.utils.hooks import RemovableHandle
+import torch.distributed._functional_collectives as funcol
 
 from fdp import _bucket, _tree
+from fdp._reducer import Step, storage_users, sum_hook
 from fdp.comm_hooks import CommHook
 
 __all__ = ["DistributedDataParallel", "all_reduce_grads", "broadcast_params"]
@@ -195,15 +195,19 @@ def all_reduce_grads(
                 f"{call}: `grads` leaf {_tree.path(grads, i, 'grads')} expected a floating-point "
                 f"tensor; got {_tree.describe(t)}"
             )
+    world = dist.get_world_size(group)
+    if torch.compiler.is_compiling():
+        scale = 1.0 / world if average else 1.0
+        out = _all_reduce_traceable(leaves, tensors, group, int(bucket_cap_mb * _bucket.MB), scale)
+        return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
     buckets, buffers = _cached_plan(tensors, int(bucket_cap_mb * _bucket.MB))
     out = list(leaves)
-    world = dist.get_world_size(group)
     with torch.no_grad():
         works = []
         flats = []
         for k, bucket in enumerate(buckets):  # pack bucket k+1 while bucket k travels
             buf = buffers[k]
-            if buf is None or _storage_users(buf) > 1:  # the last result is still alive
+            if buf is None or storage_users(buf) > 1:  # the last result is still alive
                 buf = buffers[k] = bucket.empty()
             flats.append(bucket.pack([tensors[i] for i in bucket.indices], out=buf))
             works.append(dist.all_reduce(flats[-1], group=group, async_op=True))
@@ -214,6 +218,32 @@ def all_reduce_grads(
             for i, view in zip(bucket.indices, bucket.views(flat), strict=True):
                 out[i] = view
     return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
+
+
+def _all_reduce_traceable(
+    leaves: list[Any],
+    tensors: list[torch.Tensor | None],
+    group: ProcessGroup | None,
+    cap: int,
+    scale: float,
+) -> list[Any]:
+    """all_reduce_grads while compiling: functional collectives, which dynamo traces.
+
+    Every bucket's all-reduce is issued before any result is used, so the
+    waits inserted at first use let them overlap.
+    """
+    out = list(leaves)
+    buckets = _bucket.plan(tensors, cap_bytes=cap)
+    pg = dist.group.WORLD if group is None else group
+    reduced = [
+        funcol.all_reduce(b.pack([tensors[i] for i in b.indices]), "sum", pg)  # type: ignore[arg-type]
+        for b in buckets
+    ]
+    for bucket, flat in zip(buckets, reduced, strict=True):
+        total: torch.Tensor = funcol.wait_tensor(flat)  # type: ignore[no-untyped-call]
+        for i, view in zip(bucket.indices, bucket.views(total * scale), strict=True):
+            out[i] = view
+    return out
 
 
 _PlanKey = tuple[int, tuple[tuple[torch.Size, torch.dtype, torch.device] | None, ...]]
@@ -242,156 +272,17 @@ def _cached_plan(
     return hit
 
 
-def _unwrap(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under functorch's grad wrappers."""
-    functorch = torch._C._functorch
-    while functorch.is_gradtrackingtensor(t):
-        t = functorch.get_unwrapped(t)
-    return t
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-class _Step:
-    """The reduction state of one synchronised forward/backward."""
-
-    def __init__(self, ddp: DistributedDataParallel, leaves: list[Any], *, capture: bool) -> None:
-        self.ddp = ddp
-        self.leaves = leaves
-        n = len(ddp._buckets)
-        self.flats: list[torch.Tensor | None] = [None] * n
-        self.filled: list[set[int]] = [set() for _ in range(n)]
-        self.expected: list[int] = [0] * n
-        self.futures: list[torch.futures.Future[Any] | None] = [None] * n
-        self.hooked: list[int] = []
-        self.next_launch = 0
-        # None until the first hook decides: True = grads are captured and
-        # returned (autograd.grad, torch.func.grad), False = accumulated in .grad.
-        self.capture: bool | None = True if capture else None
-        self.queued = False
-        self.handles: list[RemovableHandle] = []
-        self.lock = threading.Lock()
-
-    def register(self) -> None:
-        seen: set[int] = set()
-        for k, bucket in enumerate(self.ddp._buckets):
-            for i in bucket.indices:
-                leaf = self.leaves[i]
-                # A tensor at several leaves (tied weights) is hooked once; its
-                # other leaves reduce zeros and get the same .grad.
-                if not leaf.requires_grad or id(leaf) in seen:
-                    continue
-                seen.add(id(leaf))
-                self.expected[k] += 1
-                self.hooked.append(i)
-                self.handles.append(leaf.register_hook(self._hook(i)))
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-    def _hook(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            return self.on_grad(i, grad)
-
-        return hook
-
-    def _flat(self, k: int) -> torch.Tensor:
-        flat = self.flats[k]
-        if flat is None:
-            flat = self.flats[k] = self.ddp._buffer(k)
-        return flat
-
-    def _view(self, i: int) -> torch.Tensor:
-        k, j = self.ddp._where[i]
-        bucket = self.ddp._buckets[k]
-        start, shape = bucket.offsets[j], bucket.shapes[j]
-        return self._flat(k)[start : start + shape.numel()].view(shape)
-
-    def on_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        with self.lock, torch.no_grad(), torch._C._DisableFuncTorch():
-            leaf = self.leaves[i]
-            if self.capture is None:
-                self.capture = _engine_captures(leaf)
-            if not self.queued:
-                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-                self.queued = True
-            view = self._view(i)
-            old = None if self.capture else leaf.grad
-            scale = self.ddp._prescale
-            if old is None:
-                torch.mul(_unwrap(grad), scale, out=view)
-            else:  # fold what earlier backwards (under no_sync) accumulated
-                torch.add(_unwrap(grad), old, out=view).mul_(scale)
-            k = self.ddp._where[i][0]
-            self.filled[k].add(i)
-            while (
-                self.next_launch < len(self.flats)
-                and len(self.filled[self.next_launch]) == self.expected[self.next_launch]
-            ):
-                self._launch(self.next_launch)
-        return view if self.capture else grad
-
-    def _launch(self, k: int) -> None:
-        flat = self._flat(k)
-        bucket = self.ddp._buckets[k]
-        for j, i in enumerate(bucket.indices):
-            if i in self.filled[k]:
-                continue
-            start, shape = bucket.offsets[j], bucket.shapes[j]
-            view = flat[start : start + shape.numel()]
-            leaf = self.leaves[i]
-            old = None if self.capture or not leaf.requires_grad else leaf.grad
-            if old is None:
-                view.zero_()  # unused this step (or frozen): counts as zero
-            else:
-                torch.mul(old.reshape(-1), self.ddp._prescale, out=view)
-        self.futures[k] = self.ddp._reduce(flat, self.ddp._group)
-        self.next_launch = k + 1
-
-    def finish(self) -> None:
-        with self.lock, torch.no_grad(), torch._C._DisableFuncTorch():
-            try:
-                while self.next_launch < len(self.flats):
-                    self._launch(self.next_launch)
-                for k, fut in enumerate(self.futures):
-                    flat = self.flats[k]
-                    if fut is None or flat is None:
-                        raise RuntimeError("fdp internal error: a bucket was never launched")
-                    result = fut.wait()
-                    if result is not flat:
-                        flat.copy_(result)
-                if not self.capture:
-                    for i in self.hooked:
-                        self.leaves[i].grad = self._view(i)
-            finally:
-                self.remove()
-                if self.ddp._step is self:
-                    self.ddp._step = None
-
-
-def _sum_hook(bucket: torch.Tensor, group: ProcessGroup | None) -> torch.futures.Future[Any]:
-    work = dist.all_reduce(bucket, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])  # type: ignore[no-any-return]
-
-
-def _storage_users(t: torch.Tensor) -> int:
-    """How many tensors share ``t``'s storage (``t`` included)."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:  # private API gone: never reuse
-        return 1 << 30
-    # The temporary Storage object made by untyped_storage() holds one more.
-    return int(use_count(t.untyped_storage()._cdata)) - 1
-
-
-def _engine_captures(leaf: torch.Tensor) -> bool:
-    """Whether the running backward returns grads (autograd.grad) instead of accumulating."""
-    node = torch.autograd.graph.get_gradient_edge(leaf).node
-    try:
-        torch._C._will_engine_execute_node(node)
-    except RuntimeError:
-        # torch refuses this query for leaves exactly when autograd.grad runs.
-        return True
-    return False
+def _eager(fn: _F) -> _F:
+    """Runs ``fn`` outside dynamo: a graph break under torch.compile, with a reason."""
+    disabled = torch.compiler.disable(  # type: ignore[no-untyped-call]
+        fn,
+        reason="fdp.DistributedDataParallel hooks the params' gradients eagerly; inside "
+        "torch.compile(fullgraph=True) reduce gradients with fdp.all_reduce_grads instead",
+    )
+    return cast(_F, disabled)
 
 
 class DistributedDataParallel:
@@ -463,7 +354,7 @@ class DistributedDataParallel:
         self._spec = spec
         # The default hook's division is folded into packing the bucket (one
         # pass over the gradients instead of two).
-        self._reduce: CommHook = comm_hook or _sum_hook
+        self._reduce: CommHook = comm_hook or sum_hook
         self._prescale = 1.0 if comm_hook else 1.0 / dist.get_world_size(group)
         self._meta = [None if t is None else (t.shape, t.dtype, t.device) for t in tensors]
         self._buckets = _bucket.plan(
@@ -480,7 +371,7 @@ class DistributedDataParallel:
         ]
         """The leaf paths of each bucket, in reduction order."""
         self._sync = True
-        self._step: _Step | None = None
+        self._step: Step | None = None
         self._buffers: list[torch.Tensor | None] = [None] * len(self._buckets)
 
     def _buffer(self, k: int) -> torch.Tensor:
@@ -492,7 +383,7 @@ class DistributedDataParallel:
         saved results) the step gets a new buffer instead.
         """
         buf = self._buffers[k]
-        if buf is None or _storage_users(buf) > 1:
+        if buf is None or storage_users(buf) > 1:
             buf = self._buffers[k] = self._buckets[k].empty()
         return buf
 
@@ -513,6 +404,7 @@ class DistributedDataParallel:
         finally:
             self._sync = previous
 
+    @_eager
     def __call__(self, params: T) -> T:
         call = "fdp.DistributedDataParallel.__call__"
         leaves, spec = _tree.flatten(params)
@@ -544,7 +436,7 @@ class DistributedDataParallel:
                         f"leaf of the autograd graph; got a tensor computed by "
                         f"{type(leaves[i].grad_fn).__name__} (pass the tensors you update)"
                     )
-        step = _Step(self, leaves, capture=capture)
+        step = Step(self, leaves, capture=capture)
         step.register()
         if step.hooked:
             self._step = step
