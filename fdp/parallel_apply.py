@@ -205,6 +205,29 @@ def _remember(fn: Callable[..., Any], seconds: float) -> None:
         _small[_hint_key(fn)] = seconds < _SMALL_S
 
 
+# Compiled functions (torch.compile) not yet called through parallel_apply.
+# Two threads making the first call of a compiled function at once compile it
+# twice, so the first call runs the replicas in a loop on the calling thread:
+# it compiles once, for every chunk shape, and later calls find it warm.
+_warm: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _cold_compiled(fn: Callable[..., Any]) -> bool:
+    key = _hint_key(fn)
+    compiled = hasattr(key, "_torchdynamo_orig_callable") or isinstance(
+        key, torch._dynamo.eval_frame.OptimizedModule
+    )
+    if not compiled:
+        return False
+    try:
+        if key in _warm:
+            return False
+        _warm.add(key)
+    except TypeError:  # not weak-referenceable: always take the safe path
+        pass
+    return True
+
+
 def _reraise(index: int, device: torch.device, err: BaseException) -> NoReturn:
     msg = (
         f"fdp.parallel_apply: replica {index} on device {device} raised {type(err).__name__}: {err}"
@@ -280,7 +303,7 @@ def parallel_apply(
         devs = [as_device(d, call=call, arg=f"devices[{i}]") for i, d in enumerate(devices)]
     args = [a if type(a) is tuple else (a,) for a in inputs]
 
-    if n == 1 or _run_inline() or _one_busy_cpu(devs) or _is_small(fn):
+    if n == 1 or _run_inline() or _one_busy_cpu(devs) or _is_small(fn) or _cold_compiled(fn):
         return _loop(fn, replicas, args, kws, devs)
 
     state = _State(devs)

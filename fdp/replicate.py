@@ -83,6 +83,24 @@ def _plan(tensors: list[torch.Tensor], targets: list[torch.device]) -> tuple[_Co
     )
 
 
+def _refuse_compiled_transform(call: str) -> None:
+    """Raises where torch would silently drop :class:`_Broadcast`'s backward.
+
+    Measured on torch 2.13: compiling ``torch.func.grad`` (or any functorch
+    transform) over a custom ``autograd.Function`` loses the Function's
+    backward, so the replicas' gradients would never reach the source leaves
+    (pytorch/pytorch#193279). Both checks are evaluated while dynamo traces.
+    """
+    if torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
+        raise NotImplementedError(
+            f"{call}: copying params to other devices inside torch.compile(torch.func.grad(...)) "
+            "would give wrong gradients: torch 2.13 drops a custom autograd.Function's backward "
+            "when it compiles a torch.func transform (pytorch/pytorch#193279). Compile the loss "
+            "and call .backward() or torch.autograd.grad on its result instead, or run "
+            "torch.func.grad without torch.compile"
+        )
+
+
 def replicate(params: Any, devices: Sequence[DeviceLike]) -> list[Any]:
     """Copies a parameter pytree to each device, differentiably.
 
@@ -146,6 +164,7 @@ def _replicate(params: Any, devs: list[torch.device], *, call: str) -> list[Any]
         copies = _plan(tensors, targets)
         if not copies:
             continue
+        _refuse_compiled_transform(call)
         if use_autograd:
             outputs: Sequence[torch.Tensor] = _Broadcast.apply(copies, *tensors)  # type: ignore[no-untyped-call]
         else:

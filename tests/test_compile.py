@@ -1,0 +1,273 @@
+"""fdp inside torch.compile: graph breaks, numerics against eager, recompiles, threads.
+
+Most tests compile with the "eager" or "aot_eager" backends (dynamo and
+AOTAutograd, no code generation) to keep the suite fast; one compiles with
+inductor. Every result is compared with a plain single-call eager reference.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import optree
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import fdp
+from tests import ranks
+from tests.helpers import Pair, detached_copy, leaves, tree_allclose
+
+pytestmark = pytest.mark.compile
+DEVICES = ["cpu", "cpu"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def make_params(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+
+    def p(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g).requires_grad_()
+
+    return {"layers": [{"w": p(6, 8), "b": p(8)}], "head": Pair(first=p(8, 3), second=None)}
+
+
+def model(params: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+    for layer in params["layers"]:
+        x = torch.tanh(x @ layer["w"] + layer["b"])
+    out: torch.Tensor = x @ params["head"].first
+    return out
+
+
+def loss_dp(params: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = fdp.data_parallel(model, params, x, devices=DEVICES)
+    return out.square().mean()
+
+
+def loss_ref(params: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+    return model(params, x).square().mean()
+
+
+def grads_of(params: Any) -> list[torch.Tensor | None]:
+    return [t.grad for t in leaves(params) if t is not None]
+
+
+def data(n: int = 7, seed: int = 1) -> torch.Tensor:
+    return torch.randn(n, 6, generator=torch.Generator().manual_seed(seed))
+
+
+def test_data_parallel_traces_into_one_graph() -> None:
+    explanation = torch._dynamo.explain(loss_dp)(make_params(), data())
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_data_parallel_matches_eager(backend: str) -> None:
+    params, x = make_params(), data()
+    reference = detached_copy(params)
+    torch.autograd.backward(loss_ref(reference, x))
+    compiled = torch.compile(loss_dp, fullgraph=True, backend=backend)
+    out = compiled(params, x)
+    torch.testing.assert_close(out, loss_ref(reference, x))
+    torch.autograd.backward(out)
+    for got, expected in zip(grads_of(params), grads_of(reference), strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_compiled_func_grad_over_data_parallel() -> None:
+    params, x = make_params(), data()
+    plain = optree.tree_map(lambda t: t.detach(), params["layers"])
+    head = params["head"].first.detach()
+
+    def loss(layers: Any, head: torch.Tensor, fn: Any) -> torch.Tensor:
+        result: torch.Tensor = fn({"layers": layers, "head": Pair(head, None)}, x)
+        return result
+
+    grad = torch.func.grad(loss, argnums=(0, 1))
+    expected = grad(plain, head, loss_ref)
+    got = torch.compile(grad, fullgraph=True, backend="aot_eager")(plain, head, loss_dp)
+    tree_allclose(got, expected)
+
+
+def test_inductor_training_matches_eager() -> None:
+    params, reference = make_params(), make_params()
+    compiled = torch.compile(loss_dp, backend="inductor")
+    for step in range(3):
+        x = data(seed=step)
+        for p, fn in ((params, compiled), (reference, loss_ref)):
+            torch.autograd.backward(fn(p, x))
+            with torch.no_grad():
+                for t in leaves(p):
+                    if t is not None:
+                        t -= 0.1 * t.grad
+                        t.grad = None
+    tree_allclose(params, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_training_loop_compiles_once() -> None:
+    counter = CompileCounterWithBackend("eager")
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def step(params: Any, x: torch.Tensor) -> Any:
+        grads = torch.func.grad(lambda p: loss_dp({**p, "head": Pair(p["head"], None)}, x))(params)
+        return optree.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+
+    params: Any = {"layers": make_params()["layers"], "head": make_params()["head"].first}
+    params = optree.tree_map(lambda t: t.detach(), params)
+    for i in range(12):  # new parameter tensors and new data every step
+        params = step(params, data(seed=i))
+    assert counter.frame_count == 1
+
+
+def test_compiled_function_in_worker_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With one intra-op thread, CPU replicas run in fdp's worker threads.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(model, backend=counter)
+    params = make_params()
+    x = data(n=64)
+    with torch.no_grad():
+        expected = model(params, x)
+        first = fdp.data_parallel(compiled, params, x, devices=DEVICES)
+        compiles = counter.frame_count
+        for _ in range(5):
+            torch.testing.assert_close(
+                fdp.data_parallel(compiled, params, x, devices=DEVICES), expected
+            )
+    torch.testing.assert_close(first, expected)
+    assert compiles == counter.frame_count == 1  # warmed on the caller, never again
+
+
+# --- the trap: compiled torch.func.grad drops a custom Function's backward ----
+
+
+@pytest.fixture
+def forced_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes replicate copy even onto the source device, as it does across GPUs."""
+
+    def plan(tensors: list[torch.Tensor], targets: list[torch.device]) -> Any:
+        groups: dict[Any, list[int]] = {}
+        for i, t in enumerate(tensors):
+            groups.setdefault((t.device, t.dtype), []).append(i)
+        return tuple((tuple(ix), target) for target in targets for ix in groups.values())
+
+    monkeypatch.setattr(importlib.import_module("fdp.replicate"), "_plan", plan)
+
+
+def replica_sum_loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    a, b = fdp.replicate(params, DEVICES)
+    total: torch.Tensor = (a["w"] * a["v"]).sum() + 2 * (b["w"] * b["v"]).sum()
+    return total
+
+
+@pytest.mark.usefixtures("forced_copies")
+def test_copies_under_compiled_func_grad_are_correct_or_raise() -> None:
+    # Without fdp's guard the compiled gradients here are silently zero: the
+    # traced copies carry no backward. With it, dynamo gives up on the
+    # transform: it runs eagerly (correct), or fullgraph=True raises fdp's error.
+    params = {"w": torch.ones(3), "v": torch.full((3,), 2.0)}
+    eager = torch.func.grad(replica_sum_loss)(params)  # copies exist and are correct
+    torch.testing.assert_close(eager["w"], torch.full((3,), 6.0))
+    compiled = torch.compile(torch.func.grad(replica_sum_loss), backend="aot_eager")(params)
+    tree_allclose(compiled, eager)
+    torch._dynamo.reset()
+    strict = torch.compile(torch.func.grad(replica_sum_loss), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"(?s)pytorch/pytorch#193279.*\.backward\(\)"):
+        strict(params)
+
+
+@pytest.mark.usefixtures("forced_copies")
+def test_copies_in_a_compiled_loss_with_backward_are_correct() -> None:
+    params = {"w": torch.ones(3, requires_grad=True), "v": torch.full((3,), 2.0)}
+    torch.autograd.backward(torch.compile(replica_sum_loss, backend="aot_eager")(params))
+    assert params["w"].grad is not None
+    torch.testing.assert_close(params["w"].grad, torch.full((3,), 6.0))
+
+
+# --- across processes ----------------------------------------------------------
+
+PER_RANK = 4
+
+
+def shard(t: torch.Tensor, rank: int) -> torch.Tensor:
+    return t[rank * PER_RANK : (rank + 1) * PER_RANK]
+
+
+def _compiled_sgd(rank: int, size: int, steps: int) -> Any:
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def step(params: Any, x: torch.Tensor) -> Any:
+        grads = torch.func.grad(lambda p: loss_ref({**p, "head": Pair(p["head"], None)}, x))(params)
+        grads = fdp.all_reduce_grads(grads, bucket_cap_mb=1e-4)  # several buckets
+        return optree.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+
+    full = make_params()
+    params: Any = {"layers": full["layers"], "head": full["head"].first}
+    params = optree.tree_map(lambda t: t.detach(), params)
+    for i in range(steps):
+        params = step(params, shard(data(n=size * PER_RANK, seed=i), rank))
+    return params, counter.frame_count
+
+
+def test_compiled_step_with_all_reduce_grads_matches_full_batch_training() -> None:
+    size, steps = 2, 4
+    results = ranks.world(size).run(_compiled_sgd, steps)
+    full = make_params()
+    reference: Any = {"layers": full["layers"], "head": full["head"].first}
+    reference = optree.tree_map(lambda t: t.detach(), reference)
+    for i in range(steps):
+        x = data(n=size * PER_RANK, seed=i)
+        grads = torch.func.grad(lambda p, x=x: loss_ref({**p, "head": Pair(p["head"], None)}, x))(
+            reference
+        )
+        reference = optree.tree_map(lambda p, g: p - 0.1 * g, reference, grads)
+    for params, frames in results:
+        tree_allclose(params, reference, rtol=1e-5, atol=1e-6)
+        assert frames == 1
+
+
+def _compiled_ddp(rank: int, size: int) -> Any:
+    torch._dynamo.reset()
+    params = make_params()
+    x = shard(data(n=size * PER_RANK), rank)
+    ddp = fdp.DistributedDataParallel(params, bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)
+    compiled = torch.compile(lambda p, x: loss_ref(ddp(p), x), backend="aot_eager")
+    torch.autograd.backward(compiled(params, x))
+    backward_grads = grads_of(params)
+
+    layers = optree.tree_map(lambda t: t.detach(), params["layers"])
+    head = params["head"].first.detach()
+    ddp2 = fdp.DistributedDataParallel({"layers": layers, "head": Pair(head, None)})
+
+    def loss(layers: Any, head: torch.Tensor) -> torch.Tensor:
+        return loss_ref(ddp2({"layers": layers, "head": Pair(head, None)}), x)
+
+    grad = torch.func.grad(loss, argnums=(0, 1))
+    func_grads = torch.compile(grad, backend="aot_eager")(layers, head)
+    return backward_grads, func_grads
+
+
+def test_ddp_in_compiled_losses_reduces_correctly() -> None:
+    size = 2
+    (backward_grads, func_grads), *_ = ranks.world(size).run(_compiled_ddp)
+    reference = make_params()
+    torch.autograd.backward(loss_ref(reference, data(n=size * PER_RANK)))
+    expected = grads_of(reference)
+    for got, ref in zip(backward_grads, expected, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    layers, head = func_grads
+    got_func = [*leaves(layers), head]
+    ordered = [*(t.grad for t in leaves(reference["layers"])), reference["head"].first.grad]
+    for got, ref in zip(got_func, ordered, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
