@@ -8,6 +8,7 @@ inductor. Every result is compared with a plain single-call eager reference.
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -129,8 +130,18 @@ def test_a_training_loop_compiles_once() -> None:
 
 
 def test_compiled_function_in_worker_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    # With one intra-op thread, CPU replicas run in fdp's worker threads.
+    # With one intra-op thread, CPU replicas run in fdp's worker threads, however small.
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    module = importlib.import_module("fdp.parallel_apply")
+    monkeypatch.setattr(module, "_SMALL_S", 0.0)
+    threads: set[int] = set()
+    original = module._call
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.add(threading.get_ident())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_call", recording)
     counter = CompileCounterWithBackend("eager")
     compiled = torch.compile(model, backend=counter)
     params = make_params()
@@ -145,6 +156,7 @@ def test_compiled_function_in_worker_threads(monkeypatch: pytest.MonkeyPatch) ->
             )
     torch.testing.assert_close(first, expected)
     assert compiles == counter.frame_count == 1  # warmed on the caller, never again
+    assert len(threads) > 1  # later calls did run in workers
 
 
 # --- the trap: compiled torch.func.grad drops a custom Function's backward ----
