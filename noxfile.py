@@ -67,6 +67,12 @@ def examples(session: nox.Session) -> None:
     install(session, "examples")
     session.run("python", "examples/train_digits.py", "--epochs", "2", "--min-accuracy", "0")
     session.run(*TORCHRUN, "examples/train_digits_ddp.py", "--epochs", "2", "--min-accuracy", "0")
+    for script in ("train_digits.py", "train_digits_ddp.py"):
+        launch = ("python",) if script == "train_digits.py" else TORCHRUN
+        session.run(
+            *launch, f"examples/{script}", "--compile", "--epochs", "2", "--min-accuracy", "0",
+            env=COMPILE_CACHE,
+        )  # fmt: skip
 
 
 @nox.session

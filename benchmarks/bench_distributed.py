@@ -15,6 +15,10 @@ compares two timings interleaved round by round (median over rounds).
    0.85x, aim 0.6x). Also the local step without communication and one flat
    all-reduce of all the gradients, from which the share of communication
    hidden behind backward follows: (local + comm - fdp) / comm.
+3. The DDP step of 2 compiled (inductor) vs eager, two ways: the loss with
+   ``ddp(params)`` inside compiled and ``.backward()`` outside; and a fully
+   compiled functional step (``torch.func.grad``, ``all_reduce_grads`` on
+   functional collectives, an SGD update with ``optree.tree_map``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import multiprocessing as mp
 import os
 import socket
 import sys
+from typing import Any
 
+import optree
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -138,6 +144,59 @@ def bench_step(rounds: int, rank: int, cap_mb: float) -> dict[str, float]:
     }
 
 
+def bench_compiled(rounds: int, rank: int) -> dict[str, float]:
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(BATCH, WIDTH, generator=g)
+    y = torch.randint(0, CLASSES, (BATCH,), generator=g)
+    params = make_params(0)
+    leaves = [t for layer in params for t in layer.values()]
+    ddp = fdp.DistributedDataParallel(params)
+    opt = torch.optim.SGD(leaves, lr=1e-3)
+
+    def ddp_loss(p: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        return F.cross_entropy(mlp(ddp(p), x), y)
+
+    compiled_loss = torch.compile(ddp_loss)
+
+    def ddp_step(loss_fn: Any) -> Any:
+        def step() -> None:
+            opt.zero_grad()
+            torch.autograd.backward(loss_fn(params))
+            opt.step()
+
+        return step
+
+    def functional(p: Any) -> Any:
+        grads = torch.func.grad(lambda p: F.cross_entropy(mlp(p, x), y))(p)
+        grads = fdp.all_reduce_grads(grads)
+        return optree.tree_map(lambda a, b: a - 1e-3 * b, p, grads)
+
+    compiled_functional = torch.compile(functional, fullgraph=True)
+    detached: Any = [{k: t.detach() for k, t in layer.items()} for layer in params]
+    state = {"eager": detached}
+    state["compiled"] = state["eager"]
+
+    def functional_step(fn: Any, key: str) -> Any:
+        def step() -> None:
+            state[key] = fn(state[key])
+
+        return step
+
+    t_eager, t_comp = side_by_side(ddp_step(ddp_loss), ddp_step(compiled_loss), rounds=rounds,
+                                   repeats=5, sync=dist.barrier)  # fmt: skip
+    f_eager, f_comp = side_by_side(functional_step(functional, "eager"),
+                                   functional_step(compiled_functional, "compiled"),
+                                   rounds=rounds, repeats=5, sync=dist.barrier)  # fmt: skip
+    return {
+        "ddp_eager_ms": 1e3 * t_eager,
+        "ddp_compiled_ms": 1e3 * t_comp,
+        "ddp_ratio": t_comp / t_eager,
+        "fn_eager_ms": 1e3 * f_eager,
+        "fn_compiled_ms": 1e3 * f_comp,
+        "fn_ratio": f_comp / f_eager,
+    }
+
+
 def run(rank: int, size: int, port: int, quick: bool, which: str, cap_mb: float) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -175,13 +234,24 @@ def run(rank: int, size: int, port: int, quick: bool, which: str, cap_mb: float)
             f"{s['comm_ms']:.1f} ms vs fdp {s['fdp2_ms']:.1f} ms -> "
             f"{100 * s['hidden']:.0f}% of the communication hidden behind backward"
         )
+    if which in ("all", "compiled"):
+        c = bench_compiled(rounds, rank)
+        say(
+            f"compiled DDP step, ddp(params) in a compiled loss: {c['ddp_compiled_ms']:.1f} ms vs "
+            f"eager {c['ddp_eager_ms']:.1f} ms -> {c['ddp_ratio']:.3f}x"
+        )
+        say(
+            "compiled functional step (func.grad, all_reduce_grads, tree_map update, fullgraph): "
+            f"{c['fn_compiled_ms']:.1f} ms vs eager {c['fn_eager_ms']:.1f} ms "
+            f"-> {c['fn_ratio']:.3f}x"
+        )
     dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
-    parser.add_argument("--only", choices=["all", "all_reduce", "step"], default="all")
+    parser.add_argument("--only", choices=["all", "all_reduce", "step", "compiled"], default="all")
     parser.add_argument(
         "--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size, fdp and torch alike"
     )
