@@ -37,7 +37,11 @@ def mlp(params: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> tor
     return x
 
 
-def bench_step(rounds: int, devices: list[str]) -> dict[str, float]:
+Layers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def step_inputs() -> tuple[Layers, list[torch.Tensor], torch.Tensor]:
+    """A 6-layer 512-wide MLP, its leaves, and a batch of 512."""
     g = torch.Generator().manual_seed(0)
     width, depth, batch = 512, 6, 512
     params = [
@@ -48,7 +52,11 @@ def bench_step(rounds: int, devices: list[str]) -> dict[str, float]:
         for _ in range(depth)
     ]
     leaves = [t for layer in params for t in layer]
-    x = torch.randn(batch, width, generator=g)
+    return params, leaves, torch.randn(batch, width, generator=g)
+
+
+def bench_step(rounds: int, devices: list[str]) -> dict[str, float]:
+    params, leaves, x = step_inputs()
 
     def direct() -> None:
         torch.autograd.grad(mlp(params, x).square().mean(), leaves)
@@ -76,19 +84,9 @@ def bench_step(rounds: int, devices: list[str]) -> dict[str, float]:
 
 def bench_compiled(rounds: int, devices: list[str]) -> dict[str, float]:
     """The step of bench_step, eager vs torch.compile (inductor), same model and data."""
-    g = torch.Generator().manual_seed(0)
-    width, depth, batch = 512, 6, 512
-    params = [
-        (
-            (torch.randn(width, width, generator=g) / width**0.5).requires_grad_(),
-            torch.zeros(width, requires_grad=True),
-        )
-        for _ in range(depth)
-    ]
-    leaves = [t for layer in params for t in layer]
-    x = torch.randn(batch, width, generator=g)
+    params, leaves, x = step_inputs()
 
-    def loss(params: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+    def loss(params: Layers, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = fdp.data_parallel(mlp, params, x, devices=devices)
         return out.square().mean()
 
