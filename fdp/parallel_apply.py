@@ -14,18 +14,21 @@ devices).
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
 import queue
+import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack, suppress
 from typing import Any, NoReturn
 
 import torch
 
-from fdp import _tree
+from fdp import _compat, _tree
 from fdp._device import DeviceLike, as_device
 
 __all__ = ["parallel_apply"]
@@ -66,6 +69,9 @@ class _Job:
         except BaseException as err:  # handed to the caller, which re-raises it
             self.error = err
         finally:
+            # The worker must not keep the replica's arguments (an autograd
+            # graph) alive until its next job.
+            self.call = _done
             self.done.release()
 
     def wait(self) -> None:
@@ -82,24 +88,64 @@ class _Job:
             time.sleep(0)
 
 
-_jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-_n_workers = 0
-_workers_lock = threading.Lock()
+def _done() -> None:
+    return None
 
 
-def _work() -> None:
+class _Pool:
+    """The persistent daemon workers and their queue (``None`` stops a worker)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+
+    def ensure(self, n: int) -> None:
+        """Starts workers until there are at least ``n``."""
+        with self.lock:
+            while len(self.threads) < n:
+                name = f"fdp-replica-{len(self.threads)}"
+                thread = threading.Thread(target=_work, args=(self.jobs,), name=name, daemon=True)
+                thread.start()
+                self.threads.append(thread)
+
+    def stop(self, timeout_s: float) -> None:
+        """Stops and joins the workers, so none dies inside torch at interpreter exit."""
+        with self.lock:
+            threads, self.threads = self.threads, []
+        for _ in threads:
+            self.jobs.put(None)
+        deadline = time.monotonic() + timeout_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _work(jobs: queue.SimpleQueue[_Job | None]) -> None:
     _worker.active = True
-    while True:
-        _jobs.get().run_if_unclaimed()
+    while (job := jobs.get()) is not None:
+        job.run_if_unclaimed()
+        del job  # the next get() may block for a long time
 
 
-def _ensure_workers(n: int) -> None:
-    """Starts persistent daemon workers until there are at least ``n``."""
-    global _n_workers
-    with _workers_lock:
-        while _n_workers < n:
-            threading.Thread(target=_work, name=f"fdp-replica-{_n_workers}", daemon=True).start()
-            _n_workers += 1
+_pool = _Pool()
+
+
+def _stop_pool() -> None:
+    _pool.stop(timeout_s=10.0)
+
+
+def _reset_pool_after_fork() -> None:
+    # The child has none of the parent's threads; a queue they served would
+    # collect every job (and its autograd graph) forever.
+    global _pool
+    _pool = _Pool()
+
+
+# A daemon thread still holding a replica's graph when the interpreter
+# finalizes can abort the process (std::terminate); stop workers first.
+atexit.register(_stop_pool)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_pool_after_fork)
 
 
 def _one_busy_cpu(devices: list[torch.device]) -> bool:
@@ -118,7 +164,7 @@ def _run_inline() -> bool:
     return (
         torch.compiler.is_compiling()
         # A torch.func transform (grad, vmap, ...) is active on this thread.
-        or torch._C._functorch.peek_interpreter_stack() is not None
+        or _compat.functorch_active()
         # A replica calling data_parallel again must not wait on its own pool.
         or getattr(_worker, "active", False)
     )
@@ -137,14 +183,20 @@ class _State:
         ]
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.streams = {d: torch.cuda.current_stream(d) for d in set(devices) if d.type == "cuda"}
-        # A new thread starts with grad on, inference mode off, no autocast.
-        self.carry = not self.grad or self.inference or bool(self.autocast)
+        self.default_devices = _compat.default_device_modes() or []
+        # A new thread starts with grad on, inference mode off, no autocast,
+        # no default device.
+        changed = not self.grad or self.inference or bool(self.autocast)
+        self.carry = changed or bool(self.default_devices)
+        self.uncarried = _compat.uncarried_thread_state(carried=changed)
 
     def needed(self, device: torch.device, *, on_caller: bool) -> bool:
         return device.type == "cuda" or (self.carry and not on_caller)
 
     def enter(self, stack: ExitStack, device: torch.device, *, on_caller: bool) -> None:
         if not on_caller:
+            for default in self.default_devices:
+                stack.enter_context(torch.device(default))
             if self.inference:
                 stack.enter_context(torch.inference_mode())
             if not self.grad:
@@ -229,14 +281,13 @@ def _cold_compiled(fn: Callable[..., Any]) -> bool:
 
 
 def _reraise(index: int, device: torch.device, err: BaseException) -> NoReturn:
-    msg = (
-        f"fdp.parallel_apply: replica {index} on device {device} raised {type(err).__name__}: {err}"
-    )
-    try:
-        wrapped = type(err)(msg)
-    except Exception:  # exception types whose constructor wants other arguments
-        wrapped = RuntimeError(msg)
-    raise wrapped from err
+    """Raises the replica's own exception object, with a note naming the replica (PEP 678)."""
+    note = f"fdp.parallel_apply: raised by replica {index} on device {device}"
+    if sys.version_info >= (3, 11):
+        err.add_note(note)
+    else:  # pragma: no cover (3.10 keeps notes but does not print them)
+        err.__notes__ = [*getattr(err, "__notes__", []), note]
+    raise err
 
 
 def _infer_device(*trees: Any) -> torch.device:
@@ -262,9 +313,15 @@ def parallel_apply(
     replicas share the CPU and torch's intra-op threads already use its cores,
     and when the last call's replica took less than a thread wake-up.
 
-    Every call finishes before this returns; if any raised, the exception of
-    the lowest replica index is re-raised (same type when possible), naming
-    the replica and its device, chained to the original.
+    They also run in a loop when the caller has thread-local state a worker
+    cannot reproduce (a dispatch mode such as ``FlopCounterMode``,
+    saved-tensor hooks such as ``save_on_cpu``): grad mode, inference mode,
+    autocast, ``torch.device`` contexts and the CUDA device and stream are
+    carried to the workers. Either way the results are the same.
+
+    Every call finishes before this returns; if any raised, the exception
+    object of the lowest replica index is re-raised as it is (type, args and
+    attributes intact), with a note (PEP 678) naming the replica and device.
 
     Args:
         fn: the function to run, ``fn(params, *args, **kwargs)``.
@@ -285,41 +342,77 @@ def parallel_apply(
         [tensor([2.]), tensor([3.])]
     """
     call = "fdp.parallel_apply"
-    n = len(replicas)
-    if len(inputs) != n:
-        raise ValueError(
-            f"{call}: `inputs` expected one entry per replica ({n}); got {len(inputs)}"
-        )
-    kws: Sequence[dict[str, Any]] = [{}] * n if kwargs is None else kwargs
-    if len(kws) != n:
-        raise ValueError(f"{call}: `kwargs` expected one dict per replica ({n}); got {len(kws)}")
-    if devices is None:
-        devs = [_infer_device(r, a) for r, a in zip(replicas, inputs, strict=True)]
-    else:
-        if len(devices) != n:
-            raise ValueError(
-                f"{call}: `devices` expected one device per replica ({n}); got {len(devices)}"
-            )
-        devs = [as_device(d, call=call, arg=f"devices[{i}]") for i, d in enumerate(devices)]
+    n, kws, devs = _check_arguments(replicas, inputs, kwargs, devices, call=call)
     args = [a if type(a) is tuple else (a,) for a in inputs]
-
     if n == 1 or _run_inline() or _one_busy_cpu(devs) or _is_small(fn) or _cold_compiled(fn):
         return _loop(fn, replicas, args, kws, devs)
-
     state = _State(devs)
+    if state.uncarried is not None:
+        return _loop(fn, replicas, args, kws, devs)
+    return _threaded(fn, replicas, args, kws, devs, state)
+
+
+def _check_sequence(value: object, name: str, n: int | None, *, call: str) -> int:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"{call}: `{name}` expected a sequence with one entry per replica; "
+            f"got {type(value).__name__}"
+        )
+    if n is not None and len(value) != n:
+        what = {"kwargs": "one dict", "devices": "one device"}.get(name, "one entry")
+        raise ValueError(f"{call}: `{name}` expected {what} per replica ({n}); got {len(value)}")
+    return len(value)
+
+
+def _check_arguments(
+    replicas: object, inputs: object, kwargs: object, devices: object, *, call: str
+) -> tuple[int, Sequence[dict[str, Any]], list[torch.device]]:
+    n = _check_sequence(replicas, "replicas", None, call=call)
+    if n == 0:
+        raise ValueError(f"{call}: `replicas` expected at least one replica; got none")
+    _check_sequence(inputs, "inputs", n, call=call)
+    kws: Sequence[dict[str, Any]] = [{}] * n
+    if kwargs is not None:
+        _check_sequence(kwargs, "kwargs", n, call=call)
+        kws = kwargs  # type: ignore[assignment]
+        for i, kw in enumerate(kws):
+            if not isinstance(kw, Mapping):
+                raise TypeError(
+                    f"{call}: `kwargs[{i}]` expected a dict of keyword arguments; "
+                    f"got {type(kw).__name__}"
+                )
+    if devices is None:
+        devs = [_infer_device(r, a) for r, a in zip(replicas, inputs, strict=True)]  # type: ignore[call-overload]
+    else:
+        _check_sequence(devices, "devices", n, call=call)
+        devs = [as_device(d, call=call, arg=f"devices[{i}]") for i, d in enumerate(devices)]  # type: ignore[arg-type]
+    return n, kws, devs
+
+
+def _threaded(
+    fn: Callable[..., Any],
+    replicas: Sequence[Any],
+    args: list[tuple[Any, ...]],
+    kws: Sequence[dict[str, Any]],
+    devs: list[torch.device],
+    state: _State,
+) -> list[Any]:
+    """Replica 0 on the caller, the others on workers (or the caller, if it gets there first)."""
+    n = len(replicas)
     jobs = [
         _Job(functools.partial(_call, fn, replicas[i], args[i], kws[i], devs[i], state))
         for i in range(1, n)
     ]
-    _ensure_workers(n - 1)
+    pool = _pool
+    pool.ensure(n - 1)
     for job in jobs:
-        _jobs.put(job)
+        pool.jobs.put(job)
     first: Any = None
     error: BaseException | None = None
     start = time.perf_counter()
     try:
         first = _call(fn, replicas[0], args[0], kws[0], devs[0], state, on_caller=True)
-    except Exception as err:
+    except BaseException as err:  # KeyboardInterrupt too: the others finish first
         error = err
     _remember(fn, time.perf_counter() - start)
     for job in jobs:
@@ -355,6 +448,8 @@ def _loop(
             # As with threads: every replica runs before the first error is raised.
             errors.append((i, err))
             outputs.append(None)
+        except BaseException as err:  # KeyboardInterrupt, SystemExit: nothing else runs
+            _reraise(i, devs[i], err)
         if i == 0:
             _remember(fn, time.perf_counter() - start)
     if errors:

@@ -136,9 +136,14 @@ def test_compiled_function_in_worker_threads(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(module, "_SMALL_S", 0.0)
     threads: set[int] = set()
     original = module._call
+    # In thread mode (state given) both replicas meet at a barrier, so replica 1
+    # runs on a worker whatever the scheduling (the caller cannot steal it).
+    barrier = threading.Barrier(len(DEVICES), timeout=30)
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         threads.add(threading.get_ident())
+        if args[5] is not None:
+            barrier.wait()
         return original(*args, **kwargs)
 
     monkeypatch.setattr(module, "_call", recording)

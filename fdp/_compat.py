@@ -1,0 +1,105 @@
+"""Private torch APIs fdp relies on, each behind a named function.
+
+Every function says what it needs and what to do when torch changes: most
+degrade to the safe answer (run replicas in a loop, never reuse a buffer)
+rather than fail. Checked against torch 2.13.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (grad, vmap, ...) is running on this thread."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def current_autograd_node() -> Any:
+    """The autograd node the engine is running on this thread, or ``None``.
+
+    Inside a final callback of a nested (reentrant) backward this is the outer
+    backward's node that started it (``CheckpointFunctionBackward``); in the
+    outermost backward's callbacks it is ``None``. If torch drops the API,
+    returning ``None`` gives the behaviour fdp had before: finish at once.
+    """
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return None if current is None else current()
+
+
+# --- thread-local state that a worker thread does not inherit ---------------
+
+
+def _dispatch_key_sets() -> tuple[str, str]:
+    return (
+        repr(torch._C._dispatch_tls_local_include_set()),
+        repr(torch._C._dispatch_tls_local_exclude_set()),
+    )
+
+
+_fresh_sets: list[tuple[str, str]] = []
+
+
+def _fresh_thread_key_sets() -> tuple[str, str]:
+    """The dispatch key sets of a new thread (measured once, on a new thread)."""
+    if not _fresh_sets:
+        thread = threading.Thread(target=lambda: _fresh_sets.append(_dispatch_key_sets()))
+        thread.start()
+        thread.join()
+    return _fresh_sets[0]
+
+
+def default_device_modes() -> list[torch.device] | None:
+    """The devices of the active ``torch.device`` contexts, outermost first.
+
+    ``None`` when any other torch function mode is active: such modes (and
+    every dispatch mode) hold state a worker thread cannot share safely.
+    """
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    devices: list[torch.device] = []
+    for mode in _get_current_function_mode_stack():
+        if not isinstance(mode, DeviceContext):
+            return None
+        devices.append(mode.device)
+    return devices
+
+
+def uncarried_thread_state(*, carried: bool) -> str | None:
+    """Why replicas cannot run on worker threads, or ``None`` if they can.
+
+    A new thread starts with torch's defaults. fdp carries grad mode,
+    inference mode, autocast, ``torch.device`` contexts and the CUDA device
+    and stream; anything else thread-local (dispatch modes such as
+    ``FlopCounterMode``, other function modes, saved-tensor hooks such as
+    ``save_on_cpu``, forward-mode AD switched off, any dispatch key set a
+    guard changed) would reach replica 0 only, so replicas then run in a loop
+    on the calling thread. ``carried``: grad/inference/autocast state differs
+    from a new thread's and will be carried (the key-set comparison, which
+    those states change, is skipped then).
+    """
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return "a torch dispatch mode is active"
+    if default_device_modes() is None:
+        return "a torch function mode is active"
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return "saved-tensor hooks are active"
+    if not carried:
+        if not torch._C._is_fwd_grad_enabled():
+            return "forward-mode AD is disabled"
+        if _dispatch_key_sets() != _fresh_thread_key_sets():
+            return "the dispatch key sets differ from a new thread's"
+    return None
+
+
+def storage_users(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s storage (``t`` included); huge if unknown."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # private API gone: never reuse
+        return 1 << 30
+    # The temporary Storage object made by untyped_storage() holds one more.
+    return int(use_count(t.untyped_storage()._cdata)) - 1
