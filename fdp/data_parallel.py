@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from fdp._device import DeviceLike, as_device, as_devices
 from fdp.parallel_apply import parallel_apply
@@ -80,27 +79,41 @@ def data_parallel(
 
 
 def _shell(module: nn.Module) -> nn.Module:
-    """A copy of the module tree that shares every tensor but owns its attribute dicts.
+    """A copy of the module tree, as it is now, that shares every tensor but owns its dicts.
 
     ``functional_call`` swaps tensors in and out of module attributes; on a
-    shell of its own, each thread swaps without disturbing the others or the
-    original module.
+    shell of its own, each call swaps without disturbing other threads or the
+    original module. Built afresh for every call from each module's current
+    ``__dict__``, so whatever ``forward`` reads (``training``, a Dropout's
+    ``p``, a user's flag) is live. Built without closures, so no reference
+    cycle is left for the garbage collector.
     """
-    memo: dict[int, nn.Module] = {}
-
-    def visit(m: nn.Module) -> nn.Module:
-        if id(m) in memo:
-            return memo[id(m)]
-        shell = copy.copy(m)
-        memo[id(m)] = shell
-        shell.__dict__["_parameters"] = dict(m._parameters)
-        shell.__dict__["_buffers"] = dict(m._buffers)
-        shell.__dict__["_modules"] = {
-            name: None if child is None else visit(child) for name, child in m._modules.items()
+    modules = list(module.modules())
+    shells: dict[int, nn.Module] = {}
+    for m in modules:
+        shell = object.__new__(type(m))
+        shell.__dict__.update(m.__dict__)
+        shells[id(m)] = shell
+    for m in modules:
+        attrs = shells[id(m)].__dict__
+        attrs["_parameters"] = dict(m._parameters)
+        attrs["_buffers"] = dict(m._buffers)
+        attrs["_modules"] = {
+            name: None if child is None else shells[id(child)]
+            for name, child in m._modules.items()
         }
-        return shell
+    return shells[id(module)]
 
-    return visit(module)
+
+def _refuse_lazy(state: Mapping[str, torch.Tensor], module: nn.Module) -> None:
+    for name, tensor in state.items():
+        if is_lazy(tensor):
+            raise ValueError(
+                f"fdp.make_functional: `module` has an uninitialized lazy tensor {name!r} "
+                f"({type(module.get_submodule(name.rpartition('.')[0])).__name__}); expected "
+                "initialized parameters and buffers, got an Uninitialized tensor. Run the module "
+                "once on a sample batch first: replicas must not initialize the shared module"
+            )
 
 
 def make_functional(module: nn.Module) -> tuple[Callable[..., Any], dict[str, torch.Tensor]]:
@@ -111,16 +124,23 @@ def make_functional(module: nn.Module) -> tuple[Callable[..., Any], dict[str, to
     in-place buffer updates land on the module). ``fn(state, *args,
     **kwargs)`` runs the module's forward with the tensors in ``state``
     (missing names fall back to the module's own); it is safe to call from
-    several threads at once because each thread works on a private shell of
-    the module (built on its first call) rather than swapping attributes on
-    the shared one. Submodules added to ``module`` after this call are not
-    seen by threads that already built their shell.
+    several threads at once because each call works on a private shell of
+    the module rather than swapping attributes on the shared one. The shell
+    is made from the module as it is at the call, so ``module.eval()``,
+    ``module.train()`` and any attribute ``forward`` reads take effect on the
+    next call, in every thread. Plain attributes that ``forward`` assigns
+    land on the shell and are dropped, as on DataParallel's replicas; tensors
+    updated in place (BatchNorm statistics) land on the module.
 
     Args:
         module: the module to split.
 
     Returns:
         ``(fn, state)``.
+
+    Raises:
+        ValueError: ``module`` has uninitialized lazy parameters
+            (``nn.LazyLinear`` before its first call).
 
     Example:
         >>> import torch, fdp
@@ -136,15 +156,11 @@ def make_functional(module: nn.Module) -> tuple[Callable[..., Any], dict[str, to
         )
     state: dict[str, torch.Tensor] = dict(module.named_parameters())
     state.update(module.named_buffers())
-    local = threading.local()
+    _refuse_lazy(state, module)
 
     def fn(state: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        target = module
         # Compiled code runs on one thread; dynamo traces the real module.
-        if not torch.compiler.is_compiling():
-            if not hasattr(local, "shell"):
-                local.shell = _shell(module)
-            target = local.shell
+        target = module if torch.compiler.is_compiling() else _shell(module)
         return torch.func.functional_call(target, dict(state), args, kwargs)
 
     return fn, state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import threading
 from typing import Any, cast
 
@@ -344,3 +345,71 @@ def test_make_functional_rejects_non_modules() -> None:
         TypeError, match=r"fdp.make_functional: `module` expected a torch.nn.Module"
     ):
         fdp.make_functional(lambda x: x)  # type: ignore[arg-type]
+
+
+class Flagged(nn.Module):
+    """Reads a mode flag, a Dropout and a user attribute in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.drop = nn.Dropout(0.5)
+        self.norm = nn.BatchNorm1d(6)
+        self.gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.drop(self.lin(x))) * self.gain  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("where", ["direct", "cpu", "threads"])
+def test_make_functional_sees_mode_and_attribute_changes(where: str) -> None:
+    net = Flagged()
+    fn, state = fdp.make_functional(net)
+    x = torch.randn(8, 6)
+
+    def run() -> torch.Tensor:
+        if where == "direct":
+            return fn(state, x)  # type: ignore[no-any-return]
+        if where == "cpu":
+            return fdp.data_parallel(fn, state, x, devices=["cpu"])  # type: ignore[no-any-return]
+        # Fake devices: replicas on worker threads; the output is checked on one chunk.
+        return fdp.parallel_apply(fn, [state, state], [(x,), (x,)], None, [fake(0), fake(1)])[1]  # type: ignore[no-any-return]
+
+    run()  # the first call (a thread's shell used to freeze the module here)
+    net.eval()
+    net.gain = 3.0
+    with torch.no_grad():
+        torch.testing.assert_close(run(), net(x))  # no dropout, running statistics, gain 3
+        net.drop.p = 0.0
+        net.train()
+        ref = copy.deepcopy(net)(x)  # train mode again: batch statistics, p = 0
+        torch.testing.assert_close(run(), ref)
+
+
+def test_make_functional_leaves_no_garbage() -> None:
+    net = Net()
+    fn, state = fdp.make_functional(net)
+    x = torch.randn(4, 6)
+    net(x).sum().backward()  # whatever torch itself caches on a first call
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            fn(state, x).sum().backward()
+        assert gc.collect() == 0, "make_functional left reference cycles behind"
+    finally:
+        gc.enable()
+
+
+def test_make_functional_refuses_uninitialized_lazy_modules() -> None:
+    net = nn.Sequential(nn.LazyLinear(4), nn.ReLU())
+    with pytest.raises(
+        ValueError,
+        match=r"fdp.make_functional: `module` has an uninitialized lazy tensor '0.weight' "
+        r"\(LazyLinear\); expected initialized .* Run the module once on a sample batch",
+    ):
+        fdp.make_functional(net)
+    net(torch.randn(2, 3))  # initialised: now it works, and matches the module
+    fn, state = fdp.make_functional(net)
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(fdp.data_parallel(fn, state, x, devices=["cpu", "cpu"]), net(x))
