@@ -103,3 +103,38 @@ def storage_users(t: torch.Tensor) -> int:
         return 1 << 30
     # The temporary Storage object made by untyped_storage() holds one more.
     return int(use_count(t.untyped_storage()._cdata)) - 1
+
+
+# --- pytree nodes registered by users ----------------------------------------
+
+Flatten = Any  # obj -> (children, context)
+Unflatten = Any  # (context, children) -> obj
+
+
+def registered_node(kind: type) -> tuple[Flatten, Unflatten] | None:
+    """How a user-registered pytree node type flattens, whichever registry it is in.
+
+    Looks in optree's registry under every namespace (optree has no public
+    listing of namespaces: ``_NODETYPE_REGISTRY``, checked on optree 0.20) and
+    in ``torch.utils._pytree``'s ``SUPPORTED_NODES``. Without them, a user's
+    node type is not split and, holding tensors, is refused with an error.
+    """
+    import optree
+    import torch.utils._pytree as torch_pytree
+
+    registry: dict[Any, Any] = getattr(optree.registry, "_NODETYPE_REGISTRY", {})
+    for key, entry in registry.items():
+        if key is kind or (isinstance(key, tuple) and key[1] is kind):
+
+            def flatten(obj: Any, entry: Any = entry) -> tuple[list[Any], Any]:
+                out = entry.flatten_func(obj)
+                return list(out[0]), out[1]
+
+            return flatten, lambda context, children, e=entry: e.unflatten_func(context, children)
+    node = torch_pytree.SUPPORTED_NODES.get(kind)
+    if node is not None:
+        return (
+            lambda obj: (lambda out: (list(out[0]), out[1]))(node.flatten_fn(obj)),
+            lambda context, children: node.unflatten_fn(children, context),
+        )
+    return None

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fdp import _tree
+from fdp import _batch, _tree
 from fdp._device import DeviceLike, as_device, as_devices
 
 __all__ = ["gather", "scatter", "scatter_kwargs"]
@@ -55,6 +55,28 @@ def _chunk_sizes(
     return sizes
 
 
+def _refuse_arrays(leaf: object, path_of: Callable[[int], str], i: int, *, call: str) -> None:
+    kind = type(leaf)
+    if kind.__name__ == "ndarray" and kind.__module__ == "numpy":
+        shape = getattr(leaf, "shape", "?")
+        raise TypeError(
+            f"{call}: leaf {path_of(i)} is a numpy array of shape {shape}; fdp splits tensors "
+            "only and would give every replica the whole array. Expected a tensor: convert it "
+            "with torch.from_numpy (or close over it in the function if every replica needs all)"
+        )
+
+
+def _refuse_layouts(
+    leaf: torch.Tensor, path_of: Callable[[int], str], i: int, *, call: str
+) -> None:
+    if leaf.is_nested or leaf.layout != torch.strided:
+        got = "a nested (jagged) tensor" if leaf.is_nested else f"layout {leaf.layout}"
+        raise TypeError(
+            f"{call}: leaf {path_of(i)} expected a dense (strided) tensor to split along the "
+            f"batch dimension; got {got}. Convert it (.to_dense()) or split it yourself"
+        )
+
+
 def _scatter_leaves(
     leaves: list[Any],
     path_of: Callable[[int], str],
@@ -71,7 +93,9 @@ def _scatter_leaves(
     first = -1
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
+            _refuse_arrays(leaf, path_of, i, call=call)
             continue
+        _refuse_layouts(leaf, path_of, i, call=call)
         ndim = leaf.dim()
         if not -ndim <= dim < ndim:
             expected = f"dim in [{-ndim}, {ndim - 1}]" if ndim else "at least one dimension"
@@ -88,8 +112,9 @@ def _scatter_leaves(
                 f"leaf {path_of(first)} has {batch}, leaf {path_of(i)} has {size}"
             )
     if batch is None:
-        # Nothing to split: every device gets the same arguments.
-        return [list(leaves) for _ in devices]
+        # Nothing to split: one call, on the first device (as DataParallel does
+        # for no inputs), rather than the same result once per device.
+        return [list(leaves)]
     sizes = _chunk_sizes(batch, len(devices), chunk_sizes, call=call)
     per_device: list[list[Any]] = [[] for _ in sizes]
     for leaf in leaves:
@@ -114,10 +139,14 @@ def scatter(
 ) -> list[tuple[Any, ...]]:
     """Splits a batch into per-device argument tuples.
 
-    Tensor leaves anywhere in ``inputs`` (nested tuple/list/dict/namedtuple) are
-    split along ``dim`` and moved to their device; other leaves (ints,
-    strings, ``None``) are shared by every chunk. A batch smaller than the
-    device count gives fewer chunks, one per example.
+    Tensor leaves anywhere in ``inputs`` are split along ``dim`` and moved to
+    their device; other leaves (ints, strings, ``None``) are shared by every
+    chunk. Containers are searched for tensors: tuples, lists, dicts,
+    namedtuples, their subclasses, any ``Mapping`` or ``Sequence``,
+    dataclasses, and types registered with optree (any namespace) or
+    ``torch.utils._pytree``; each chunk gets the user's type rebuilt around
+    its part. A batch smaller than the device count gives fewer chunks, one
+    per example; inputs without any tensor give one chunk.
 
     Args:
         inputs: a tensor, or a plain tuple of positional arguments (any other
@@ -133,6 +162,9 @@ def scatter(
     Raises:
         ValueError: ``dim`` out of range for a leaf, leaves whose batch sizes
             differ, bad ``chunk_sizes`` or empty ``devices``.
+        TypeError: an object fdp cannot split holds tensors, a numpy array,
+            or a sparse or nested tensor (each would otherwise reach every
+            replica whole).
 
     Example:
         >>> import torch, fdp
@@ -143,16 +175,16 @@ def scatter(
     call = "fdp.scatter"
     devs = as_devices(devices, call=call)
     args = _as_args(inputs)
-    leaves, spec = _tree.flatten(args)
+    leaves, spec = _batch.flatten(args, call=call, root="inputs")
     chunks = _scatter_leaves(
         leaves,
-        lambda i: _tree.path(args, i, "inputs"),
+        lambda i: _batch.paths(spec, "inputs")[i],
         devs,
         dim=dim,
         chunk_sizes=chunk_sizes,
         call=call,
     )
-    return [_tree.unflatten(spec, chunk) for chunk in chunks]
+    return [_batch.unflatten(spec, chunk) for chunk in chunks]
 
 
 def scatter_kwargs(
@@ -195,21 +227,21 @@ def _scatter_kwargs(
         raise TypeError(f"{call}: `kwargs` expected a mapping or None; got {type(kwargs).__name__}")
     args = _as_args(inputs)
     kw = dict(kwargs)
-    arg_leaves, arg_spec = _tree.flatten(args)
-    kw_leaves, kw_spec = _tree.flatten(kw)
+    arg_leaves, arg_spec = _batch.flatten(args, call=call, root="inputs")
+    kw_leaves, kw_spec = _batch.flatten(kw, call=call, root="kwargs")
     n_args = len(arg_leaves)
 
     def path_of(i: int) -> str:
         if i < n_args:
-            return _tree.path(args, i, "inputs")
-        return _tree.path(kw, i - n_args, "kwargs")
+            return _batch.paths(arg_spec, "inputs")[i]
+        return _batch.paths(kw_spec, "kwargs")[i - n_args]
 
     chunks = _scatter_leaves(
         arg_leaves + kw_leaves, path_of, devs, dim=dim, chunk_sizes=chunk_sizes, call=call
     )
     return (
-        [_tree.unflatten(arg_spec, c[:n_args]) for c in chunks],
-        [_tree.unflatten(kw_spec, c[n_args:]) for c in chunks],
+        [_batch.unflatten(arg_spec, c[:n_args]) for c in chunks],
+        [_batch.unflatten(kw_spec, c[n_args:]) for c in chunks],
     )
 
 
@@ -253,7 +285,7 @@ def _gather(outputs: Sequence[Any], target: torch.device, *, dim: int, call: str
         raise ValueError(f"{call}: `outputs` expected a non-empty sequence of per-replica outputs")
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"{call}: `dim` expected an int; got {dim!r}")
-    flat = [_tree.flatten(out) for out in outputs]
+    flat = [_batch.flatten(out, call=call, root="output") for out in outputs]
     spec = flat[0][1]
     for r, (_, other) in enumerate(flat[1:], start=1):
         if other != spec:
@@ -269,7 +301,7 @@ def _gather(outputs: Sequence[Any], target: torch.device, *, dim: int, call: str
         is_tensor = [isinstance(v, torch.Tensor) for v in values]
 
         def path(j: int = j) -> str:
-            return _tree.path(outputs[0], j, "output")
+            return _batch.paths(spec, "output")[j]
 
         if not any(is_tensor):
             for r, value in enumerate(values[1:], start=1):
@@ -305,7 +337,7 @@ def _gather(outputs: Sequence[Any], target: torch.device, *, dim: int, call: str
             joined.append(tensors[0])
         else:
             joined.append(torch.cat([t.to(target) for t in tensors], leaf_dim))
-    return _tree.unflatten(spec, joined)
+    return _batch.unflatten(spec, joined)
 
 
 def _check_joinable(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, cast
 
 import optree
 import pytest
 import torch
+import torch.utils._pytree
 
 import fdp
 from tests.helpers import CPU, Pair, count_copies, fake, label, leaves, plain, tree_allclose
@@ -81,8 +83,21 @@ def test_small_batch_uses_fewer_devices() -> None:
     assert only[0].shape == (0, 3)
 
 
-def test_inputs_without_tensors_go_to_every_device() -> None:
-    assert fdp.scatter((1, "a"), ["cpu"] * 3) == [(1, "a")] * 3
+def test_inputs_without_tensors_make_one_call() -> None:
+    # Nothing to split: one chunk, so fn runs once (as DataParallel with no inputs).
+    assert fdp.scatter((1, "a"), ["cpu"] * 3) == [(1, "a")]
+    calls: list[Any] = []
+
+    def fn(p: torch.Tensor) -> torch.Tensor:
+        calls.append(p)
+        return p * 2
+
+    w = torch.ones(3, requires_grad=True)
+    out = fdp.data_parallel(fn, w, (), devices=["cpu"] * 3)
+    torch.testing.assert_close(out, w * 2)  # not three copies concatenated
+    out.sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
+    assert len(calls) == 1
 
 
 def test_chunk_sizes() -> None:
@@ -189,7 +204,8 @@ def test_gather_single_output_on_target_is_not_copied() -> None:
     [
         (
             [{"a": torch.ones(1)}, {"b": torch.ones(1)}],
-            r"replicas returned different structures; expected \(replica 0\) PyTreeSpec\(\{'a'",
+            r"replicas returned different structures; expected \(replica 0\) dict\('a': \*\), "
+            r"got \(replica 1\) dict\('b': \*\)",
         ),
         (
             [{"n": 1}, {"n": 2}],
@@ -237,3 +253,140 @@ def test_placement_on_fake_devices() -> None:
     assert copies() == 2  # the chunks from devices 0 and 2
     torch.testing.assert_close(plain(out), x)
     assert fdp.gather([torch.ones(1)], -1).device == CPU
+
+
+# --- the containers users really pass ----------------------------------------
+
+
+class DictSub(dict):  # type: ignore[type-arg]
+    pass
+
+
+class ListSub(list):  # type: ignore[type-arg]
+    pass
+
+
+class Encoding(collections.UserDict):  # type: ignore[type-arg]
+    """Like Hugging Face's BatchEncoding: a UserDict with extra state."""
+
+    def __init__(self, data: dict[str, Any], extra: str = "tok") -> None:
+        super().__init__(data)
+        self.extra = extra
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    x: torch.Tensor
+    y: torch.Tensor
+    name: str = "ex"
+
+
+class Registered:
+    def __init__(self, x: torch.Tensor, tag: str) -> None:
+        self.x, self.tag = x, tag
+
+
+class TorchRegistered:
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+optree.register_pytree_node(
+    Registered, lambda r: ((r.x,), r.tag), lambda tag, c: Registered(c[0], tag), namespace="user"
+)
+torch.utils._pytree.register_pytree_node(
+    TorchRegistered, lambda r: ([r.x], None), lambda c, _: TorchRegistered(c[0])
+)
+
+
+def containers(x: torch.Tensor) -> dict[str, tuple[Any, Any]]:
+    """name -> (batch, how to read its tensors back as a tuple)."""
+    return {
+        "dict_subclass": (DictSub(a=x, b=x * 2), lambda b: (b["a"], b["b"])),
+        "list_subclass": (ListSub([x, x + 1]), lambda b: (b[0], b[1])),
+        "user_dict": (Encoding({"ids": x}), lambda b: (b["ids"],)),
+        "dataclass": (Example(x, x * 3), lambda b: (b.x, b.y)),
+        "optree_namespace": (Registered(x, "t"), lambda b: (b.x,)),
+        "torch_pytree": (TorchRegistered(x), lambda b: (b.x,)),
+        "nested": ({"e": [Example(x, x)]}, lambda b: (b["e"][0].x, b["e"][0].y)),
+    }
+
+
+@pytest.mark.parametrize("name", list(containers(torch.zeros(1))))
+def test_user_containers_are_split_and_rebuilt(name: str) -> None:
+    x = torch.randn(7, 3, requires_grad=True)
+    batch, read = containers(x)[name]
+    chunks = fdp.scatter(batch, ["cpu"] * 3)
+    assert len(chunks) == 3
+    start = 0
+    for (chunk,), size in zip(chunks, expected_sizes(7, 3), strict=True):
+        assert type(chunk) is type(batch)
+        for got, want in zip(read(chunk), read(batch), strict=True):
+            torch.testing.assert_close(got, want[start : start + size])
+        start += size
+    assert getattr(chunks[0][0], "extra", None) == getattr(batch, "extra", None)
+
+    # data_parallel: outputs and grads equal one call on the whole batch.
+    w = torch.randn(3, 2, requires_grad=True)
+
+    def fn(w: torch.Tensor, b: Any) -> torch.Tensor:
+        return sum(t @ w for t in read(b))  # type: ignore[return-value]
+
+    out = fdp.data_parallel(fn, w, batch, devices=["cpu"] * 3)
+    ref_w = w.detach().clone().requires_grad_()
+    ref = fn(ref_w, batch)
+    torch.testing.assert_close(out, ref)
+    grads = torch.autograd.grad(out.square().sum(), [w, x], retain_graph=True)
+    ref_grads = torch.autograd.grad(ref.square().sum(), [ref_w, x])
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_user_containers_are_gathered_in_their_type() -> None:
+    outs = [DictSub(y=torch.zeros(2)), DictSub(y=torch.ones(1))]
+    got = fdp.gather(outs, "cpu")
+    assert type(got) is DictSub
+    torch.testing.assert_close(got["y"], torch.tensor([0.0, 0.0, 1.0]))
+    got = fdp.gather([Example(torch.zeros(1), torch.ones(1)), Example(torch.ones(1), torch.zeros(1))], "cpu")
+    assert type(got) is Example
+    torch.testing.assert_close(got.x, torch.tensor([0.0, 1.0]))
+
+
+def test_user_containers_without_tensors_are_shared_whole() -> None:
+    config = Encoding({"mode": "fast"})
+    (a, c1), (b, c2) = fdp.scatter((torch.arange(4), config), ["cpu", "cpu"])
+    assert c1 is config and c2 is config
+
+
+class Opaque:
+    def __init__(self, x: torch.Tensor) -> None:
+        self.inner = {"x": x}
+
+
+def test_unsplittable_objects_holding_tensors_are_refused() -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"fdp.scatter: leaf inputs\[0\] is a Opaque, which fdp cannot split, and it "
+        r"holds a tensor at inputs\[0\].inner\[0\]; expected tensors in a dict",
+    ):
+        fdp.scatter(Opaque(torch.zeros(4)), ["cpu", "cpu"])
+    with pytest.raises(TypeError, match=r"fdp.data_parallel: leaf kwargs\['o'\] is a Opaque"):
+        fdp.data_parallel(lambda p, x, o: x, None, torch.zeros(4), kwargs={"o": Opaque(torch.zeros(4))})
+
+
+def test_numpy_arrays_and_sparse_or_nested_tensors_are_refused() -> None:
+    np = pytest.importorskip("numpy")
+    with pytest.raises(
+        TypeError, match=r"fdp.scatter: leaf inputs\[1\] is a numpy array of shape \(4, 2\)"
+    ):
+        fdp.scatter((torch.zeros(4), np.zeros((4, 2))), ["cpu", "cpu"])
+    sparse = torch.eye(4).to_sparse()
+    with pytest.raises(
+        TypeError,
+        match=r"fdp.scatter: leaf inputs\[0\] expected a dense \(strided\) tensor .* "
+        r"got layout torch.sparse_coo",
+    ):
+        fdp.scatter(sparse, ["cpu", "cpu"])
+    nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged)
+    with pytest.raises(TypeError, match=r"got a nested \(jagged\) tensor"):
+        fdp.scatter({"n": nested}, ["cpu", "cpu"])
