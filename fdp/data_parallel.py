@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from fdp import _tree
 from fdp._device import DeviceLike, as_device, as_devices
 from fdp.parallel_apply import parallel_apply
 from fdp.replicate import _replicate
@@ -37,7 +38,11 @@ def data_parallel(
     gathered on ``output_device``.
     The result equals one call on the whole batch when ``fn`` treats examples
     independently; gradients of every ``params`` leaf that requires grad are
-    summed over replicas onto that leaf's own device.
+    summed over replicas onto that leaf's own device. Leaves that do not
+    require grad (buffers) are state: each replica updates a private copy
+    and replica 0's in-place updates are written to the leaf, so a
+    train-mode BatchNorm takes exactly one update per call, from the first
+    chunk, whatever the devices and threads (DataParallel's semantics).
 
     Args:
         fn: ``fn(params, *args, **kwargs)``, a pure function of its arguments
@@ -74,8 +79,32 @@ def data_parallel(
     chunks, kw_chunks = _scatter_kwargs(inputs, kwargs, devs, dim=dim, chunk_sizes=None, call=call)
     used = devs[: len(chunks)]
     replicas = _replicate(params, used, call=call)
+    copied_state = _copied_state(params, replicas[0])
     outputs = parallel_apply(fn, replicas, chunks, kw_chunks, used)
+    _write_back(copied_state)
     return _gather(outputs, target, dim=dim, call=call)
+
+
+def _copied_state(params: Any, replica: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pairs (leaf, replica 0's copy) of the leaves that do not require grad."""
+    pairs = []
+    for leaf, copy in zip(_tree.flatten(params)[0], _tree.flatten(replica)[0], strict=True):
+        if isinstance(leaf, torch.Tensor) and not leaf.requires_grad and copy is not leaf:
+            pairs.append((leaf, copy))
+    return pairs
+
+
+def _write_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Replica 0's in-place state updates reach the leaves, wherever replica 0 ran.
+
+    Unconditional: kernels such as batch norm update their running
+    statistics without bumping the tensor's version, so a change cannot be
+    detected. It costs one copy per such leaf when replica 0 is not on the
+    leaf's device (keep ``params`` on ``devices[0]`` to avoid it).
+    """
+    with torch.no_grad():
+        for leaf, copy in pairs:
+            leaf.copy_(copy)
 
 
 def _shell(module: nn.Module) -> nn.Module:

@@ -108,8 +108,12 @@ def replicate(params: Any, devices: Sequence[DeviceLike]) -> list[Any]:
     holds the leaf itself; elsewhere it holds a copy made by one coalesced
     transfer per (source device, dtype). Gradients of the replicas are summed
     back onto each source leaf's device. Leaves that do not require grad
-    (buffers) are copied without autograd. A tensor that appears at several
-    leaves (tied weights) is copied once and stays tied in every replica.
+    (buffers) are copied without autograd, and each replica owns its copy:
+    replica 0 holds the leaf itself when on the leaf's device, every other
+    replica a copy of its own, even on the same device, so in-place updates
+    (BatchNorm running statistics) never mix between replicas. A tensor
+    that appears at several leaves (tied weights) is copied once and stays
+    tied in every replica.
 
     Args:
         params: a pytree whose leaves are tensors or ``None``.
@@ -176,10 +180,19 @@ def _replicate(params: Any, devs: list[torch.device], *, call: str) -> list[Any]
                 per_device[device][slots[i]] = out
             offset += len(indices)
 
-    def build(device: torch.device) -> Any:
-        mine = per_device[device]
+    state_slots = [s for s, t in enumerate(unique) if not t.requires_grad]
+
+    def build(i: int, device: torch.device) -> Any:
+        mine = list(per_device[device])
+        for s in state_slots:
+            # State (buffers) is private to each replica: only replica 0 may
+            # hold the leaf itself, so that exactly one replica's in-place
+            # update (BatchNorm statistics) lands on it, as with DataParallel.
+            if i > 0 and (mine[s] is unique[s] or device in devs[:i]):
+                with torch.no_grad():
+                    mine[s] = mine[s].clone()
         return _tree.unflatten(spec, [None if s < 0 else mine[s] for s in leaf_slots])
 
-    # Replicas on one device share one copy of each tensor (a forward pass
+    # Replicas on one device share one copy of each parameter (a forward pass
     # only reads parameters) but each gets a tree of its own.
-    return [build(d) for d in devs]
+    return [build(i, d) for i, d in enumerate(devs)]

@@ -272,22 +272,59 @@ def test_make_functional_with_data_parallel_matches_module(n: int) -> None:
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
-def test_make_functional_train_mode_batchnorm() -> None:
-    """Train-mode BatchNorm normalises each replica's chunk and updates stats in place."""
+def bn_steps(devices: list[Any], steps: int) -> tuple[nn.Module, list[torch.Tensor]]:
+    torch.manual_seed(0)
     net = Net().train()
-    ref_net = copy.deepcopy(net)
     fn, state = fdp.make_functional(net)
-    x = torch.randn(8, 6)
-    # One replica updates the module's running statistics as a direct call does.
-    torch.testing.assert_close(fdp.data_parallel(fn, state, x, devices=["cpu"]), ref_net(x))
+    outs = []
+    for step in range(steps):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+        outs.append(fdp.data_parallel(fn, state, x, devices=devices).detach())
+    return net, outs
+
+
+@pytest.mark.parametrize("mode", ["loop", "threads"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_batchnorm_state_takes_replica_zeros_update(
+    n: int, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Train-mode BatchNorm: each chunk normalised by its own statistics, one update per step."""
+    if mode == "threads":  # one intra-op thread: CPU replicas run on fdp's workers
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    steps = 5
+    net, outs = bn_steps(["cpu"] * n, steps)
+    torch.manual_seed(0)
+    ref_net = Net().train()
+    sizes = [len(c) for c in torch.arange(8).tensor_split(n)]
+    for step in range(steps):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+        chunks = torch.split(x, sizes)
+        # Every chunk normalised with its own batch statistics ...
+        ref = [copy.deepcopy(ref_net)(c) for c in chunks[1:]]
+        # ... and the state updated once, by replica 0's chunk (DataParallel's rule).
+        ref.insert(0, ref_net(chunks[0]))
+        torch.testing.assert_close(outs[step], torch.cat(ref).detach())
+    assert int(net.norm.num_batches_tracked) == steps  # type: ignore[arg-type]
     torch.testing.assert_close(net.norm.running_mean, ref_net.norm.running_mean)
     torch.testing.assert_close(net.norm.running_var, ref_net.norm.running_var)
-    # Two replicas: each chunk is normalised with its own batch statistics.
-    ref = torch.cat([copy.deepcopy(ref_net)(chunk) for chunk in torch.split(x, 4)])
-    torch.testing.assert_close(fdp.data_parallel(fn, state, x, devices=["cpu", "cpu"]), ref)
-    steps = net.norm.num_batches_tracked
-    assert steps is not None
-    assert int(steps) == 1 + 2  # one per replica call
+    # The same every run.
+    again, _ = bn_steps(["cpu"] * n, steps)
+    assert torch.equal(again.norm.running_mean, net.norm.running_mean)
+
+
+def test_batchnorm_state_written_back_from_another_device() -> None:
+    """Replica 0 on another device than the buffers: its update still reaches them."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(3).train()
+    fn, state = fdp.make_functional(bn)
+    ref = copy.deepcopy(bn)
+    x = torch.randn(6, 3)
+    labelled = label(state, 0)
+    out = fdp.data_parallel(fn, labelled, label(x, 1), devices=[fake(1), fake(0)])
+    ref_out = torch.cat([ref(x[:3]), copy.deepcopy(ref)(x[3:])])
+    torch.testing.assert_close(plain(out).cpu(), ref_out.detach())
+    torch.testing.assert_close(plain(labelled["running_mean"]), ref.running_mean)
+    assert int(plain(labelled["num_batches_tracked"])) == 1
 
 
 def test_make_functional_is_thread_safe() -> None:
