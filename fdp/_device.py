@@ -26,7 +26,7 @@ def as_device(device: object, *, call: str, arg: str) -> torch.device:
             raise ValueError(
                 f"{call}: `{arg}` expected a CUDA index >= 0 or -1 for the CPU; got {device}"
             )
-        return torch.device("cuda", device)
+        return _available(torch.device("cuda", device), call=call, arg=arg)
     try:
         dev = torch.device(device)
     except RuntimeError as err:
@@ -34,9 +34,33 @@ def as_device(device: object, *, call: str, arg: str) -> torch.device:
     if dev.type == "cpu":
         # Every CPU tensor reports plain "cpu"; "cpu:1" is the same memory.
         return torch.device("cpu")
+    dev = _available(dev, call=call, arg=arg)
     index: int | None = dev.index
-    if index is None and dev.type == "cuda" and torch.cuda.is_available():
+    if index is None and dev.type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _available(dev: torch.device, *, call: str, arg: str) -> torch.device:
+    """``dev`` itself, if this torch build and machine have it."""
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(
+                f"{call}: `{arg}` is {dev} but CUDA is not available (torch "
+                f"{torch.__version__}, built with CUDA {torch.version.cuda}); expected a device "
+                "of this machine, such as 'cpu'"
+            )
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(
+                f"{call}: `{arg}` is {dev} but this machine has {count} CUDA device(s); "
+                f"expected an index below {count}"
+            )
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(
+            f"{call}: `{arg}` is {dev} but MPS is not available on this machine; "
+            "expected a device of this machine, such as 'cpu'"
+        )
     return dev
 
 

@@ -165,6 +165,24 @@ def test_bad_devices(devices: Any, error: type[Exception], match: str) -> None:
         fdp.scatter(torch.ones(2), devices)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", 0])
+def test_devices_this_build_lacks_are_refused(device: Any) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"fdp.data_parallel: `devices\[1\]` is cuda(:\d)? but CUDA is not available",
+    ):
+        fdp.data_parallel(lambda p, x: x, None, torch.ones(2), devices=["cpu", device])
+    with pytest.raises(ValueError, match=r"fdp.gather: `output_device` is cuda"):
+        fdp.gather([torch.ones(1)], device)
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="checks a machine without MPS")
+def test_mps_is_refused_where_absent() -> None:
+    with pytest.raises(ValueError, match=r"`devices\[0\]` is mps but MPS is not available"):
+        fdp.scatter(torch.ones(2), ["mps"])
+
+
 def test_gather_keeps_container_types_and_key_order() -> None:
     def out(i: int) -> Any:
         t = torch.full((2,), float(i))
