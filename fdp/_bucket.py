@@ -21,24 +21,40 @@ MB = 1024 * 1024
 
 @dataclass(frozen=True)
 class Bucket:
-    """Leaves (indices into the flattened tree) that share one flat buffer."""
+    """Leaves (indices into the flattened tree) that share one flat buffer.
+
+    A complex leaf is stored as its real view (twice the numel, in the real
+    dtype), so collectives and compression hooks only ever see real numbers.
+    A leaf whose strides are dense but not contiguous (``channels_last``)
+    gets a view with the leaf's own strides, so a ``.grad`` taken from the
+    bucket has its parameter's memory layout, as torch's DDP guarantees.
+    """
 
     indices: tuple[int, ...]
     shapes: tuple[torch.Size, ...]
-    offsets: tuple[int, ...]  # where each leaf starts in the flat buffer
+    strides: tuple[tuple[int, ...], ...]  # each leaf's dense strides (in leaf elements)
+    complex_: tuple[bool, ...]
+    offsets: tuple[int, ...]  # where each leaf starts in the flat buffer (real elements)
     numel: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the flat buffer's (real) dtype
     device: torch.device
 
     def empty(self) -> torch.Tensor:
         return torch.empty(self.numel, dtype=self.dtype, device=self.device)
 
+    def view(self, flat: torch.Tensor, j: int) -> torch.Tensor:
+        """Leaf ``j``'s view of ``flat``, with the leaf's shape, strides and dtype."""
+        shape, stride, start = self.shapes[j], self.strides[j], self.offsets[j]
+        if not self.complex_[j]:
+            return flat.as_strided(shape, stride, flat.storage_offset() + start)
+        real = flat.as_strided(
+            (*shape, 2), (*(2 * s for s in stride), 1), flat.storage_offset() + start
+        )
+        return torch.view_as_complex(real)
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat``, one per leaf, shaped like the leaves."""
-        return [
-            flat[start : start + shape.numel()].view(shape)
-            for start, shape in zip(self.offsets, self.shapes, strict=True)
-        ]
+        return [self.view(flat, j) for j in range(len(self.indices))]
 
     def pack(
         self,
@@ -51,7 +67,8 @@ class Bucket:
 
         ``None`` packs zeros. Scaling while packing costs no extra pass.
         """
-        if scale == 1.0 and all(t is not None for t in tensors):
+        simple = all(t is not None and t.is_contiguous() for t in tensors)
+        if scale == 1.0 and simple and not any(self.complex_):
             flat_leaves = [t.reshape(-1) for t in tensors if t is not None]
             return torch.cat(flat_leaves) if out is None else torch.cat(flat_leaves, out=out)
         flat = self.empty() if out is None else out
@@ -63,6 +80,12 @@ class Bucket:
             else:
                 torch.mul(t, scale, out=view)
         return flat
+
+
+def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides if they are dense and non-overlapping, else contiguous ones."""
+    like = torch.empty_like(t, device="meta")  # preserve_format keeps dense layouts
+    return tuple(like.stride())
 
 
 def plan(
@@ -88,7 +111,7 @@ def plan(
         t = tensors[i]
         if t is None:
             continue
-        key = (t.device, t.dtype)
+        key = (t.device, _real_dtype(t.dtype))
         open_.setdefault(key, []).append(i)
         sizes[key] = sizes.get(key, 0) + t.numel() * t.element_size()
         cap = first if closed_count.get(key, 0) == 0 else cap_bytes
@@ -100,23 +123,31 @@ def plan(
     return [_bucket(indices, tensors) for indices in done]
 
 
+def _real_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
 def _bucket(indices: list[int], tensors: Sequence[torch.Tensor | None]) -> Bucket:
-    shapes, offsets, numel = [], [], 0
+    shapes, strides, complex_, offsets, numel = [], [], [], [], 0
     for i in indices:
         t = tensors[i]
         if t is None:  # plan() never puts a None in a bucket
             raise RuntimeError("fdp internal error: a None leaf in a bucket")
         shapes.append(t.shape)
+        strides.append(_dense_strides(t))
+        complex_.append(t.is_complex())
         offsets.append(numel)
-        numel += t.numel()
+        numel += t.numel() * (2 if t.is_complex() else 1)
     head = tensors[indices[0]]
     if head is None:
         raise RuntimeError("fdp internal error: a None leaf in a bucket")
     return Bucket(
         indices=tuple(indices),
         shapes=tuple(shapes),
+        strides=tuple(strides),
+        complex_=tuple(complex_),
         offsets=tuple(offsets),
         numel=numel,
-        dtype=head.dtype,
+        dtype=_real_dtype(head.dtype),
         device=head.device,
     )

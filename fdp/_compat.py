@@ -138,3 +138,38 @@ def registered_node(kind: type) -> tuple[Flatten, Unflatten] | None:
             lambda context, children: node.unflatten_fn(children, context),
         )
     return None
+
+
+def unwrap_functorch(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under functorch's grad wrappers."""
+    functorch = torch._C._functorch
+    while functorch.is_gradtrackingtensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
+def functorch_disabled() -> Any:
+    """A context in which functorch does not intercept ops (collectives in backward hooks)."""
+    return torch._C._DisableFuncTorch()
+
+
+def engine_captures_grads(leaf: torch.Tensor) -> bool:
+    """Whether the running backward returns grads (autograd.grad) instead of accumulating.
+
+    torch refuses ``_will_engine_execute_node`` for a leaf exactly when
+    ``autograd.grad`` runs; the DDP tests cover both modes, so a change in
+    torch shows there.
+    """
+    node = torch.autograd.graph.get_gradient_edge(leaf).node
+    try:
+        torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return True
+    return False
+
+
+def is_compiled_module(obj: object) -> bool:
+    """Whether ``obj`` is an ``nn.Module`` wrapped by ``torch.compile``."""
+    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    kind = getattr(optimized, "OptimizedModule", None)
+    return kind is not None and isinstance(obj, kind)

@@ -16,16 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
+from fdp import _compat
+
 if TYPE_CHECKING:
     from fdp.distributed import DistributedDataParallel
-
-
-def _unwrap(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under functorch's grad wrappers."""
-    functorch = torch._C._functorch
-    while functorch.is_gradtrackingtensor(t):
-        t = functorch.get_unwrapped(t)
-    return t
 
 
 class Step:
@@ -40,7 +34,10 @@ class Step:
         self.expected: list[int] = [0] * n
         self.futures: list[torch.futures.Future[Any] | None] = [None] * n
         self.hooked: list[int] = []
+        self.used: set[int] = set()  # leaves that got a gradient on this rank
         self.next_launch = 0
+        # Under a torch.func transform the engine runs with grad mode on.
+        self.functorch = capture
         # None until the first hook decides: True = grads are captured and
         # returned (autograd.grad, torch.func.grad), False = accumulated in .grad.
         self.capture: bool | None = True if capture else None
@@ -67,8 +64,8 @@ class Step:
             handle.remove()
         self.handles.clear()
 
-    def _hook(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        def hook(grad: torch.Tensor) -> torch.Tensor:
+    def _hook(self, i: int) -> Callable[[torch.Tensor | None], torch.Tensor | None]:
+        def hook(grad: torch.Tensor | None) -> torch.Tensor | None:
             return self.on_grad(i, grad)
 
         return hook
@@ -81,32 +78,54 @@ class Step:
 
     def _view(self, i: int) -> torch.Tensor:
         k, j = self.ddp._where[i]
-        bucket = self.ddp._buckets[k]
-        start, shape = bucket.offsets[j], bucket.shapes[j]
-        return self._flat(k)[start : start + shape.numel()].view(shape)
+        return self.ddp._buckets[k].view(self._flat(k), j)
 
-    def on_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        with self.lock, torch.no_grad(), torch._C._DisableFuncTorch():
+    def _refuse(self, i: int, grad: torch.Tensor | None) -> None:
+        """Raises, inside backward, for what the reduction cannot give the reference for."""
+        where = f"params leaf {self.ddp._paths[i]}"
+        if grad is not None and (grad.layout != torch.strided or grad.is_sparse):
+            raise RuntimeError(
+                f"fdp.DistributedDataParallel: {where} got a gradient with layout "
+                f"{grad.layout} (e.g. nn.Embedding(sparse=True)); fdp reduces dense gradients "
+                "only: use dense gradients (sparse=False)"
+            )
+        if not self.functorch and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"fdp.DistributedDataParallel: backward with create_graph=True reached {where}; "
+                "the reduced gradients cannot carry a graph for double backward (a gradient "
+                "penalty would silently contribute nothing). Compute such a penalty on "
+                "un-synchronised params (under ddp.no_sync()) and reduce with "
+                "fdp.all_reduce_grads, or use torch.func.grad"
+            )
+
+    def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        self._refuse(i, grad)
+        with self.lock, torch.no_grad(), _compat.functorch_disabled():
             leaf = self.leaves[i]
             if self.capture is None:
-                self.capture = _engine_captures(leaf)
+                self.capture = _compat.engine_captures_grads(leaf)
             if not self.queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
                 self.queued = True
             view = self._view(i)
             old = None if self.capture else leaf.grad
             scale = self.ddp._prescale
-            if old is None:
-                torch.mul(_unwrap(grad), scale, out=view)
-            else:  # fold what earlier backwards (under no_sync) accumulated
-                torch.add(_unwrap(grad), old, out=view).mul_(scale)
-            k = self.ddp._where[i][0]
-            self.filled[k].add(i)
+            if grad is None:  # an undefined gradient: zero, as if unused here
+                _pack_old(view, old, scale)
+            else:
+                self.used.add(i)
+                if old is None:
+                    torch.mul(_compat.unwrap_functorch(grad), scale, out=view)
+                else:  # fold what earlier backwards (under no_sync) accumulated
+                    torch.add(_compat.unwrap_functorch(grad), old, out=view).mul_(scale)
+            self.filled[self.ddp._where[i][0]].add(i)
             while (
                 self.next_launch < len(self.flats)
                 and len(self.filled[self.next_launch]) == self.expected[self.next_launch]
             ):
                 self._launch(self.next_launch)
+        if grad is None:
+            return None
         return view if self.capture else grad
 
     def _launch(self, k: int) -> None:
@@ -115,22 +134,28 @@ class Step:
         for j, i in enumerate(bucket.indices):
             if i in self.filled[k]:
                 continue
-            start, shape = bucket.offsets[j], bucket.shapes[j]
-            view = flat[start : start + shape.numel()]
             leaf = self.leaves[i]
             old = None if self.capture or not leaf.requires_grad else leaf.grad
-            if old is None:
-                view.zero_()  # unused this step (or frozen): counts as zero
-            else:
-                torch.mul(old.reshape(-1), self.ddp._prescale, out=view)
-        self.futures[k] = self.ddp._reduce(flat, self.ddp._group)
+            _pack_old(bucket.view(flat, j), old, self.ddp._prescale)
+        future = self.ddp._reduce(flat, self.ddp._group)
+        if not callable(getattr(future, "wait", None)):
+            raise TypeError(
+                f"fdp.DistributedDataParallel: `comm_hook` expected to return a "
+                f"torch.futures.Future of the reduced bucket; got {type(future).__name__} "
+                f"{future!r:.80}"
+            )
+        self.futures[k] = future
         self.next_launch = k + 1
 
     def finish(self) -> None:
-        with self.lock, torch.no_grad(), torch._C._DisableFuncTorch():
+        with self.lock:
+            if self._defer_to_outer_backward():
+                return
+        with self.lock, torch.no_grad(), _compat.functorch_disabled():
             try:
                 while self.next_launch < len(self.flats):
                     self._launch(self.next_launch)
+                usage = None if self.capture else self._launch_usage()
                 for k, fut in enumerate(self.futures):
                     flat = self.flats[k]
                     if fut is None or flat is None:
@@ -138,35 +163,61 @@ class Step:
                     result = fut.wait()
                     if result is not flat:
                         flat.copy_(result)
-                if not self.capture:
-                    for i in self.hooked:
-                        self.leaves[i].grad = self._view(i)
+                if usage is not None:
+                    self._hand_out(usage)
             finally:
                 self.remove()
+                self.flats = [None] * len(self.flats)  # the buffers may be reused now
                 if self.ddp._step is self:
                     self.ddp._step = None
+
+    def _defer_to_outer_backward(self) -> bool:
+        """Whether this is a nested backward's end, with gradients still to come.
+
+        Reentrant activation checkpointing runs a nested backward inside a
+        node of the outer one; a callback queued from a hook during it runs
+        when the nested backward ends, before the outer backward has produced
+        the other leaves' gradients. Then the finish moves to the outer
+        backward: a post-hook on the node that ran the nested backward queues
+        it again there.
+        """
+        if all(i in self.filled[self.ddp._where[i][0]] for i in self.hooked):
+            return False
+        outer = _compat.current_autograd_node()
+        if outer is None:
+            return False
+
+        def requeue(*_: Any) -> None:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+        outer.register_hook(requeue)
+        return True
+
+    def _launch_usage(self) -> tuple[torch.Tensor, Any]:
+        """Counts, over ranks, which hooked leaves had a gradient (one small all-reduce)."""
+        device = self.ddp._buckets[0].device
+        counts = torch.tensor(
+            [1.0 if i in self.used or self.leaves[i].grad is not None else 0.0 for i in self.hooked],
+            device=device,
+        )
+        return counts, dist.all_reduce(counts, group=self.ddp._group, async_op=True)
+
+    def _hand_out(self, usage: tuple[torch.Tensor, Any]) -> None:
+        """``.grad`` becomes the reduced view; it stays ``None`` where no rank had one."""
+        counts, work = usage
+        work.wait()
+        for i, count in zip(self.hooked, counts.tolist(), strict=True):
+            if count > 0:
+                self.leaves[i].grad = self._view(i)
+
+
+def _pack_old(view: torch.Tensor, old: torch.Tensor | None, scale: float) -> None:
+    if old is None:
+        view.zero_()  # unused this step (or frozen): counts as zero
+    else:
+        torch.mul(old, scale, out=view)
 
 
 def sum_hook(bucket: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future[Any]:
     work = dist.all_reduce(bucket, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])  # type: ignore[no-any-return]
-
-
-def storage_users(t: torch.Tensor) -> int:
-    """How many tensors share ``t``'s storage (``t`` included)."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:  # private API gone: never reuse
-        return 1 << 30
-    # The temporary Storage object made by untyped_storage() holds one more.
-    return int(use_count(t.untyped_storage()._cdata)) - 1
-
-
-def _engine_captures(leaf: torch.Tensor) -> bool:
-    """Whether the running backward returns grads (autograd.grad) instead of accumulating."""
-    node = torch.autograd.graph.get_gradient_edge(leaf).node
-    try:
-        torch._C._will_engine_execute_node(node)
-    except RuntimeError:
-        # torch refuses this query for leaves exactly when autograd.grad runs.
-        return True
-    return False

@@ -31,6 +31,7 @@ disabled: the c10d ops are differentiable and would otherwise be recorded
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
@@ -39,8 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fdp import _bucket, _tree
-from fdp._reducer import Step, storage_users, sum_hook
+from fdp import _agreement, _bucket, _compat, _tree
+from fdp._reducer import Step, sum_hook
 from fdp.comm_hooks import CommHook
 
 __all__ = ["DistributedDataParallel", "all_reduce_grads", "broadcast_params"]
@@ -50,14 +51,6 @@ ProcessGroup = dist.ProcessGroup
 
 # torch's own default for broadcasting module states.
 _BROADCAST_CAP_BYTES = 250 * _bucket.MB
-
-
-def _require_initialized(call: str) -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            f"{call}: torch.distributed is not initialized; call "
-            "torch.distributed.init_process_group first (torchrun sets up the environment)"
-        )
 
 
 def _tensor_leaves(
@@ -85,38 +78,6 @@ def _tensor_leaves(
     return leaves, spec, selected
 
 
-def _signature(tree: Any, leaves: Sequence[Any], root: str) -> list[tuple[str, str]]:
-    described = []
-    for p, leaf in zip(_tree.paths(tree, root), leaves, strict=True):
-        if isinstance(leaf, torch.Tensor):
-            what = (
-                f"a tensor of shape {tuple(leaf.shape)}, dtype {leaf.dtype} on {leaf.device.type}"
-            )
-        else:
-            what = _tree.describe(leaf)
-        described.append((p, what))
-    return described
-
-
-def _check_agreement(
-    tree: Any, leaves: Sequence[Any], *, group: ProcessGroup | None, call: str, arg: str
-) -> None:
-    """Raises the same ValueError on every rank unless all ranks hold the same tree."""
-    mine = _signature(tree, leaves, arg)
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    reference = gathered[0]
-    for rank, theirs in enumerate(gathered[1:], start=1):
-        for j in range(max(len(reference), len(theirs))):
-            a = reference[j] if j < len(reference) else ("<no leaf>", "no leaf")
-            b = theirs[j] if j < len(theirs) else ("<no leaf>", "no leaf")
-            if a != b:
-                raise ValueError(
-                    f"{call}: `{arg}` differs across ranks at leaf {j}: rank 0 has "
-                    f"{a[0]} = {a[1]}, rank {rank} has {b[0]} = {b[1]}"
-                )
-
-
 def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None) -> T:
     """Gives every rank's tensor leaves rank ``src``'s values, in place.
 
@@ -138,9 +99,10 @@ def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None
         params = fdp.broadcast_params(params)  # after init_process_group
     """
     call = "fdp.broadcast_params"
-    _require_initialized(call)
+    _agreement.require_member(call, group)
     leaves, _spec, tensors = _tensor_leaves(tree, call=call, arg="tree", float_only=False)
-    _check_agreement(tree, leaves, group=group, call=call, arg="tree")
+    described = _agreement.signature(tree, leaves, "tree", requires_grad=False)
+    _agreement.check(described, group=group, call=call, arg="tree")
     buckets = _bucket.plan(tensors, cap_bytes=_BROADCAST_CAP_BYTES)
     with torch.no_grad():
         flats = [b.pack([tensors[i] for i in b.indices]) for b in buckets]
@@ -185,9 +147,8 @@ def all_reduce_grads(
         params = optree.tree_map(lambda p, g: p - lr * g, params, grads)
     """
     call = "fdp.all_reduce_grads"
-    if bucket_cap_mb <= 0:
-        raise ValueError(f"{call}: `bucket_cap_mb` expected > 0; got {bucket_cap_mb}")
-    _require_initialized(call)
+    cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
+    _agreement.require_member(call, group)
     leaves, spec, tensors = _tensor_leaves(grads, call=call, arg="grads", float_only=False)
     for i, t in enumerate(tensors):
         if t is not None and not (t.is_floating_point() or t.is_complex()):
@@ -198,20 +159,22 @@ def all_reduce_grads(
     world = dist.get_world_size(group)
     if torch.compiler.is_compiling():
         scale = 1.0 / world if average else 1.0
-        out = _all_reduce_traceable(leaves, tensors, group, int(bucket_cap_mb * _bucket.MB), scale)
+        out = _all_reduce_traceable(leaves, tensors, group, cap, scale)
         return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
-    buckets, buffers = _cached_plan(tensors, int(bucket_cap_mb * _bucket.MB))
+    plan = _cached_plan(grads, spec, leaves, tensors, cap, group)
     out = list(leaves)
     with torch.no_grad():
+        checking = plan.fingerprint.start(group)
+        flats = plan.claim()
         works = []
-        flats = []
-        for k, bucket in enumerate(buckets):  # pack bucket k+1 while bucket k travels
-            buf = buffers[k]
-            if buf is None or storage_users(buf) > 1:  # the last result is still alive
-                buf = buffers[k] = bucket.empty()
-            flats.append(bucket.pack([tensors[i] for i in bucket.indices], out=buf))
-            works.append(dist.all_reduce(flats[-1], group=group, async_op=True))
-        for bucket, flat, work in zip(buckets, flats, works, strict=True):
+        for k, bucket in enumerate(plan.buckets):  # pack bucket k+1 while bucket k travels
+            bucket.pack([tensors[i] for i in bucket.indices], out=flats[k])
+            if k == 0:  # the check's latency hides behind the first pack
+                plan.fingerprint.finish(checking, group=group, call=call, arg="grads")
+            works.append(dist.all_reduce(flats[k], group=group, async_op=True))
+        if not plan.buckets:
+            plan.fingerprint.finish(checking, group=group, call=call, arg="grads")
+        for bucket, flat, work in zip(plan.buckets, flats, works, strict=True):
             work.wait()
             if average:  # overlaps the next bucket's all-reduce
                 flat.div_(world)
@@ -246,30 +209,65 @@ def _all_reduce_traceable(
     return out
 
 
-_PlanKey = tuple[int, tuple[tuple[torch.Size, torch.dtype, torch.device] | None, ...]]
-_plans: collections.OrderedDict[
-    _PlanKey, tuple[list[_bucket.Bucket], list[torch.Tensor | None]]
-] = collections.OrderedDict()
+class _Plan:
+    """The buckets of one tree signature, their reusable buffers and its fingerprint."""
+
+    def __init__(self, buckets: list[_bucket.Bucket], fingerprint: _agreement.Fingerprint) -> None:
+        self.buckets = buckets
+        self.fingerprint = fingerprint
+        self.buffers: list[torch.Tensor | None] = [None] * len(buckets)
+
+    def claim(self) -> list[torch.Tensor]:
+        """A flat buffer per bucket that no one else uses, reused when possible.
+
+        Atomic across threads: the view taken under the lock counts as a user,
+        so a second caller (another thread, another group) gets new buffers.
+        """
+        with _plans_lock:
+            claimed = []
+            for k, bucket in enumerate(self.buckets):
+                buf = self.buffers[k]
+                if buf is None or _compat.storage_users(buf) > 1:  # a result is still alive
+                    buf = self.buffers[k] = bucket.empty()
+                claimed.append(buf.view(-1))
+            return claimed
+
+
+_PlanKey = tuple[Any, ...]
+_plans: collections.OrderedDict[_PlanKey, _Plan] = collections.OrderedDict()
+_plans_lock = threading.Lock()
 
 
 def _cached_plan(
-    tensors: list[torch.Tensor | None], cap_bytes: int
-) -> tuple[list[_bucket.Bucket], list[torch.Tensor | None]]:
-    """The buckets for these leaves, and buffers kept from earlier calls.
+    tree: Any,
+    spec: Any,
+    leaves: list[Any],
+    tensors: list[torch.Tensor | None],
+    cap_bytes: int,
+    group: ProcessGroup | None,
+) -> _Plan:
+    """The plan for this tree signature, group and cap: planned once, then reused.
 
     A training loop reduces the same tree every step: planning once and
     reusing the flat buffers (when the caller has dropped the last result)
     saves the planning and the page faults of fresh tens-of-MB buffers.
+    Keyed by group too: two groups never share buffers.
     """
-    key = (cap_bytes, tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors))
-    hit = _plans.get(key)
-    if hit is None:
-        buckets = _bucket.plan(tensors, cap_bytes=cap_bytes)
-        hit = _plans[key] = (buckets, [None] * len(buckets))
+    metas = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors)
+    key = (cap_bytes, group, spec, metas)
+    with _plans_lock:
+        plan = _plans.get(key)
+        if plan is not None:
+            _plans.move_to_end(key)
+            return plan
+    described = _agreement.signature(tree, leaves, "grads", requires_grad=False)
+    plan = _Plan(_bucket.plan(tensors, cap_bytes=cap_bytes), _agreement.Fingerprint(described))
+    with _plans_lock:
+        plan = _plans.setdefault(key, plan)
+        _plans.move_to_end(key)
         while len(_plans) > 8:
             _plans.popitem(last=False)
-    _plans.move_to_end(key)
-    return hit
+    return plan
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -339,17 +337,20 @@ class DistributedDataParallel:
         comm_hook: CommHook | None = None,
     ) -> None:
         call = "fdp.DistributedDataParallel"
-        for name, value in (
-            ("bucket_cap_mb", bucket_cap_mb),
-            ("first_bucket_cap_mb", first_bucket_cap_mb),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"{call}: `{name}` expected a number > 0; got {value!r}")
+        cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
+        first_cap = _agreement.check_cap(first_bucket_cap_mb, "first_bucket_cap_mb", call=call)
         if comm_hook is not None and not callable(comm_hook):
             raise TypeError(f"{call}: `comm_hook` expected a callable; got {comm_hook!r}")
-        _require_initialized(call)
+        _agreement.require_member(call, group)
         leaves, spec, tensors = _tensor_leaves(params, call=call, arg="params", float_only=True)
-        _check_agreement(params, leaves, group=group, call=call, arg="params")
+        if all(t is None for t in tensors):
+            raise ValueError(
+                f"{call}: `params` expected at least one floating-point tensor leaf; got none "
+                f"among {len(leaves)} leaves (nothing to reduce: without trainable parameters "
+                "DistributedDataParallel is not needed)"
+            )
+        described = _agreement.signature(params, leaves, "params", requires_grad=True)
+        _agreement.check(described, group=group, call=call, arg="params")
         self._group = group
         self._spec = spec
         # The default hook's division is folded into packing the bucket (one
@@ -357,15 +358,11 @@ class DistributedDataParallel:
         self._reduce: CommHook = comm_hook or sum_hook
         self._prescale = 1.0 if comm_hook else 1.0 / dist.get_world_size(group)
         self._meta = [None if t is None else (t.shape, t.dtype, t.device) for t in tensors]
-        self._buckets = _bucket.plan(
-            tensors,
-            cap_bytes=int(bucket_cap_mb * _bucket.MB),
-            first_cap_bytes=int(first_bucket_cap_mb * _bucket.MB),
-        )
+        self._buckets = _bucket.plan(tensors, cap_bytes=cap, first_cap_bytes=first_cap)
         self._where = {
             i: (k, j) for k, b in enumerate(self._buckets) for j, i in enumerate(b.indices)
         }
-        paths = _tree.paths(params, "params")
+        self._paths = paths = _tree.paths(params, "params")
         self.buckets: list[tuple[str, ...]] = [
             tuple(paths[i] for i in b.indices) for b in self._buckets
         ]
@@ -383,7 +380,7 @@ class DistributedDataParallel:
         saved results) the step gets a new buffer instead.
         """
         buf = self._buffers[k]
-        if buf is None or storage_users(buf) > 1:
+        if buf is None or _compat.storage_users(buf) > 1:
             buf = self._buffers[k] = self._buckets[k].empty()
         return buf
 
@@ -427,7 +424,7 @@ class DistributedDataParallel:
             self._step = None
         if not self._sync or not torch.is_grad_enabled():
             return params
-        capture = torch._C._functorch.peek_interpreter_stack() is not None
+        capture = _compat.functorch_active()
         if not capture:
             for i in self._where:
                 if leaves[i].requires_grad and leaves[i].grad_fn is not None:

@@ -266,9 +266,7 @@ _warm: weakref.WeakSet[Any] = weakref.WeakSet()
 
 def _cold_compiled(fn: Callable[..., Any]) -> bool:
     key = _hint_key(fn)
-    compiled = hasattr(key, "_torchdynamo_orig_callable") or isinstance(
-        key, torch._dynamo.eval_frame.OptimizedModule
-    )
+    compiled = hasattr(key, "_torchdynamo_orig_callable") or _compat.is_compiled_module(key)
     if not compiled:
         return False
     try:

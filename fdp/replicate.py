@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fdp import _tree
+from fdp import _compat, _tree
 from fdp._device import DeviceLike, as_devices
 
 __all__ = ["replicate"]
@@ -91,7 +91,7 @@ def _refuse_compiled_transform(call: str) -> None:
     backward, so the replicas' gradients would never reach the source leaves
     (pytorch/pytorch#193279). Both checks are evaluated while dynamo traces.
     """
-    if torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
+    if torch.compiler.is_compiling() and _compat.functorch_active():
         raise NotImplementedError(
             f"{call}: copying params to other devices inside torch.compile(torch.func.grad(...)) "
             "would give wrong gradients: torch 2.13 drops a custom autograd.Function's backward "

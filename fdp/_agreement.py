@@ -1,0 +1,116 @@
+"""Checks that every rank holds the same tree, raising the same error on every rank.
+
+Collectives over trees that differ across ranks go wrong silently (same numel,
+other shapes or keys: reduced together) or abort a process (another size or
+dtype: gloo raises SIGABRT). :func:`check` compares full descriptions with
+``all_gather_object`` (construction time); :class:`Fingerprint` does it per
+call with one tiny all-reduce and falls back to :func:`check` only to word the
+error, so every rank raises the same ``ValueError`` naming the first
+differing leaf.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fdp import _tree
+
+ProcessGroup = dist.ProcessGroup
+
+
+def require_member(call: str, group: object) -> None:
+    """Raises unless torch.distributed is initialized and this rank is in ``group``."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{call}: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group first (torchrun sets up the environment)"
+        )
+    if group is None:
+        return
+    if not isinstance(group, ProcessGroup) or dist.get_rank(group) < 0:
+        raise ValueError(
+            f"{call}: `group` expected a process group that contains this process (global "
+            f"rank {dist.get_rank()}); got {group!r}. dist.new_group returns a non-member "
+            "placeholder on ranks outside the group: call fdp only on the group's ranks"
+        )
+
+
+def check_cap(value: object, name: str, *, call: str) -> int:
+    """A bucket size in MiB, validated, as bytes."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{call}: `{name}` expected a number of MiB > 0; got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{call}: `{name}` expected a finite number of MiB > 0; got {value!r}")
+    return max(1, int(value * 1024 * 1024))
+
+
+def signature(
+    tree: Any, leaves: Sequence[Any], root: str, *, requires_grad: bool
+) -> list[tuple[str, str]]:
+    """Per leaf, its path and what every rank must agree on."""
+    described = []
+    for p, leaf in zip(_tree.paths(tree, root), leaves, strict=True):
+        if isinstance(leaf, torch.Tensor):
+            what = f"a tensor of shape {tuple(leaf.shape)}, dtype {leaf.dtype} on {leaf.device.type}"
+            if requires_grad:
+                what += f", requires_grad={leaf.requires_grad}"
+        else:
+            what = _tree.describe(leaf)
+        described.append((p, what))
+    return described
+
+
+def check(
+    mine: list[tuple[str, str]], *, group: ProcessGroup | None, call: str, arg: str
+) -> None:
+    """Raises the same ValueError on every rank unless all ranks gave the same signature."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    reference = gathered[0]
+    for rank, theirs in enumerate(gathered[1:], start=1):
+        for j in range(max(len(reference), len(theirs))):
+            a = reference[j] if j < len(reference) else ("<no leaf>", "no leaf")
+            b = theirs[j] if j < len(theirs) else ("<no leaf>", "no leaf")
+            if a != b:
+                raise ValueError(
+                    f"{call}: `{arg}` differs across ranks at leaf {j}: rank 0 has "
+                    f"{a[0]} = {a[1]}, rank {rank} has {b[0]} = {b[1]}"
+                )
+
+
+def _device_for(group: ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Fingerprint:
+    """A 62-bit hash of a tree's signature; all ranks compare theirs in one all-reduce."""
+
+    def __init__(self, described: list[tuple[str, str]]) -> None:
+        self.described = described
+        digest = hashlib.blake2b(repr(described).encode(), digest_size=8).digest()
+        self.value = int.from_bytes(digest, "little") >> 2
+
+    def start(self, group: ProcessGroup | None) -> tuple[torch.Tensor, Any]:
+        """Launches the comparison: MAX over ranks of ``[h, -h]`` is ``[max, -min]``."""
+        mine = torch.tensor([self.value, -self.value], dtype=torch.int64)
+        mine = mine.to(_device_for(group))
+        return mine, dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def finish(
+        self, started: tuple[torch.Tensor, Any], *, group: ProcessGroup | None, call: str, arg: str
+    ) -> None:
+        """Waits; if any rank's hash differs, every rank raises the same detailed error."""
+        values, work = started
+        work.wait()
+        high, neg_low = values.tolist()
+        if high != -neg_low:
+            check(self.described, group=group, call=call, arg=arg)
+            raise ValueError(f"{call}: `{arg}` differs across ranks (the tree signatures differ)")
