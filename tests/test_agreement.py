@@ -1,0 +1,140 @@
+"""Cross-rank agreement: every rank holds the same tree, or every rank raises the same error.
+
+Each body runs on spawned gloo ranks (tests/ranks.py); results are compared
+with plain single-process computations of the average over ranks.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fdp
+from tests import ranks
+
+
+def _grads_of(rank: int, what: str) -> dict[str, torch.Tensor]:
+    if rank == 0:
+        return {"a": torch.ones(2, 3)}
+    return {
+        "other_shape": {"a": torch.ones(3, 2)},  # same numel
+        "other_key": {"b": torch.ones(2, 3)},
+        "other_size": {"a": torch.ones(7)},  # used to abort the process in gloo
+        "other_dtype": {"a": torch.ones(2, 3, dtype=torch.float64)},
+    }[what]
+
+
+def _all_reduce_mismatch(rank: int, size: int, what: str) -> tuple[str, list[float]]:
+    with pytest.raises(ValueError, match="differs across ranks") as info:
+        fdp.all_reduce_grads(_grads_of(rank, what))
+    # The group is still usable, and a matching tree is reduced correctly.
+    (ok,) = fdp.all_reduce_grads([torch.full((3,), float(rank))])
+    return str(info.value), ok.tolist()
+
+
+@pytest.mark.parametrize("what", ["other_shape", "other_key", "other_size", "other_dtype"])
+def test_all_reduce_grads_refuses_trees_that_differ_across_ranks(what: str) -> None:
+    results = ranks.world(2).run(_all_reduce_mismatch, what)
+    messages = {m for m, _ in results}
+    assert len(messages) == 1, messages  # the same error on every rank
+    (message,) = messages
+    assert message.startswith("fdp.all_reduce_grads: `grads` differs across ranks at leaf 0")
+    assert "rank 0 has grads['a'] = a tensor of shape (2, 3), dtype torch.float32" in message
+    for _, ok in results:
+        assert ok == [0.5, 0.5, 0.5]
+
+
+def _two_threads_two_groups(rank: int, size: int, steps: int) -> list[str]:
+    groups = [dist.new_group(list(range(size))) for _ in range(2)]
+    failures: list[str] = []
+    start = threading.Barrier(2, timeout=30)
+
+    def run(t: int) -> None:
+        start.wait()
+        for step in range(steps):
+            value = float(100 * t + 10 * step + rank)
+            out = fdp.all_reduce_grads({"w": torch.full((64,), value)}, group=groups[t])
+            expected = 100 * t + 10 * step + (size - 1) / 2
+            if not torch.all(out["w"] == expected):
+                failures.append(f"thread {t} step {step}: {out['w'][:2].tolist()} != {expected}")
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    if any(th.is_alive() for th in threads):
+        failures.append("a thread hung")
+    return failures
+
+
+def test_all_reduce_grads_from_two_threads_on_two_groups() -> None:
+    # Same leaf shapes in both threads: the buffers must never be shared.
+    for failures in ranks.world(2).run(_two_threads_two_groups, 40):
+        assert failures == []
+
+
+def _requires_grad_mismatch(rank: int, size: int) -> str:
+    params = {"w": torch.ones(3, requires_grad=True), "b": torch.ones(2, requires_grad=rank == 0)}
+    with pytest.raises(ValueError, match="differs across ranks") as info:
+        fdp.DistributedDataParallel(params)
+    return str(info.value)
+
+
+def test_ddp_refuses_requires_grad_on_some_ranks_only() -> None:
+    messages = set(ranks.world(2).run(_requires_grad_mismatch))
+    assert len(messages) == 1, messages
+    (message,) = messages
+    assert "params['b']" in message
+    assert "requires_grad=True" in message
+    assert "requires_grad=False" in message
+
+
+def _group_and_empty_errors(rank: int, size: int) -> list[str]:
+    pair = dist.new_group([0, 1])  # every rank must call new_group; rank 2 is outside
+    messages = []
+    if rank == 2:
+        for call in (
+            lambda: fdp.all_reduce_grads({"w": torch.ones(2)}, group=pair),
+            lambda: fdp.broadcast_params({"w": torch.ones(2)}, group=pair),
+            lambda: fdp.DistributedDataParallel({"w": torch.ones(2)}, group=pair),
+        ):
+            with pytest.raises(ValueError, match=r"`group` expected a process group that contains"):
+                call()
+    for empty in ({}, {"steps": torch.tensor(3)}):
+        with pytest.raises(ValueError, match=r"`params` expected at least one floating-point") as e:
+            fdp.DistributedDataParallel(empty)
+        messages.append(str(e.value))
+    return messages
+
+
+def test_groups_without_this_rank_and_trees_without_params_are_refused() -> None:
+    results = ranks.world(3).run(_group_and_empty_errors)
+    assert all(r == results[0] for r in results)
+
+
+@pytest.mark.parametrize(
+    ("cap", "error", "match"),
+    [
+        (float("inf"), ValueError, r"`bucket_cap_mb` expected a finite number of MiB > 0; got inf"),
+        (float("nan"), ValueError, r"`bucket_cap_mb` expected a finite number of MiB > 0; got nan"),
+        (0, ValueError, r"`bucket_cap_mb` expected a finite number of MiB > 0; got 0"),
+        ("25", TypeError, r"`bucket_cap_mb` expected a number of MiB > 0; got '25'"),
+        (None, TypeError, r"`bucket_cap_mb` expected a number of MiB > 0; got None"),
+        (True, TypeError, r"`bucket_cap_mb` expected a number of MiB > 0; got True"),
+    ],
+)
+def test_bad_bucket_caps_are_refused_before_any_collective(
+    cap: Any, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=r"fdp.all_reduce_grads: " + match):
+        fdp.all_reduce_grads({"w": torch.ones(1)}, bucket_cap_mb=cap)
+    with pytest.raises(error, match=r"fdp.DistributedDataParallel: " + match):
+        fdp.DistributedDataParallel({"w": torch.ones(1)}, bucket_cap_mb=cap)
+    with pytest.raises(error, match=match.replace("bucket_cap_mb", "first_bucket_cap_mb")):
+        fdp.DistributedDataParallel({"w": torch.ones(1)}, first_bucket_cap_mb=cap)
+    assert not dist.is_initialized()
