@@ -1,0 +1,256 @@
+"""DistributedDataParallel's reduction in the situations real models bring.
+
+Activation checkpointing, gradient penalties, complex and channels_last
+parameters, undefined and sparse gradients, hooks that misbehave. Every body
+runs on spawned gloo ranks (tests/ranks.py) and is compared with one plain
+single-process computation on the full batch, or asserts the same clear error
+on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import fdp
+from tests import ranks
+
+PER_RANK = 4
+TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}
+TINY: dict[str, Any] = {"bucket_cap_mb": 1e-6, "first_bucket_cap_mb": 1e-6}
+
+
+def shard(t: torch.Tensor, rank: int) -> torch.Tensor:
+    return t[rank * PER_RANK : (rank + 1) * PER_RANK]
+
+
+def grads(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    return {k: v.grad for k, v in params.items()}
+
+
+# --------------------------------------------------------------- checkpointing
+
+
+def chain_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {k: (torch.randn(6, 6, generator=g) / 3).requires_grad_() for k in ("w0", "w1", "w2")}
+
+
+def chain(p: dict[str, torch.Tensor], x: torch.Tensor, where: str, reentrant: bool) -> torch.Tensor:
+    def block(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ w)
+
+    def ckpt(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # The block closes over its parameter, as a module's forward does: with
+        # reentrant checkpointing its gradient comes from a nested backward.
+        out: torch.Tensor = checkpoint(lambda h: block(h, w), h, use_reentrant=reentrant)
+        return out
+
+    h = x.requires_grad_() if reentrant else x  # reentrant checkpoints need an input that requires grad
+    # "last": the checkpointed block's backward (a nested one) comes first.
+    # "middle": hooks fire in the outer backward, then the nested one, then the outer again.
+    layers = {"last": (block, block, ckpt), "middle": (block, ckpt, block)}[where]
+    for layer, name in zip(layers, ("w0", "w1", "w2"), strict=True):
+        h = layer(h, p[name])
+    return h.square().mean()
+
+
+def data(size: int) -> torch.Tensor:
+    return torch.randn(size * PER_RANK, 6, generator=torch.Generator().manual_seed(1))
+
+
+def _checkpointed(rank: int, size: int, where: str, reentrant: bool) -> Any:
+    params = chain_params()
+    ddp = fdp.DistributedDataParallel(params, **TINY)
+    for _ in range(2):  # two steps: nothing stale carries over
+        for p in params.values():
+            p.grad = None
+        chain(ddp(params), shard(data(size), rank), where, reentrant).backward()
+    return grads(params)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("where", ["last", "middle"])
+def test_activation_checkpointing(where: str, reentrant: bool) -> None:
+    size = 2
+    results = ranks.world(size).run(_checkpointed, where, reentrant)
+    params = chain_params()
+    x = data(size)
+    # The reference: the mean over ranks of each rank's loss, on one process.
+    loss = sum(chain(params, shard(x, r), where, reentrant=False) for r in range(size)) / size
+    loss.backward()  # type: ignore[union-attr]
+    for got in results:
+        for name, p in params.items():
+            torch.testing.assert_close(got[name], p.grad, **TOL, msg=name)
+
+
+# --------------------------------------------------------------- create_graph
+
+
+def _gradient_penalty(rank: int, size: int) -> str:
+    params = chain_params()
+    ddp = fdp.DistributedDataParallel(params, **TINY)
+    loss = chain(ddp(params), shard(data(size), rank), "last", reentrant=False)
+    with pytest.raises(RuntimeError, match="create_graph=True") as info:
+        torch.autograd.grad(loss, list(params.values()), create_graph=True)
+    # The next step works as usual.
+    loss = chain(ddp(params), shard(data(size), rank), "last", reentrant=False)
+    loss.backward()
+    return str(info.value).split(" reached ")[0]
+
+
+def test_double_backward_is_refused_clearly() -> None:
+    messages = set(ranks.world(2).run(_gradient_penalty))
+    assert messages == {"fdp.DistributedDataParallel: backward with create_graph=True"}
+
+
+# --------------------------------------------------------------- complex params
+
+
+def complex_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 3, dtype=torch.complex64, generator=g).requires_grad_()
+    return {"w": w, "b": torch.randn(3, generator=g).requires_grad_()}
+
+
+def complex_loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return ((x.to(torch.complex64) @ p["w"]).abs() + p["b"]).square().mean()
+
+
+HOOKS: dict[str, Any] = {
+    "default": None,
+    "allreduce": fdp.allreduce_hook,
+    "fp16": fdp.fp16_compress_hook,
+    "bf16": fdp.bf16_compress_hook,
+}
+
+
+def _complex(rank: int, size: int, hook: str) -> Any:
+    params = complex_params()
+    ddp = fdp.DistributedDataParallel(params, comm_hook=HOOKS[hook])
+    x = torch.randn(size * PER_RANK, 4, generator=torch.Generator().manual_seed(1))
+    complex_loss(ddp(params), shard(x, rank)).backward()
+    return grads(params)
+
+
+@pytest.mark.parametrize("hook", list(HOOKS))
+def test_complex_parameters(hook: str) -> None:
+    size = 2
+    results = ranks.world(size).run(_complex, hook)
+    params = complex_params()
+    x = torch.randn(size * PER_RANK, 4, generator=torch.Generator().manual_seed(1))
+    complex_loss(params, x).backward()
+    tol = {"bf16": {"rtol": 2e-2, "atol": 2e-2}, "fp16": {"rtol": 2e-3, "atol": 2e-3}}
+    for got in results:
+        for name, p in params.items():
+            assert p.grad is not None
+            torch.testing.assert_close(got[name], p.grad, **tol.get(hook, TOL), msg=name)
+            assert got[name].dtype == p.dtype
+
+
+# --------------------------------------------------------------- layouts
+
+
+def conv_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 3, 3, 3, generator=g).to(memory_format=torch.channels_last)
+    return {"w": w.requires_grad_(), "b": torch.randn(4, generator=g).requires_grad_()}
+
+
+def conv_loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.conv2d(x, p["w"], p["b"]).square().mean()
+
+
+def conv_data(size: int) -> torch.Tensor:
+    return torch.randn(size * PER_RANK, 3, 5, 5, generator=torch.Generator().manual_seed(1))
+
+
+def _channels_last(rank: int, size: int) -> Any:
+    params = conv_params()
+    ddp = fdp.DistributedDataParallel(params)
+    conv_loss(ddp(params), shard(conv_data(size), rank)).backward()
+    w_grad = params["w"].grad
+    assert w_grad is not None
+    return grads(params), w_grad.stride()
+
+
+def test_grads_keep_the_parameters_memory_layout() -> None:
+    results = ranks.world(2).run(_channels_last)
+    params = conv_params()
+    conv_loss(params, conv_data(2)).backward()
+    for got, stride in results:
+        assert stride == params["w"].stride()  # channels_last, as torch's DDP keeps it
+        for name, p in params.items():
+            torch.testing.assert_close(got[name], p.grad, **TOL, msg=name)
+
+
+# --------------------------------------------------------------- undefined and sparse grads
+
+
+def _undefined(rank: int, size: int) -> Any:
+    params = chain_params()
+    ddp = fdp.DistributedDataParallel(params, **TINY)
+    p = ddp(params)
+    x = shard(data(size), rank)
+    # w0's gradient is undefined (never materialised as zeros) on every rank.
+    blocked = torch._C._functions.UndefinedGrad()(x @ p["w0"])
+    loss = (torch.tanh(x @ p["w1"]) @ p["w2"]).square().mean() + blocked.sum() * 0
+    loss.backward()
+    return grads(params)
+
+
+def test_undefined_gradients() -> None:
+    results = ranks.world(2).run(_undefined)
+    params = chain_params()
+    x = data(2)
+    for r in range(2):
+        xr = shard(x, r)
+        blocked = torch._C._functions.UndefinedGrad()(xr @ params["w0"])
+        loss = (torch.tanh(xr @ params["w1"]) @ params["w2"]).square().mean() + blocked.sum() * 0
+        (loss / 2).backward()
+    for got in results:
+        assert got["w0"] is None  # as local training leaves it
+        for name in ("w1", "w2"):
+            torch.testing.assert_close(got[name], params[name].grad, **TOL, msg=name)
+
+
+def _sparse(rank: int, size: int) -> str:
+    embed = nn.Embedding(10, 3, sparse=True)
+    params = {"embed": embed.weight}
+    ddp = fdp.DistributedDataParallel(params)
+    out = nn.functional.embedding(torch.tensor([rank, 2]), ddp(params)["embed"], sparse=True)
+    with pytest.raises(RuntimeError, match="layout torch.sparse_coo") as info:
+        out.sum().backward()
+    return str(info.value)
+
+
+def test_sparse_gradients_are_refused_clearly() -> None:
+    messages = set(ranks.world(2).run(_sparse))
+    assert len(messages) == 1
+    assert "params['embed']" in messages.pop()
+
+
+# --------------------------------------------------------------- hooks
+
+
+def _bad_hook(rank: int, size: int) -> str:
+    params = chain_params()
+    bad: Callable[..., Any] = lambda bucket, group: 3  # noqa: E731
+    ddp = fdp.DistributedDataParallel(params, comm_hook=bad)
+    loss = chain(ddp(params), shard(data(size), rank), "last", reentrant=False)
+    with pytest.raises(TypeError) as info:
+        loss.backward()
+    return str(info.value)
+
+
+def test_a_hook_that_returns_no_future_is_named() -> None:
+    (message,) = set(ranks.world(2).run(_bad_hook))
+    assert message == (
+        "fdp.DistributedDataParallel: `comm_hook` expected to return a torch.futures.Future "
+        "of the reduced bucket; got int 3"
+    )
