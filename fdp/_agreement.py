@@ -57,7 +57,9 @@ def signature(
     described = []
     for p, leaf in zip(_tree.paths(tree, root), leaves, strict=True):
         if isinstance(leaf, torch.Tensor):
-            what = f"a tensor of shape {tuple(leaf.shape)}, dtype {leaf.dtype} on {leaf.device.type}"
+            what = (
+                f"a tensor of shape {tuple(leaf.shape)}, dtype {leaf.dtype} on {leaf.device.type}"
+            )
             if requires_grad:
                 what += f", requires_grad={leaf.requires_grad}"
         else:
@@ -66,9 +68,7 @@ def signature(
     return described
 
 
-def check(
-    mine: list[tuple[str, str]], *, group: ProcessGroup | None, call: str, arg: str
-) -> None:
+def check(mine: list[tuple[str, str]], *, group: ProcessGroup | None, call: str, arg: str) -> None:
     """Raises the same ValueError on every rank unless all ranks gave the same signature."""
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)

@@ -47,10 +47,11 @@ class Node:
         self.children = children
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Node)
-            and (self.kind, self.type, self.keys, self.children)
-            == (other.kind, other.type, other.keys, other.children)
+        return isinstance(other, Node) and (self.kind, self.type, self.keys, self.children) == (
+            other.kind,
+            other.type,
+            other.keys,
+            other.children,
         )
 
     def __hash__(self) -> int:
@@ -58,7 +59,8 @@ class Node:
 
     def __repr__(self) -> str:
         inner = ", ".join(
-            f"{k!r}: {'*' if c is None else repr(c)}" for k, c in zip(self.keys, self.children)
+            f"{k!r}: {'*' if c is None else repr(c)}"
+            for k, c in zip(self.keys, self.children, strict=False)
         )
         return f"{self.type.__name__}({inner})"
 

@@ -45,12 +45,14 @@ class Bucket:
     def view(self, flat: torch.Tensor, j: int) -> torch.Tensor:
         """Leaf ``j``'s view of ``flat``, with the leaf's shape, strides and dtype."""
         shape, stride, start = self.shapes[j], self.strides[j], self.offsets[j]
-        if not self.complex_[j]:
-            return flat.as_strided(shape, stride, flat.storage_offset() + start)
-        real = flat.as_strided(
-            (*shape, 2), (*(2 * s for s in stride), 1), flat.storage_offset() + start
-        )
-        return torch.view_as_complex(real)
+        width = 2 if self.complex_[j] else 1
+        part = flat[start : start + width * shape.numel()]
+        if self.complex_[j]:
+            real = part.as_strided((*shape, 2), (*(2 * s for s in stride), 1))
+            return torch.view_as_complex(real)
+        if stride == _contiguous(shape):
+            return part.view(shape)
+        return part.as_strided(shape, stride)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat``, one per leaf, shaped like the leaves."""
@@ -80,6 +82,14 @@ class Bucket:
             else:
                 torch.mul(t, scale, out=view)
         return flat
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:

@@ -62,7 +62,7 @@ def default_device_modes() -> list[torch.device] | None:
     from torch.utils._device import DeviceContext
 
     devices: list[torch.device] = []
-    for mode in _get_current_function_mode_stack():
+    for mode in _get_current_function_mode_stack():  # type: ignore[no-untyped-call]
         if not isinstance(mode, DeviceContext):
             return None
         devices.append(mode.device)

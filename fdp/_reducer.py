@@ -197,7 +197,10 @@ class Step:
         """Counts, over ranks, which hooked leaves had a gradient (one small all-reduce)."""
         device = self.ddp._buckets[0].device
         counts = torch.tensor(
-            [1.0 if i in self.used or self.leaves[i].grad is not None else 0.0 for i in self.hooked],
+            [
+                1.0 if i in self.used or self.leaves[i].grad is not None else 0.0
+                for i in self.hooked
+            ],
             device=device,
         )
         return counts, dist.all_reduce(counts, group=self.ddp._group, async_op=True)

@@ -128,8 +128,7 @@ def _shell(module: nn.Module) -> nn.Module:
         attrs["_parameters"] = dict(m._parameters)
         attrs["_buffers"] = dict(m._buffers)
         attrs["_modules"] = {
-            name: None if child is None else shells[id(child)]
-            for name, child in m._modules.items()
+            name: None if child is None else shells[id(child)] for name, child in m._modules.items()
         }
     return shells[id(module)]
 

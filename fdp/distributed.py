@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 

@@ -284,7 +284,7 @@ def _reraise(index: int, device: torch.device, err: BaseException) -> NoReturn:
     if sys.version_info >= (3, 11):
         err.add_note(note)
     else:  # pragma: no cover (3.10 keeps notes but does not print them)
-        err.__notes__ = [*getattr(err, "__notes__", []), note]
+        err.__notes__ = [*getattr(err, "__notes__", []), note]  # type: ignore[attr-defined]
     raise err
 
 
@@ -380,10 +380,12 @@ def _check_arguments(
                     f"got {type(kw).__name__}"
                 )
     if devices is None:
-        devs = [_infer_device(r, a) for r, a in zip(replicas, inputs, strict=True)]  # type: ignore[call-overload]
+        pairs: Any = zip(replicas, inputs, strict=True)  # type: ignore[call-overload]
+        devs = [_infer_device(r, a) for r, a in pairs]
     else:
         _check_sequence(devices, "devices", n, call=call)
-        devs = [as_device(d, call=call, arg=f"devices[{i}]") for i, d in enumerate(devices)]  # type: ignore[arg-type]
+        listed: Sequence[Any] = devices  # type: ignore[assignment]
+        devs = [as_device(d, call=call, arg=f"devices[{i}]") for i, d in enumerate(listed)]
     return n, kws, devs
 
 

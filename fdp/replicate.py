@@ -188,9 +188,10 @@ def _replicate(params: Any, devs: list[torch.device], *, call: str) -> list[Any]
             # State (buffers) is private to each replica: only replica 0 may
             # hold the leaf itself, so that exactly one replica's in-place
             # update (BatchNorm statistics) lands on it, as with DataParallel.
+            # Differentiable: under a torch.func transform or while tracing,
+            # a parameter may not report requires_grad and still need grads.
             if i > 0 and (mine[s] is unique[s] or device in devs[:i]):
-                with torch.no_grad():
-                    mine[s] = mine[s].clone()
+                mine[s] = mine[s].clone()
         return _tree.unflatten(spec, [None if s < 0 else mine[s] for s in leaf_slots])
 
     # Replicas on one device share one copy of each parameter (a forward pass

@@ -272,7 +272,7 @@ def test_make_functional_with_data_parallel_matches_module(n: int) -> None:
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
-def bn_steps(devices: list[Any], steps: int) -> tuple[nn.Module, list[torch.Tensor]]:
+def bn_steps(devices: list[Any], steps: int) -> tuple[Net, list[torch.Tensor]]:
     torch.manual_seed(0)
     net = Net().train()
     fn, state = fdp.make_functional(net)
@@ -304,12 +304,15 @@ def test_batchnorm_state_takes_replica_zeros_update(
         # ... and the state updated once, by replica 0's chunk (DataParallel's rule).
         ref.insert(0, ref_net(chunks[0]))
         torch.testing.assert_close(outs[step], torch.cat(ref).detach())
-    assert int(net.norm.num_batches_tracked) == steps  # type: ignore[arg-type]
-    torch.testing.assert_close(net.norm.running_mean, ref_net.norm.running_mean)
-    torch.testing.assert_close(net.norm.running_var, ref_net.norm.running_var)
+    norm, ref_norm = net.norm, ref_net.norm
+    assert int(cast(torch.Tensor, norm.num_batches_tracked)) == steps
+    torch.testing.assert_close(norm.running_mean, ref_norm.running_mean)
+    torch.testing.assert_close(norm.running_var, ref_norm.running_var)
     # The same every run.
     again, _ = bn_steps(["cpu"] * n, steps)
-    assert torch.equal(again.norm.running_mean, net.norm.running_mean)
+    assert again.norm.running_mean is not None
+    assert norm.running_mean is not None
+    assert torch.equal(again.norm.running_mean, norm.running_mean)
 
 
 def test_batchnorm_state_written_back_from_another_device() -> None:

@@ -309,12 +309,29 @@ class TorchRegistered:
         self.x = x
 
 
+def _flatten_registered(r: Any) -> Any:
+    return (r.x,), r.tag
+
+
+def _unflatten_registered(tag: Any, children: Any) -> Any:
+    return Registered(children[0], tag)
+
+
+def _flatten_torch(r: Any) -> Any:
+    return [r.x], None
+
+
+def _unflatten_torch(children: Any, context: Any) -> Any:
+    return TorchRegistered(children[0])
+
+
 optree.register_pytree_node(
-    Registered, lambda r: ((r.x,), r.tag), lambda tag, c: Registered(c[0], tag), namespace="user"
+    Registered,  # type: ignore[arg-type]
+    _flatten_registered,
+    _unflatten_registered,
+    namespace="user",
 )
-torch.utils._pytree.register_pytree_node(
-    TorchRegistered, lambda r: ([r.x], None), lambda c, _: TorchRegistered(c[0])
-)
+torch.utils._pytree.register_pytree_node(TorchRegistered, _flatten_torch, _unflatten_torch)
 
 
 def containers(x: torch.Tensor) -> dict[str, tuple[Any, Any]]:
@@ -348,7 +365,8 @@ def test_user_containers_are_split_and_rebuilt(name: str) -> None:
     w = torch.randn(3, 2, requires_grad=True)
 
     def fn(w: torch.Tensor, b: Any) -> torch.Tensor:
-        return sum(t @ w for t in read(b))  # type: ignore[return-value]
+        out: torch.Tensor = sum(t @ w for t in read(b))
+        return out
 
     out = fdp.data_parallel(fn, w, batch, devices=["cpu"] * 3)
     ref_w = w.detach().clone().requires_grad_()
@@ -365,15 +383,18 @@ def test_user_containers_are_gathered_in_their_type() -> None:
     got = fdp.gather(outs, "cpu")
     assert type(got) is DictSub
     torch.testing.assert_close(got["y"], torch.tensor([0.0, 0.0, 1.0]))
-    got = fdp.gather([Example(torch.zeros(1), torch.ones(1)), Example(torch.ones(1), torch.zeros(1))], "cpu")
+    got = fdp.gather(
+        [Example(torch.zeros(1), torch.ones(1)), Example(torch.ones(1), torch.zeros(1))], "cpu"
+    )
     assert type(got) is Example
     torch.testing.assert_close(got.x, torch.tensor([0.0, 1.0]))
 
 
 def test_user_containers_without_tensors_are_shared_whole() -> None:
     config = Encoding({"mode": "fast"})
-    (a, c1), (b, c2) = fdp.scatter((torch.arange(4), config), ["cpu", "cpu"])
-    assert c1 is config and c2 is config
+    (_a, c1), (_b, c2) = fdp.scatter((torch.arange(4), config), ["cpu", "cpu"])
+    assert c1 is config
+    assert c2 is config
 
 
 class Opaque:
@@ -389,7 +410,9 @@ def test_unsplittable_objects_holding_tensors_are_refused() -> None:
     ):
         fdp.scatter(Opaque(torch.zeros(4)), ["cpu", "cpu"])
     with pytest.raises(TypeError, match=r"fdp.data_parallel: leaf kwargs\['o'\] is a Opaque"):
-        fdp.data_parallel(lambda p, x, o: x, None, torch.zeros(4), kwargs={"o": Opaque(torch.zeros(4))})
+        fdp.data_parallel(
+            lambda p, x, o: x, None, torch.zeros(4), kwargs={"o": Opaque(torch.zeros(4))}
+        )
 
 
 def test_numpy_arrays_and_sparse_or_nested_tensors_are_refused() -> None:
