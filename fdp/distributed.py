@@ -128,7 +128,12 @@ def all_reduce_grads(
     Tensor leaves are packed into flat buffers by device and dtype, in reverse
     leaf order; every bucket's all-reduce is launched before the first is
     waited for. ``None`` leaves stay ``None``. The input tensors are left as
-    they are.
+    they are. Every call checks, with one tiny all-reduce hidden behind
+    packing the first bucket, that all ranks pass the same tree (paths,
+    shapes, dtypes); if not, every rank raises the same ``ValueError``
+    naming the first differing leaf (rather than reducing unrelated leaves
+    together, or aborting in the backend). Plans and buffers are cached per
+    tree signature and process group, safely across threads.
 
     Args:
         grads: a pytree of floating-point tensors and ``None``.
@@ -299,14 +304,24 @@ class DistributedDataParallel:
     every rank. Gradients are handed out only once reduced:
 
     - ``loss.backward()``: every leaf's ``.grad`` holds the average over
-      ranks, including leaves this rank did not use (they count as zero).
+      ranks, including leaves this rank did not use (they count as zero);
+      a leaf that no rank used keeps ``.grad`` ``None``, as in local
+      training. Gradients keep their parameter's strides
+      (``channels_last``); complex parameters are reduced as their real
+      view.
     - ``torch.autograd.grad`` / ``torch.func.grad``: the returned gradients
       are averaged. A leaf this rank did not use at all comes back as
       torch returns it (``None``, or zeros from ``torch.func.grad``), while the
       other ranks still receive its contribution as zero.
 
     Non-floating leaves (integer buffers) and leaves that do not require grad
-    pass through untouched.
+    pass through untouched. Reentrant activation checkpointing
+    (``use_reentrant=True``) works: the reduction finishes when the outermost
+    backward does. Refused with a clear error: backward with
+    ``create_graph=True`` (double backward through the reduced gradients),
+    sparse gradients, a ``params`` tree with no floating-point leaf, and
+    trees whose structure, shapes, dtypes or ``requires_grad`` differ
+    across ranks.
 
     Args:
         params: the parameter tree (tensors and ``None``).

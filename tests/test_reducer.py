@@ -256,3 +256,22 @@ def test_a_hook_that_returns_no_future_is_named() -> None:
         "fdp.DistributedDataParallel: `comm_hook` expected to return a torch.futures.Future "
         "of the reduced bucket; got int 3"
     )
+
+
+def _complex_all_reduce(rank: int, size: int) -> Any:
+    g = torch.Generator().manual_seed(rank)
+    grads = {
+        "z": torch.randn(3, 2, dtype=torch.complex64, generator=g),
+        "r": torch.randn(4, generator=g),
+        "t": torch.randn(4, 3, generator=g).t(),  # not contiguous
+    }
+    return grads, fdp.all_reduce_grads(grads, bucket_cap_mb=1e-5)
+
+
+def test_all_reduce_grads_of_complex_and_strided_leaves() -> None:
+    results = ranks.world(2).run(_complex_all_reduce)
+    for _, reduced in results:
+        for name in ("z", "r", "t"):
+            expected = (results[0][0][name] + results[1][0][name]) / 2
+            torch.testing.assert_close(reduced[name], expected, **TOL, msg=name)
+            assert reduced[name].dtype == expected.dtype
