@@ -17,13 +17,15 @@ import collections
 import copy
 import dataclasses
 from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence, Sequence
-from typing import Any
+from typing import Any, Union
 
+import optree
 import torch
 
 from fdp import _compat
 
 _ATOMS = (str, bytes, bytearray, int, float, complex, bool, torch.device, torch.dtype, range)
+_PLAIN = (torch.Tensor, type(None), *_ATOMS)
 _DICTS = (dict, collections.OrderedDict, collections.defaultdict)
 
 
@@ -65,9 +67,21 @@ class Node:
         return f"{self.type.__name__}({inner})"
 
 
-def flatten(tree: Any, *, call: str, root: str) -> tuple[list[Any], Node | None]:
-    """The leaves of ``tree`` and its structure (``None``: the tree is one leaf)."""
-    leaves: list[Any] = []
+Spec = Union[Node, optree.PyTreeSpec, None]  # noqa: UP007 (a runtime alias, py3.10)
+
+
+def flatten(tree: Any, *, call: str, root: str) -> tuple[list[Any], Spec]:
+    """The leaves of ``tree`` and its structure (``None``: the tree is one leaf).
+
+    Trees of builtin containers only (the common case) take optree's C
+    flatten; anything else is walked here. While compiling, always walked:
+    dynamo traces the walk, not optree over dicts.
+    """
+    if not torch.compiler.is_compiling():
+        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+        if all(isinstance(leaf, _PLAIN) for leaf in leaves):
+            return leaves, spec
+    leaves = []
     return leaves, _walk(tree, leaves, root, call)
 
 
@@ -164,8 +178,10 @@ def _tensor_inside(x: Any, path: str, *, depth: int) -> str | None:
     return None
 
 
-def unflatten(spec: Node | None, leaves: list[Any]) -> Any:
+def unflatten(spec: Spec, leaves: list[Any]) -> Any:
     """Inverse of :func:`flatten`, the user's types rebuilt around ``leaves``."""
+    if isinstance(spec, optree.PyTreeSpec):
+        return optree.tree_unflatten(spec, leaves)
     return _build(spec, iter(leaves))
 
 
@@ -211,8 +227,10 @@ def _rebuild(spec: Node, children: list[Any]) -> Any:
     return spec.type(children)
 
 
-def paths(spec: Node | None, root: str) -> list[str]:
+def paths(spec: Spec, root: str) -> list[str]:
     """The path of every leaf, in leaf order (for error messages)."""
+    if isinstance(spec, optree.PyTreeSpec):
+        return [accessor.codify(root) for accessor in spec.accessors()]
     if spec is None:
         return [root]
     out: list[str] = []

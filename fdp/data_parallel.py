@@ -9,9 +9,8 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from fdp import _tree
 from fdp._device import DeviceLike, as_device, as_devices
-from fdp.parallel_apply import parallel_apply
+from fdp.parallel_apply import _parallel_apply
 from fdp.replicate import _replicate
 from fdp.scatter_gather import _gather, _scatter_kwargs
 
@@ -78,20 +77,11 @@ def data_parallel(
     )
     chunks, kw_chunks = _scatter_kwargs(inputs, kwargs, devs, dim=dim, chunk_sizes=None, call=call)
     used = devs[: len(chunks)]
-    replicas = _replicate(params, used, call=call)
-    copied_state = _copied_state(params, replicas[0])
-    outputs = parallel_apply(fn, replicas, chunks, kw_chunks, used)
+    copied_state: list[tuple[torch.Tensor, torch.Tensor]] = []
+    replicas = _replicate(params, used, call=call, copied_state=copied_state)
+    outputs = _parallel_apply(fn, replicas, chunks, kw_chunks, used)
     _write_back(copied_state)
     return _gather(outputs, target, dim=dim, call=call)
-
-
-def _copied_state(params: Any, replica: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Pairs (leaf, replica 0's copy) of the leaves that do not require grad."""
-    pairs = []
-    for leaf, copy in zip(_tree.flatten(params)[0], _tree.flatten(replica)[0], strict=True):
-        if isinstance(leaf, torch.Tensor) and not leaf.requires_grad and copy is not leaf:
-            pairs.append((leaf, copy))
-    return pairs
 
 
 def _write_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -340,7 +340,19 @@ def parallel_apply(
         [tensor([2.]), tensor([3.])]
     """
     call = "fdp.parallel_apply"
-    n, kws, devs = _check_arguments(replicas, inputs, kwargs, devices, call=call)
+    _, kws, devs = _check_arguments(replicas, inputs, kwargs, devices, call=call)
+    return _parallel_apply(fn, replicas, inputs, kws, devs)
+
+
+def _parallel_apply(
+    fn: Callable[..., Any],
+    replicas: Sequence[Any],
+    inputs: Sequence[Any],
+    kws: Sequence[dict[str, Any]],
+    devs: list[torch.device],
+) -> list[Any]:
+    """:func:`parallel_apply` on checked arguments and normalised devices."""
+    n = len(replicas)
     args = [a if type(a) is tuple else (a,) for a in inputs]
     if n == 1 or _run_inline() or _one_busy_cpu(devs) or _is_small(fn) or _cold_compiled(fn):
         return _loop(fn, replicas, args, kws, devs)

@@ -137,10 +137,14 @@ def replicate(params: Any, devices: Sequence[DeviceLike]) -> list[Any]:
     return _replicate(params, as_devices(devices, call=call), call=call)
 
 
-def _replicate(params: Any, devs: list[torch.device], *, call: str) -> list[Any]:
-    leaves, spec = _tree.flatten(params)
-    # Deduplicate by identity: a tensor tied at two leaves enters the
-    # Function once (pytorch/pytorch#183604) and its copies stay tied.
+def _unique_leaves(
+    params: Any, leaves: list[Any], *, call: str
+) -> tuple[list[torch.Tensor], list[int]]:
+    """The distinct tensors, and per leaf its slot among them (-1 for ``None``).
+
+    Deduplicated by identity: a tensor tied at two leaves enters the Function
+    once (pytorch/pytorch#183604) and its copies stay tied.
+    """
     unique: list[torch.Tensor] = []
     slot: dict[int, int] = {}
     leaf_slots: list[int] = []
@@ -157,7 +161,23 @@ def _replicate(params: Any, devs: list[torch.device], *, call: str) -> list[Any]
         if s == len(unique):
             unique.append(leaf)
         leaf_slots.append(s)
+    return unique, leaf_slots
 
+
+def _replicate(
+    params: Any,
+    devs: list[torch.device],
+    *,
+    call: str,
+    copied_state: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> list[Any]:
+    """:func:`replicate` on normalised devices.
+
+    ``copied_state``, if given, receives (leaf, replica 0's copy) for each
+    leaf that does not require grad and that replica 0 holds as a copy.
+    """
+    leaves, spec = _tree.flatten(params)
+    unique, leaf_slots = _unique_leaves(params, leaves, call=call)
     targets = list(dict.fromkeys(devs))
     per_device: dict[torch.device, list[torch.Tensor]] = {d: list(unique) for d in targets}
     differentiable = torch.is_grad_enabled()
@@ -196,4 +216,7 @@ def _replicate(params: Any, devs: list[torch.device], *, call: str) -> list[Any]
 
     # Replicas on one device share one copy of each parameter (a forward pass
     # only reads parameters) but each gets a tree of its own.
+    if copied_state is not None:
+        first = per_device[devs[0]]
+        copied_state.extend((unique[s], first[s]) for s in state_slots if first[s] is not unique[s])
     return [build(i, d) for i, d in enumerate(devs)]

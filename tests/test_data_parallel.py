@@ -160,7 +160,8 @@ def test_replicas_returning_different_structures() -> None:
     with pytest.raises(
         ValueError,
         match=r"fdp.data_parallel: `outputs` replicas returned different structures; "
-        r"expected \(replica 0\) dict\('big': \*\), got \(replica 1\) dict\('small': \*\)",
+        r"expected \(replica 0\) PyTreeSpec\(\{'big': \*\}.*got \(replica 1\) "
+        r"PyTreeSpec\(\{'small'",
     ):
         fdp.data_parallel(fn, {}, torch.ones(5), devices=["cpu", "cpu"])
 
