@@ -11,9 +11,12 @@ DeviceLike = Union[torch.device, str, int]  # noqa: UP007 (a runtime alias, py3.
 """A device as users write it: ``torch.device``, ``"cuda:1"``, ``"cpu"``, or a CUDA index."""
 
 
+_CPU = torch.device("cpu")
+
+
 def as_device(device: object, *, call: str, arg: str) -> torch.device:
     """Normalises one device argument; ``-1`` means CPU, a bare int a CUDA index."""
-    if isinstance(device, torch.device) and device.type == "cpu" and device.index is None:
+    if isinstance(device, torch.device) and device == _CPU:
         return device  # already normalised (the common case, checked first)
     # bool is an int subclass; True silently meaning cuda:1 would be a trap.
     if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
