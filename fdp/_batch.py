@@ -143,8 +143,8 @@ def _child_path(path: str, kind: str, key: Any) -> str:
 
 def _refuse_opaque(x: Any, path: str, call: str) -> None:
     """Raises if ``x`` is an object fdp cannot split that holds tensors."""
-    if isinstance(x, torch.Tensor) or x is None or isinstance(x, _ATOMS):
-        return
+    if isinstance(x, (torch.Tensor, torch.nn.Module, type)) or x is None or isinstance(x, _ATOMS):
+        return  # a module or a class is an argument shared by every replica, not data
     holder = _tensor_inside(x, path, depth=2)
     if holder is not None:
         raise TypeError(

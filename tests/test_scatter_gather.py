@@ -415,6 +415,13 @@ def test_unsplittable_objects_holding_tensors_are_refused() -> None:
         )
 
 
+def test_modules_passed_as_arguments_are_shared_not_refused() -> None:
+    net = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    out = fdp.data_parallel(lambda p, x, m: m(x), None, x, kwargs={"m": net}, devices=["cpu"] * 2)
+    torch.testing.assert_close(out, net(x))
+
+
 def test_numpy_arrays_and_sparse_or_nested_tensors_are_refused() -> None:
     np = pytest.importorskip("numpy")
     with pytest.raises(
