@@ -1,19 +1,19 @@
 """fdp: functional data parallelism for PyTorch."""
 
-from fdp.comm_hooks import CommHook as CommHook
-from fdp.comm_hooks import allreduce_hook as allreduce_hook
-from fdp.comm_hooks import bf16_compress_hook as bf16_compress_hook
-from fdp.comm_hooks import fp16_compress_hook as fp16_compress_hook
-from fdp.data_parallel import data_parallel as data_parallel
-from fdp.data_parallel import make_functional as make_functional
-from fdp.distributed import DistributedDataParallel as DistributedDataParallel
-from fdp.distributed import all_reduce_grads as all_reduce_grads
-from fdp.distributed import broadcast_params as broadcast_params
-from fdp.parallel_apply import parallel_apply as parallel_apply
-from fdp.replicate import replicate as replicate
-from fdp.scatter_gather import gather as gather
-from fdp.scatter_gather import scatter as scatter
-from fdp.scatter_gather import scatter_kwargs as scatter_kwargs
+from fdp._comm_hooks import CommHook as CommHook
+from fdp._comm_hooks import allreduce_hook as allreduce_hook
+from fdp._comm_hooks import bf16_compress_hook as bf16_compress_hook
+from fdp._comm_hooks import fp16_compress_hook as fp16_compress_hook
+from fdp._data_parallel import data_parallel as data_parallel
+from fdp._data_parallel import make_functional as make_functional
+from fdp._distributed import DistributedDataParallel as DistributedDataParallel
+from fdp._distributed import all_reduce_grads as all_reduce_grads
+from fdp._distributed import broadcast_params as broadcast_params
+from fdp._parallel_apply import parallel_apply as parallel_apply
+from fdp._replicate import replicate as replicate
+from fdp._scatter_gather import gather as gather
+from fdp._scatter_gather import scatter as scatter
+from fdp._scatter_gather import scatter_kwargs as scatter_kwargs
 
 __version__ = "0.1.0"
 

@@ -3,7 +3,7 @@
 One :class:`Step` lives from ``ddp(params)`` to the end of the backward that
 follows. Its leaf hooks pack gradients into bucket buffers and launch full
 buckets in order; the engine callback it queues launches the rest, waits and
-hands the reduced gradients out. ``fdp/distributed.py`` explains the design.
+hands the reduced gradients out. ``fdp/_distributed.py`` explains the design.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from fdp import _compat
 
 if TYPE_CHECKING:
-    from fdp.distributed import DistributedDataParallel
+    from fdp._distributed import DistributedDataParallel
 
 
 class Step:

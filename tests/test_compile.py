@@ -7,7 +7,6 @@ inductor. Every result is compared with a plain single-call eager reference.
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fdp
+from fdp import _parallel_apply, _replicate
 from tests import ranks
 from tests.helpers import Pair, detached_copy, leaves, tree_allclose
 
@@ -132,7 +132,7 @@ def test_a_training_loop_compiles_once() -> None:
 def test_compiled_function_in_worker_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     # With one intra-op thread, CPU replicas run in fdp's worker threads, however small.
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    module = importlib.import_module("fdp.parallel_apply")
+    module = _parallel_apply
     monkeypatch.setattr(module, "_SMALL_S", 0.0)
     threads: set[int] = set()
     original = module._call
@@ -177,7 +177,7 @@ def forced_copies(monkeypatch: pytest.MonkeyPatch) -> None:
             groups.setdefault((t.device, t.dtype), []).append(i)
         return tuple((tuple(ix), target) for target in targets for ix in groups.values())
 
-    monkeypatch.setattr(importlib.import_module("fdp.replicate"), "_plan", plan)
+    monkeypatch.setattr(_replicate, "_plan", plan)
 
 
 def replica_sum_loss(params: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import fdp
+from fdp import _parallel_apply
 from tests.helpers import fake
 
 FAKE = [fake(i) for i in range(4)]  # distinct devices: replicas run in threads
@@ -75,7 +76,7 @@ def test_cpu_replicas_run_in_a_loop_while_intra_op_threads_use_the_cores() -> No
 
 def test_tiny_replicas_run_on_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
     # Replicas shorter than a thread wake-up run in a loop from the second call on.
-    monkeypatch.setattr(sys.modules["fdp.parallel_apply"], "_SMALL_S", 10.0)
+    monkeypatch.setattr(_parallel_apply, "_SMALL_S", 10.0)
     idents: list[int] = []
 
     def fn(p: Any, x: Any) -> int:

@@ -10,9 +10,9 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from fdp._device import DeviceLike, as_device, as_devices
-from fdp.parallel_apply import _parallel_apply
-from fdp.replicate import _replicate
-from fdp.scatter_gather import _gather, _scatter_kwargs
+from fdp._parallel_apply import _parallel_apply
+from fdp._replicate import _replicate
+from fdp._scatter_gather import _gather, _scatter_kwargs
 
 __all__ = ["data_parallel", "make_functional"]
 

@@ -41,8 +41,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from fdp import _agreement, _bucket, _compat, _tree
+from fdp._comm_hooks import CommHook
 from fdp._reducer import Step, sum_hook
-from fdp.comm_hooks import CommHook
 
 __all__ = ["DistributedDataParallel", "all_reduce_grads", "broadcast_params"]
 
