@@ -35,6 +35,7 @@ class Bucket:
     strides: tuple[tuple[int, ...], ...]  # each leaf's dense strides (in leaf elements)
     complex_: tuple[bool, ...]
     offsets: tuple[int, ...]  # where each leaf starts in the flat buffer (real elements)
+    pads: tuple[int, ...]  # unused elements that keep complex leaves at even offsets
     numel: int
     dtype: torch.dtype  # the flat buffer's (real) dtype
     device: torch.device
@@ -53,6 +54,11 @@ class Bucket:
         if stride == _contiguous(shape):
             return part.view(shape)
         return part.as_strided(shape, stride)
+
+    def zero_pads(self, flat: torch.Tensor) -> None:
+        """Zeroes the padding, so a collective never sees uninitialised memory."""
+        for p in self.pads:
+            flat[p] = 0
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat``, one per leaf, shaped like the leaves."""
@@ -74,6 +80,7 @@ class Bucket:
             flat_leaves = [t.reshape(-1) for t in tensors if t is not None]
             return torch.cat(flat_leaves) if out is None else torch.cat(flat_leaves, out=out)
         flat = self.empty() if out is None else out
+        self.zero_pads(flat)
         for view, t in zip(self.views(flat), tensors, strict=True):
             if t is None:
                 view.zero_()
@@ -138,11 +145,14 @@ def _real_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _bucket(indices: list[int], tensors: Sequence[torch.Tensor | None]) -> Bucket:
-    shapes, strides, complex_, offsets, numel = [], [], [], [], 0
+    shapes, strides, complex_, offsets, pads, numel = [], [], [], [], [], 0
     for i in indices:
         t = tensors[i]
         if t is None:  # plan() never puts a None in a bucket
             raise RuntimeError("fdp internal error: a None leaf in a bucket")
+        if t.is_complex() and numel % 2:  # view_as_complex needs an even offset
+            pads.append(numel)
+            numel += 1
         shapes.append(t.shape)
         strides.append(_dense_strides(t))
         complex_.append(t.is_complex())
@@ -157,6 +167,7 @@ def _bucket(indices: list[int], tensors: Sequence[torch.Tensor | None]) -> Bucke
         strides=tuple(strides),
         complex_=tuple(complex_),
         offsets=tuple(offsets),
+        pads=tuple(pads),
         numel=numel,
         dtype=_real_dtype(head.dtype),
         device=head.device,

@@ -131,6 +131,7 @@ class Step:
     def _launch(self, k: int) -> None:
         flat = self._flat(k)
         bucket = self.ddp._buckets[k]
+        bucket.zero_pads(flat)
         for j, i in enumerate(bucket.indices):
             if i in self.filled[k]:
                 continue

@@ -72,7 +72,31 @@ def test_pack_and_views_round_trip(with_none: bool) -> None:
         torch.testing.assert_close(view, expected)
         assert view.data_ptr() >= flat.data_ptr()
     flat.add_(1)  # views alias the buffer
-    torch.testing.assert_close(bucket.views(flat)[0], (ordered[0] or torch.zeros(())) + 1)
+    for view, t in zip(bucket.views(flat), ordered, strict=True):
+        expected = torch.zeros(view.shape) if t is None else t
+        torch.testing.assert_close(view, expected + 1)
+
+
+def test_complex_and_strided_leaves_round_trip() -> None:
+    tensors = [
+        torch.randn(2, 3, dtype=torch.complex64),
+        torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        torch.randn(4, 3).t(),
+        torch.randn(3),
+    ]
+    (bucket,) = _bucket.plan(list(tensors), cap_bytes=1 << 20)
+    assert bucket.dtype == torch.float32  # complex leaves travel as their real view
+    # Reverse leaf order: 3, 12, 120 real elements, then the complex leaf at
+    # an even offset (one padding element), 12 real elements for its 6.
+    assert bucket.numel == 3 + 12 + 120 + 1 + 2 * 6
+    assert bucket.pads == (135,)
+    ordered = [tensors[i] for i in bucket.indices]
+    flat = bucket.pack(ordered, scale=0.5)
+    for view, t in zip(bucket.views(flat), ordered, strict=True):
+        assert view.dtype == t.dtype
+        assert view.stride() == t.stride()  # the leaf's own layout
+        torch.testing.assert_close(view, t * 0.5)
+    assert flat[135] == 0
 
 
 def test_empty_plan() -> None:

@@ -90,16 +90,21 @@ def test_tiny_replicas_run_on_the_caller(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_worker_threads_are_reused() -> None:
-    def whoami(p: Any, x: Any) -> int:
-        return threading.get_ident()
+    def whoami(p: Any, x: Any) -> threading.Thread:
+        # Thread objects, not idents: an ident is reused once a thread exits,
+        # so a pool making a thread per call could pass an ident count.
+        return threading.current_thread()
 
-    seen: set[int] = set()
+    seen: set[threading.Thread] = set()
+    fdp.parallel_apply(concurrently(whoami, 3), [0] * 3, [(0,)] * 3, None, FAKE[:3])
+    pool = list(_parallel_apply._pool.threads)
     for _ in range(10):
         fn = concurrently(whoami, 3)
         seen.update(fdp.parallel_apply(fn, [0] * 3, [(0,)] * 3, None, FAKE[:3]))
-    # The caller runs replica 0; persistent workers run the rest, every time.
-    assert threading.get_ident() in seen
-    assert len(seen) <= 1 + 3
+    # The caller runs replica 0; the same persistent workers run the rest, every time.
+    assert threading.current_thread() in seen
+    assert seen - {threading.current_thread()} <= set(pool)
+    assert _parallel_apply._pool.threads == pool
 
 
 @pytest.mark.parametrize("on", ["cpu", "fake"])

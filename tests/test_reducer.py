@@ -119,11 +119,14 @@ def test_double_backward_is_refused_clearly() -> None:
 def complex_params() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(4, 3, dtype=torch.complex64, generator=g).requires_grad_()
-    return {"w": w, "b": torch.randn(3, generator=g).requires_grad_()}
+    b = torch.randn(3, generator=g).requires_grad_()
+    # "z" comes first in the bucket (reverse leaf order) with an odd numel, so
+    # the complex leaf starts at an odd offset and needs padding.
+    return {"w": w, "b": b, "z": torch.randn(3, generator=g).requires_grad_()}
 
 
 def complex_loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    return ((x.to(torch.complex64) @ p["w"]).abs() + p["b"]).square().mean()
+    return ((x.to(torch.complex64) @ p["w"]).abs() + p["b"] * p["z"]).square().mean()
 
 
 HOOKS: dict[str, Any] = {
