@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack
 from typing import Any, NoReturn
 
 import torch
@@ -232,29 +232,9 @@ def _call(
         return fn(replica, *args, **kwargs)
 
 
-# Per function: did replica 0 take less than a thread wake-up last time? Then
-# threads cannot help and the replicas run in a loop. Timed again on every
-# call, so a function that grows (a bigger batch) goes back to threads. Weak
-# keys: an id() could be reused by a new function after the old one dies.
-_SMALL_S = 50e-6
-_small: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-
-
 def _hint_key(fn: Callable[..., Any]) -> Any:
     # A bound method is a new object on every attribute access; its function is not.
     return getattr(fn, "__func__", fn)
-
-
-def _is_small(fn: Callable[..., Any]) -> bool:
-    try:
-        return _small.get(_hint_key(fn), False)
-    except TypeError:  # not weak-referenceable
-        return False
-
-
-def _remember(fn: Callable[..., Any], seconds: float) -> None:
-    with suppress(TypeError):
-        _small[_hint_key(fn)] = seconds < _SMALL_S
 
 
 # Compiled functions (torch.compile) not yet called through parallel_apply.
@@ -309,7 +289,9 @@ def parallel_apply(
     threads. They run in a loop on the calling thread inside ``torch.func``
     transforms and while compiling (threads cannot be traced), when all
     replicas share the CPU and torch's intra-op threads already use its cores,
-    and when the last call's replica took less than a thread wake-up.
+    and on the first call of a compiled function (it compiles once, on the
+    caller). The choice depends only on the arguments and that state, never
+    on timings.
 
     They also run in a loop when the caller has thread-local state a worker
     cannot reproduce (a dispatch mode such as ``FlopCounterMode``,
@@ -354,7 +336,7 @@ def _parallel_apply(
     """:func:`parallel_apply` on checked arguments and normalised devices."""
     n = len(replicas)
     args = [a if type(a) is tuple else (a,) for a in inputs]
-    if n == 1 or _run_inline() or _one_busy_cpu(devs) or _is_small(fn) or _cold_compiled(fn):
+    if n == 1 or _run_inline() or _one_busy_cpu(devs) or _cold_compiled(fn):
         return _loop(fn, replicas, args, kws, devs)
     state = _State(devs)
     if state.uncarried is not None:
@@ -421,12 +403,10 @@ def _threaded(
         pool.jobs.put(job)
     first: Any = None
     error: BaseException | None = None
-    start = time.perf_counter()
     try:
         first = _call(fn, replicas[0], args[0], kws[0], devs[0], state, on_caller=True)
     except BaseException as err:  # KeyboardInterrupt too: the others finish first
         error = err
-    _remember(fn, time.perf_counter() - start)
     for job in jobs:
         job.run_if_unclaimed()
     # Every replica finishes before anything is raised.
@@ -453,7 +433,6 @@ def _loop(
     outputs = []
     errors: list[tuple[int, BaseException]] = []
     for i in range(len(replicas)):
-        start = time.perf_counter()
         try:
             outputs.append(_call(fn, replicas[i], args[i], kws[i], devs[i], None))
         except Exception as err:
@@ -462,8 +441,6 @@ def _loop(
             outputs.append(None)
         except BaseException as err:  # KeyboardInterrupt, SystemExit: nothing else runs
             _reraise(i, devs[i], err)
-        if i == 0:
-            _remember(fn, time.perf_counter() - start)
     if errors:
         _reraise(errors[0][0], devs[errors[0][0]], errors[0][1])
     return outputs

@@ -133,7 +133,6 @@ def test_compiled_function_in_worker_threads(monkeypatch: pytest.MonkeyPatch) ->
     # With one intra-op thread, CPU replicas run in fdp's worker threads, however small.
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     module = _parallel_apply
-    monkeypatch.setattr(module, "_SMALL_S", 0.0)
     threads: set[int] = set()
     original = module._call
     # In thread mode (state given) both replicas meet at a barrier, so replica 1

@@ -74,19 +74,23 @@ def test_cpu_replicas_run_in_a_loop_while_intra_op_threads_use_the_cores() -> No
         torch.set_num_threads(old)
 
 
-def test_tiny_replicas_run_on_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Replicas shorter than a thread wake-up run in a loop from the second call on.
-    monkeypatch.setattr(_parallel_apply, "_SMALL_S", 10.0)
-    idents: list[int] = []
+def test_the_thread_or_loop_choice_does_not_depend_on_timing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A tiny function on distinct devices: the threaded path on every call,
+    # however fast replica 0 was the call before.
+    paths: list[str] = []
+    for name in ("_threaded", "_loop"):
+        original = getattr(_parallel_apply, name)
 
-    def fn(p: Any, x: Any) -> int:
-        idents.append(threading.get_ident())
-        return 0
+        def recording(*args: Any, _name: str = name, _original: Any = original) -> Any:
+            paths.append(_name)
+            return _original(*args)
 
-    fdp.parallel_apply(fn, [0, 1, 2], [(0,)] * 3, None, FAKE[:3])
-    idents.clear()
-    fdp.parallel_apply(fn, [0, 1, 2], [(0,)] * 3, None, FAKE[:3])
-    assert idents == [threading.get_ident()] * 3
+        monkeypatch.setattr(_parallel_apply, name, recording)
+    for _ in range(5):
+        fdp.parallel_apply(lambda p, x: p, [0, 1, 2], [(0,)] * 3, None, FAKE[:3])
+    assert paths == ["_threaded"] * 5
 
 
 def test_worker_threads_are_reused() -> None:
@@ -310,13 +314,22 @@ def test_default_device_context_reaches_the_workers() -> None:
     assert got == [torch.device("meta")] * 3
 
 
-def _thread_mode_calls(n_calls: int) -> None:
-    torch.set_num_threads(1)
-    w = torch.randn(32, 32, requires_grad=True)
-    x = torch.randn(64, 32)
-    for _ in range(n_calls):
-        y = fdp.data_parallel(lambda p, x: torch.tanh(x @ p), w, x, devices=["cpu"] * 3)
-    del y
+def _thread_mode_calls(n_calls: int) -> torch.Tensor:
+    """The last output (its graph alive), after ``n_calls`` thread-mode calls."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # CPU replicas on worker threads
+    try:
+        w = torch.randn(32, 32, requires_grad=True)
+        x = torch.randn(64, 32)
+        for _ in range(n_calls):
+            y: torch.Tensor = fdp.data_parallel(
+                lambda p, x: torch.tanh(x @ p), w, x, devices=["cpu"] * 3
+            )
+        return y
+    finally:
+        # The intra-op thread count is per-thread state that dynamo guards on:
+        # left changed, it makes later compiled tests recompile.
+        torch.set_num_threads(previous)
 
 
 def test_a_forked_child_gets_fresh_workers(tmp_path: Any) -> None:
@@ -360,7 +373,7 @@ def test_clean_exit_after_thread_mode_calls(tmp_path: Any) -> None:
     script = tmp_path / "exit.py"
     script.write_text(
         f"import sys\nsys.path.insert(0, {os.getcwd()!r})\nfrom tests.test_parallel_apply import "
-        "_thread_mode_calls\n_thread_mode_calls(20)\n"
+        "_thread_mode_calls\ny = _thread_mode_calls(20)\n"
     )
     for _ in range(3):
         done = subprocess.run([sys.executable, str(script)], timeout=120, capture_output=True)
