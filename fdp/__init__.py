@@ -1,5 +1,6 @@
 """fdp: functional data parallelism for PyTorch."""
 
+from fdp._caches import clear_caches as clear_caches
 from fdp._comm_hooks import CommHook as CommHook
 from fdp._comm_hooks import allreduce_hook as allreduce_hook
 from fdp._comm_hooks import bf16_compress_hook as bf16_compress_hook
@@ -24,6 +25,7 @@ __all__ = [
     "allreduce_hook",
     "bf16_compress_hook",
     "broadcast_params",
+    "clear_caches",
     "data_parallel",
     "fp16_compress_hook",
     "gather",

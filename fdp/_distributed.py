@@ -133,7 +133,8 @@ def all_reduce_grads(
     shapes, dtypes); if not, every rank raises the same ``ValueError``
     naming the first differing leaf (rather than reducing unrelated leaves
     together, or aborting in the backend). Plans and buffers are cached per
-    tree signature and process group, safely across threads.
+    tree signature and process group (up to 8), safely across threads;
+    :func:`fdp.clear_caches` releases them.
 
     Args:
         grads: a pytree of floating-point tensors and ``None``.
@@ -273,6 +274,12 @@ def _cached_plan(
         while len(_plans) > 8:
             _plans.popitem(last=False)
     return plan
+
+
+def clear_plans() -> None:
+    """Drops every cached plan and its buffers (see :func:`fdp.clear_caches`)."""
+    with _plans_lock:
+        _plans.clear()
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -244,6 +244,11 @@ def _hint_key(fn: Callable[..., Any]) -> Any:
 _warm: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+def forget_compiled() -> None:
+    """Forgets which compiled functions were called (see :func:`fdp.clear_caches`)."""
+    _warm.clear()
+
+
 def _cold_compiled(fn: Callable[..., Any]) -> bool:
     key = _hint_key(fn)
     compiled = hasattr(key, "_torchdynamo_orig_callable") or _compat.is_compiled_module(key)
