@@ -42,7 +42,7 @@ import torch.distributed._functional_collectives as funcol
 
 from fdp import _agreement, _bucket, _compat, _tree
 from fdp._comm_hooks import CommHook
-from fdp._reducer import Step, sum_hook
+from fdp._reducer import Reduction, Step, sum_hook
 
 __all__ = ["DistributedDataParallel", "all_reduce_grads", "broadcast_params"]
 
@@ -216,27 +216,16 @@ def _all_reduce_traceable(
 
 
 class _Plan:
-    """The buckets of one tree signature, their reusable buffers and its fingerprint."""
+    """The bucket layout of one tree signature and its fingerprint."""
 
-    def __init__(self, buckets: list[_bucket.Bucket], fingerprint: _agreement.Fingerprint) -> None:
-        self.buckets = buckets
+    def __init__(self, layout: _bucket.Layout, fingerprint: _agreement.Fingerprint) -> None:
+        self.layout = layout
+        self.buckets = layout.buckets
         self.fingerprint = fingerprint
-        self.buffers: list[torch.Tensor | None] = [None] * len(buckets)
 
     def claim(self) -> list[torch.Tensor]:
-        """A flat buffer per bucket that no one else uses, reused when possible.
-
-        Atomic across threads: the view taken under the lock counts as a user,
-        so a second caller (another thread, another group) gets new buffers.
-        """
-        with _plans_lock:
-            claimed = []
-            for k, bucket in enumerate(self.buckets):
-                buf = self.buffers[k]
-                if buf is None or _compat.storage_users(buf) > 1:  # a result is still alive
-                    buf = self.buffers[k] = bucket.empty()
-                claimed.append(buf.view(-1))
-            return claimed
+        """A flat buffer per bucket that no one else uses, reused when possible."""
+        return [self.layout.buffer(k) for k in range(len(self.buckets))]
 
 
 _PlanKey = tuple[Any, ...]
@@ -267,7 +256,7 @@ def _cached_plan(
             _plans.move_to_end(key)
             return plan
     described = _agreement.signature(tree, leaves, "grads", requires_grad=False)
-    plan = _Plan(_bucket.plan(tensors, cap_bytes=cap_bytes), _agreement.Fingerprint(described))
+    plan = _Plan(_bucket.Layout(tensors, cap_bytes=cap_bytes), _agreement.Fingerprint(described))
     with _plans_lock:
         plan = _plans.setdefault(key, plan)
         _plans.move_to_end(key)
@@ -373,42 +362,30 @@ class DistributedDataParallel:
             )
         described = _agreement.signature(params, leaves, "params", requires_grad=True)
         _agreement.check(described, group=group, call=call, arg="params")
-        self._group = group
         self._spec = spec
-        # The default hook's division is folded into packing the bucket (one
-        # pass over the gradients instead of two).
-        self._reduce: CommHook = comm_hook or sum_hook
-        self._prescale = 1.0 if comm_hook else 1.0 / dist.get_world_size(group)
         self._meta = [None if t is None else (t.shape, t.dtype, t.device) for t in tensors]
-        self._buckets = _bucket.plan(tensors, cap_bytes=cap, first_cap_bytes=first_cap)
-        self._where = {
-            i: (k, j) for k, b in enumerate(self._buckets) for j, i in enumerate(b.indices)
-        }
-        self._paths = paths = _tree.paths(params, "params")
+        self._layout = _bucket.Layout(tensors, cap_bytes=cap, first_cap_bytes=first_cap)
+        paths = _tree.paths(params, "params")
+        self._reduction = Reduction(
+            layout=self._layout,
+            reduce=comm_hook or sum_hook,
+            # The default hook's division is folded into packing the bucket
+            # (one pass over the gradients instead of two).
+            prescale=1.0 if comm_hook else 1.0 / dist.get_world_size(group),
+            group=group,
+            paths=paths,
+        )
         self.buckets: list[tuple[str, ...]] = [
-            tuple(paths[i] for i in b.indices) for b in self._buckets
+            tuple(paths[i] for i in b.indices) for b in self._layout.buckets
         ]
         """The leaf paths of each bucket, in reduction order."""
         self._sync = True
         self._step: Step | None = None
-        self._buffers: list[torch.Tensor | None] = [None] * len(self._buckets)
-
-    def _buffer(self, k: int) -> torch.Tensor:
-        """Bucket ``k``'s flat buffer, reused while nothing else holds a view of it.
-
-        Reuse matters: a fresh buffer of tens of MB costs page faults on every
-        step (measured: the copies into it took 4x longer). Gradients handed
-        out last step are views of it; while any is alive (kept ``.grad``,
-        saved results) the step gets a new buffer instead.
-        """
-        buf = self._buffers[k]
-        if buf is None or _compat.storage_users(buf) > 1:
-            buf = self._buffers[k] = self._buckets[k].empty()
-        return buf
 
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{b.numel * b.dtype.itemsize / _bucket.MB:.2f}" for b in self._buckets)
-        return f"fdp.DistributedDataParallel({len(self._buckets)} buckets, MiB: [{sizes}])"
+        buckets = self._layout.buckets
+        sizes = ", ".join(f"{b.numel * b.dtype.itemsize / _bucket.MB:.2f}" for b in buckets)
+        return f"fdp.DistributedDataParallel({len(buckets)} buckets, MiB: [{sizes}])"
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -448,14 +425,14 @@ class DistributedDataParallel:
             return params
         capture = _compat.functorch_active()
         if not capture:
-            for i in self._where:
+            for i in self._layout.where:
                 if leaves[i].requires_grad and leaves[i].grad_fn is not None:
                     raise ValueError(
                         f"{call}: `params` leaf {_tree.path(params, i, 'params')} expected a "
                         f"leaf of the autograd graph; got a tensor computed by "
                         f"{type(leaves[i].grad_fn).__name__} (pass the tensors you update)"
                     )
-        step = Step(self, leaves, capture=capture)
+        step = Step(self._reduction, leaves, capture=capture)
         step.register()
         if step.hooked:
             self._step = step

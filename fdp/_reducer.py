@@ -10,25 +10,41 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from fdp import _compat
+from fdp._bucket import Layout
 
-if TYPE_CHECKING:
-    from fdp._distributed import DistributedDataParallel
+
+@dataclass(frozen=True)
+class Reduction:
+    """What every step of one ``DistributedDataParallel`` reduces, and how.
+
+    ``reduce(bucket, group)`` returns a future of the reduced bucket; each
+    gradient is multiplied by ``prescale`` while it is packed (the default
+    hook's division by the world size, folded into that pass). ``paths``
+    names every leaf for error messages.
+    """
+
+    layout: Layout
+    reduce: Callable[[torch.Tensor, Any], Any]
+    prescale: float
+    group: dist.ProcessGroup | None
+    paths: list[str]
 
 
 class Step:
     """The reduction state of one synchronised forward/backward."""
 
-    def __init__(self, ddp: DistributedDataParallel, leaves: list[Any], *, capture: bool) -> None:
-        self.ddp = ddp
+    def __init__(self, reduction: Reduction, leaves: list[Any], *, capture: bool) -> None:
+        self.r = reduction
         self.leaves = leaves
-        n = len(ddp._buckets)
+        n = len(reduction.layout.buckets)
         self.flats: list[torch.Tensor | None] = [None] * n
         self.filled: list[set[int]] = [set() for _ in range(n)]
         self.expected: list[int] = [0] * n
@@ -47,7 +63,7 @@ class Step:
 
     def register(self) -> None:
         seen: set[int] = set()
-        for k, bucket in enumerate(self.ddp._buckets):
+        for k, bucket in enumerate(self.r.layout.buckets):
             for i in bucket.indices:
                 leaf = self.leaves[i]
                 # A tensor at several leaves (tied weights) is hooked once; its
@@ -73,16 +89,16 @@ class Step:
     def _flat(self, k: int) -> torch.Tensor:
         flat = self.flats[k]
         if flat is None:
-            flat = self.flats[k] = self.ddp._buffer(k)
+            flat = self.flats[k] = self.r.layout.buffer(k)
         return flat
 
     def _view(self, i: int) -> torch.Tensor:
-        k, j = self.ddp._where[i]
-        return self.ddp._buckets[k].view(self._flat(k), j)
+        k, j = self.r.layout.where[i]
+        return self.r.layout.buckets[k].view(self._flat(k), j)
 
     def _refuse(self, i: int, grad: torch.Tensor | None) -> None:
         """Raises, inside backward, for what the reduction cannot give the reference for."""
-        where = f"params leaf {self.ddp._paths[i]}"
+        where = f"params leaf {self.r.paths[i]}"
         if grad is not None and (grad.layout != torch.strided or grad.is_sparse):
             raise RuntimeError(
                 f"fdp.DistributedDataParallel: {where} got a gradient with layout "
@@ -109,7 +125,7 @@ class Step:
                 self.queued = True
             view = self._view(i)
             old = None if self.capture else leaf.grad
-            scale = self.ddp._prescale
+            scale = self.r.prescale
             if grad is None:  # an undefined gradient: zero, as if unused here
                 _pack_old(view, old, scale)
             else:
@@ -118,7 +134,7 @@ class Step:
                     torch.mul(_compat.unwrap_functorch(grad), scale, out=view)
                 else:  # fold what earlier backwards (under no_sync) accumulated
                     torch.add(_compat.unwrap_functorch(grad), old, out=view).mul_(scale)
-            self.filled[self.ddp._where[i][0]].add(i)
+            self.filled[self.r.layout.where[i][0]].add(i)
             while (
                 self.next_launch < len(self.flats)
                 and len(self.filled[self.next_launch]) == self.expected[self.next_launch]
@@ -130,15 +146,15 @@ class Step:
 
     def _launch(self, k: int) -> None:
         flat = self._flat(k)
-        bucket = self.ddp._buckets[k]
+        bucket = self.r.layout.buckets[k]
         bucket.zero_pads(flat)
         for j, i in enumerate(bucket.indices):
             if i in self.filled[k]:
                 continue
             leaf = self.leaves[i]
             old = None if self.capture or not leaf.requires_grad else leaf.grad
-            _pack_old(bucket.view(flat, j), old, self.ddp._prescale)
-        future = self.ddp._reduce(flat, self.ddp._group)
+            _pack_old(bucket.view(flat, j), old, self.r.prescale)
+        future = self.r.reduce(flat, self.r.group)
         if not callable(getattr(future, "wait", None)):
             raise TypeError(
                 f"fdp.DistributedDataParallel: `comm_hook` expected to return a "
@@ -169,8 +185,6 @@ class Step:
             finally:
                 self.remove()
                 self.flats = [None] * len(self.flats)  # the buffers may be reused now
-                if self.ddp._step is self:
-                    self.ddp._step = None
 
     def _defer_to_outer_backward(self) -> bool:
         """Whether this is a nested backward's end, with gradients still to come.
@@ -182,7 +196,7 @@ class Step:
         backward: a post-hook on the node that ran the nested backward queues
         it again there.
         """
-        if all(i in self.filled[self.ddp._where[i][0]] for i in self.hooked):
+        if all(i in self.filled[self.r.layout.where[i][0]] for i in self.hooked):
             return False
         outer = _compat.current_autograd_node()
         if outer is None:
@@ -196,7 +210,7 @@ class Step:
 
     def _launch_usage(self) -> tuple[torch.Tensor, Any]:
         """Counts, over ranks, which hooked leaves had a gradient (one small all-reduce)."""
-        device = self.ddp._buckets[0].device
+        device = self.r.layout.buckets[0].device
         counts = torch.tensor(
             [
                 1.0 if i in self.used or self.leaves[i].grad is not None else 0.0
@@ -204,7 +218,7 @@ class Step:
             ],
             device=device,
         )
-        return counts, dist.all_reduce(counts, group=self.ddp._group, async_op=True)
+        return counts, dist.all_reduce(counts, group=self.r.group, async_op=True)
 
     def _hand_out(self, usage: tuple[torch.Tensor, Any]) -> None:
         """``.grad`` becomes the reduced view; it stays ``None`` where no rank had one."""

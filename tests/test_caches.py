@@ -17,9 +17,9 @@ def _plans_released(rank: int, size: int) -> Any:
     grads = {"w": torch.full((1000,), float(rank))}
     first = fdp.all_reduce_grads(grads)["w"].clone()
     planned = len(_distributed._plans)
-    buffers = [
-        weakref.ref(b) for p in _distributed._plans.values() for b in p.buffers if b is not None
-    ]
+    kept = [b for p in _distributed._plans.values() for b in p.layout._buffers if b is not None]
+    buffers = [weakref.ref(b) for b in kept]
+    del kept
     fdp.clear_caches()
     gc.collect()
     released = all(ref() is None for ref in buffers)
