@@ -293,51 +293,61 @@ def _gather(outputs: Sequence[Any], target: torch.device, *, dim: int, call: str
                 f"{call}: `outputs` replicas returned different structures; "
                 f"expected (replica 0) {spec}, got (replica {r}) {other}"
             )
-    n_leaves = len(flat[0][0])
     joined: list[Any] = []
-    warned = False
-    for j in range(n_leaves):
-        values = [leaves[j] for leaves, _ in flat]
-        is_tensor = [isinstance(v, torch.Tensor) for v in values]
+    scalars: list[bool] = []  # whether the scalar warning was given
+    for j in range(len(flat[0][0])):
 
         def path(j: int = j) -> str:
             return _batch.paths(spec, "output")[j]
 
-        if not any(is_tensor):
-            for r, value in enumerate(values[1:], start=1):
-                if not _same(value, values[0]):
-                    raise ValueError(
-                        f"{call}: `outputs` non-tensor leaf {path()} differs between replicas; "
-                        f"expected (replica 0) {values[0]!r}, got (replica {r}) {value!r}; "
-                        "return a tensor to have it gathered"
-                    )
-            joined.append(values[0])
-            continue
-        if not all(is_tensor):
-            r = is_tensor.index(not is_tensor[0])
-            raise ValueError(
-                f"{call}: `outputs` leaf {path()} is {_tree.describe(values[0])} in replica 0 "
-                f"but {_tree.describe(values[r])} in replica {r}"
-            )
-        tensors: list[torch.Tensor] = values
-        if all(t.dim() == 0 for t in tensors):
-            if not warned:
-                warnings.warn(
-                    f"{call}: asked to gather along dimension {dim}, but some outputs "
-                    "are scalars; they are returned as a vector with one entry per replica",
-                    UserWarning,
-                    stacklevel=3,
-                )
-                warned = True
-            tensors = [t.reshape(1) for t in tensors]
-            leaf_dim = 0
-        else:
-            leaf_dim = _check_joinable(tensors, dim, path, call=call)
-        if len(tensors) == 1 and tensors[0].device == target:
-            joined.append(tensors[0])
-        else:
-            joined.append(torch.cat([t.to(target) for t in tensors], leaf_dim))
+        values = [leaves[j] for leaves, _ in flat]
+        joined.append(_join(values, path, target, dim=dim, call=call, warned=scalars))
     return _batch.unflatten(spec, joined)
+
+
+def _join(
+    values: list[Any],
+    path: Callable[[], str],
+    target: torch.device,
+    *,
+    dim: int,
+    call: str,
+    warned: list[bool],
+) -> Any:
+    """One output leaf from every replica, joined (tensors) or checked equal (others)."""
+    is_tensor = [isinstance(v, torch.Tensor) for v in values]
+    if not any(is_tensor):
+        for r, value in enumerate(values[1:], start=1):
+            if not _same(value, values[0]):
+                raise ValueError(
+                    f"{call}: `outputs` non-tensor leaf {path()} differs between replicas; "
+                    f"expected (replica 0) {values[0]!r}, got (replica {r}) {value!r}; "
+                    "return a tensor to have it gathered"
+                )
+        return values[0]
+    if not all(is_tensor):
+        r = is_tensor.index(not is_tensor[0])
+        raise ValueError(
+            f"{call}: `outputs` leaf {path()} is {_tree.describe(values[0])} in replica 0 "
+            f"but {_tree.describe(values[r])} in replica {r}"
+        )
+    tensors: list[torch.Tensor] = values
+    if all(t.dim() == 0 for t in tensors):
+        if not warned:
+            warnings.warn(
+                f"{call}: asked to gather along dimension {dim}, but some outputs "
+                "are scalars; they are returned as a vector with one entry per replica",
+                UserWarning,
+                stacklevel=4,
+            )
+            warned.append(True)
+        tensors = [t.reshape(1) for t in tensors]
+        leaf_dim = 0
+    else:
+        leaf_dim = _check_joinable(tensors, dim, path, call=call)
+    if len(tensors) == 1 and tensors[0].device == target:
+        return tensors[0]
+    return torch.cat([t.to(target) for t in tensors], leaf_dim)
 
 
 def _check_joinable(
