@@ -82,7 +82,12 @@ class Bucket:
         if scale == 1.0 and simple and not any(self.complex_):
             flat_leaves = [t.reshape(-1) for t in tensors if t is not None]
             return torch.cat(flat_leaves) if out is None else torch.cat(flat_leaves, out=out)
-        flat = self.empty() if out is None else out
+        if out is None:
+            # new_empty keeps a tensor subclass (and its device) that torch.empty would drop
+            like = next((t for t in tensors if t is not None), None)
+            flat = self.empty() if like is None else like.new_empty(self.numel, dtype=self.dtype)
+        else:
+            flat = out
         self.zero_pads(flat)
         for view, t in zip(self.views(flat), tensors, strict=True):
             if t is None:
@@ -103,9 +108,27 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
 
 
 def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
-    """``t``'s strides if they are dense and non-overlapping, else contiguous ones."""
-    like = torch.empty_like(t, device="meta")  # preserve_format keeps dense layouts
-    return tuple(like.stride())
+    """The strides ``torch.empty_like(t)`` gives: ``t``'s own if dense, else inferred dense ones."""
+    if t.layout != torch.strided:
+        return _contiguous(t.shape)
+    stride = tuple(t.stride())
+    if _is_dense(t.shape, stride):  # in Python: no dispatch, no tensor-subclass call
+        return stride
+    return tuple(torch.empty_like(t, device="meta").stride())
+
+
+def _is_dense(shape: torch.Size, stride: tuple[int, ...]) -> bool:
+    """Non-overlapping and dense, as torch decides it (size-1 dims never stepped over)."""
+    if shape.numel() == 0:
+        return False
+    step = 1
+    for d in sorted(range(len(shape)), key=lambda d: stride[d]):
+        if shape[d] == 1:
+            continue
+        if stride[d] != step:
+            return False
+        step *= shape[d]
+    return True
 
 
 def plan(

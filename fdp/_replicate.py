@@ -4,37 +4,42 @@ A replica on a leaf's own device *is* that leaf (no copy, no autograd node):
 its gradient reaches the leaf through ordinary accumulation, and buffers
 updated in place (BatchNorm running statistics) persist. Leaves that must
 cross devices go through one :class:`_Broadcast` call: forward packs them into
-one flat buffer per (source device, dtype), copies each buffer once per target
-device and hands out views; backward packs the replicas' gradients the same
+one flat buffer per (source device, real dtype) with the bucket planner of
+``all_reduce_grads`` (uncapped), copies each buffer once per target device and
+hands out views; backward packs the replicas' gradients the same
 way and reduce-adds them onto each source leaf's device (the C++ seed's
 ``ReduceAdd``).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from fdp import _compat, _tree
+from fdp import _bucket, _compat, _tree
 from fdp._device import DeviceLike, as_devices
 
 __all__ = ["replicate"]
 
-# One copy job: the indices (into the Function's tensor inputs) of tensors
-# sharing a source device and dtype, and the device they are copied to.
-_Copy = tuple[tuple[int, ...], torch.device]
+# One copy job: a bucket of the Function's tensor inputs (one source device,
+# one real dtype; the planner of all_reduce_grads and DDP, with no size cap)
+# and the device it is copied to. A non-strided tensor (sparse) travels alone,
+# as a one-leaf bucket that is never packed.
+_Copy = tuple[_bucket.Bucket, torch.device]
 
 
-def _copy_group(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Copies tensors of one device and dtype to ``device`` with one transfer."""
+def _copy_group(
+    bucket: _bucket.Bucket, tensors: Sequence[torch.Tensor], device: torch.device
+) -> list[torch.Tensor]:
+    """Copies a bucket's tensors to ``device`` with one transfer."""
     non_blocking = device.type != "cpu"
-    if len(tensors) == 1 or tensors[0].layout != torch.strided:
-        return [t.to(device, non_blocking=non_blocking) for t in tensors]
-    flat = torch.cat([t.reshape(-1) for t in tensors]).to(device, non_blocking=non_blocking)
-    parts = torch.split(flat, [t.numel() for t in tensors])
-    return [part.view(t.shape) for part, t in zip(parts, tensors, strict=True)]
+    if len(tensors) == 1:
+        return [tensors[0].to(device, non_blocking=non_blocking)]
+    flat = bucket.pack(tensors).to(device, non_blocking=non_blocking)
+    return bucket.views(flat)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -47,8 +52,8 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(copies: tuple[_Copy, ...], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outputs: list[torch.Tensor] = []
-        for indices, device in copies:
-            outputs.extend(_copy_group([tensors[i] for i in indices], device))
+        for bucket, device in copies:
+            outputs.extend(_copy_group(bucket, [tensors[i] for i in bucket.indices], device))
         return tuple(outputs)
 
     @staticmethod
@@ -61,26 +66,27 @@ class _Broadcast(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         totals: list[torch.Tensor | None] = [None] * len(ctx.sources)
         offset = 0
-        for indices, _device in ctx.copies:
+        for bucket, _device in ctx.copies:
+            indices = bucket.indices
             group_grads = list(grads[offset : offset + len(indices)])
             offset += len(indices)
-            source = ctx.sources[indices[0]][0]
-            for i, g in zip(indices, _copy_group(group_grads, source), strict=True):
+            for i, g in zip(indices, _copy_group(bucket, group_grads, bucket.device), strict=True):
                 total = totals[i]
                 totals[i] = g if total is None else total + g
         return (None, *totals)
 
 
 def _plan(tensors: list[torch.Tensor], targets: list[torch.device]) -> tuple[_Copy, ...]:
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    return tuple(
-        (tuple(indices), target)
-        for target in targets
-        for (source, _), indices in groups.items()
-        if source != target
-    )
+    if all(t.device == target for t in tensors for target in targets):
+        return ()  # nothing crosses devices: no planning on the hot path
+    strided = [t if t.layout == torch.strided else None for t in tensors]
+    buckets = _bucket.plan(strided, cap_bytes=sys.maxsize)
+    buckets += [
+        _bucket.plan([t if j == i else None for j in range(len(tensors))], cap_bytes=0)[0]
+        for i, t in enumerate(tensors)
+        if t.layout != torch.strided
+    ]
+    return tuple((b, target) for target in targets for b in buckets if b.device != target)
 
 
 def _refuse_compiled_transform(call: str) -> None:
@@ -106,7 +112,7 @@ def replicate(params: Any, devices: Sequence[DeviceLike]) -> list[Any]:
 
     Replica ``i`` lives on ``devices[i]``. On a leaf's own device the replica
     holds the leaf itself; elsewhere it holds a copy made by one coalesced
-    transfer per (source device, dtype). Gradients of the replicas are summed
+    transfer per (source device, real dtype). Gradients of the replicas are summed
     back onto each source leaf's device. Leaves that do not require grad
     (buffers) are copied without autograd, and each replica owns its copy:
     replica 0 holds the leaf itself when on the leaf's device, every other
@@ -195,7 +201,8 @@ def _replicate(
             with torch.no_grad():
                 outputs = _Broadcast.forward(copies, *tensors)
         offset = 0
-        for indices, device in copies:
+        for bucket, device in copies:
+            indices = bucket.indices
             for i, out in zip(indices, outputs[offset : offset + len(indices)], strict=True):
                 per_device[device][slots[i]] = out
             offset += len(indices)

@@ -156,6 +156,40 @@ def test_fake_devices_copy_once_per_dtype_and_reduce_grads_to_the_source() -> No
         torch.testing.assert_close(plain(got), want)
 
 
+def test_fake_devices_copy_complex_with_real_and_keep_memory_formats() -> None:
+    torch.manual_seed(0)
+    cpu_params = {
+        "conv": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last).requires_grad_(),
+        "odd": torch.randn(3, requires_grad=True),  # puts the complex leaf at an odd offset
+        "z": torch.randn(2, 3, dtype=torch.complex64, requires_grad=True),
+        "zt": torch.randn(3, 2, dtype=torch.complex64).t().requires_grad_(),
+    }
+    params = label(cpu_params, 0)
+    devices = [fake(0), fake(1), fake(2)]
+    with count_copies() as copies:
+        replicas = fdp.replicate(params, devices)
+    # complex64 travels as float32: one coalesced copy per other device.
+    assert copies() == 2
+    for replica, device in zip(replicas, devices, strict=True):
+        for got, src in zip(tensor_leaves(replica), tensor_leaves(params), strict=True):
+            assert (got.device, got.dtype, got.stride()) == (device, src.dtype, src.stride())
+            torch.testing.assert_close(plain(got), plain(src))
+
+    def loss(tree: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sum((t.abs() ** 3).sum() for t in tree.values())  # type: ignore[return-value]
+
+    total = sum(
+        (r + 1) * loss({k: plain_device(v) for k, v in tree.items()})
+        for r, tree in enumerate(replicas)
+    )
+    grads = torch.autograd.grad(total, list(params.values()))  # type: ignore[arg-type]
+    reference = {k: v.detach().clone().requires_grad_() for k, v in cpu_params.items()}
+    expected = torch.autograd.grad(sum(range(1, 4)) * loss(reference), list(reference.values()))
+    for got, want, src in zip(grads, expected, params.values(), strict=True):
+        assert got.device == src.device
+        torch.testing.assert_close(plain(got), want)
+
+
 def test_fake_devices_under_backward_accumulate_on_leaves() -> None:
     params = label({"w": torch.randn(2, 3, requires_grad=True)}, 1)
     replicas = fdp.replicate(params, [fake(0), fake(1), fake(2)])
