@@ -76,12 +76,19 @@ class Bucket:
     ) -> torch.Tensor:
         """A flat buffer (``out``, or a new one) holding ``tensors`` times ``scale``.
 
-        ``None`` packs zeros. Scaling while packing costs no extra pass.
+        ``None`` packs zeros. Contiguous real leaves are concatenated; any
+        other bucket is filled through its leaf views by one foreach copy.
         """
-        simple = all(t is not None and t.is_contiguous() for t in tensors)
-        if scale == 1.0 and simple and not any(self.complex_):
+        if all(t is not None and t.is_contiguous() for t in tensors) and not any(self.complex_):
             flat_leaves = [t.reshape(-1) for t in tensors if t is not None]
-            return torch.cat(flat_leaves) if out is None else torch.cat(flat_leaves, out=out)
+            flat = torch.cat(flat_leaves) if out is None else torch.cat(flat_leaves, out=out)
+        else:
+            flat = self._fill(tensors, out)
+        return flat if scale == 1.0 else flat.mul_(scale)
+
+    def _fill(
+        self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor | None
+    ) -> torch.Tensor:
         if out is None:
             # new_empty keeps a tensor subclass (and its device) that torch.empty would drop
             like = next((t for t in tensors if t is not None), None)
@@ -89,13 +96,14 @@ class Bucket:
         else:
             flat = out
         self.zero_pads(flat)
+        views, sources = [], []
         for view, t in zip(self.views(flat), tensors, strict=True):
             if t is None:
                 view.zero_()
-            elif scale == 1.0:
-                view.copy_(t)
             else:
-                torch.mul(t, scale, out=view)
+                views.append(view)
+                sources.append(t)
+        _compat.foreach_copy_(views, sources)
         return flat
 
 
