@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fdp import _tree
+from fdp import _bucket, _tree
 
 ProcessGroup = dist.ProcessGroup
 
@@ -53,13 +53,22 @@ def check_cap(value: object, name: str, *, call: str) -> int:
 def signature(
     tree: Any, leaves: Sequence[Any], root: str, *, requires_grad: bool
 ) -> list[tuple[str, str]]:
-    """Per leaf, its path and what every rank must agree on."""
+    """Per leaf, its path and what every rank must agree on.
+
+    Shape, dtype, device type, requires_grad where asked, and the memory
+    layout where it is not contiguous (``channels_last``): a bucket packs
+    each leaf in its memory order, so two layouts would sum the wrong elements.
+    """
     described = []
     for p, leaf in zip(_tree.paths(tree, root), leaves, strict=True):
         if isinstance(leaf, torch.Tensor):
             what = (
                 f"a tensor of shape {tuple(leaf.shape)}, dtype {leaf.dtype} on {leaf.device.type}"
             )
+            strides = _bucket.dense_strides(leaf)
+            if strides != _bucket.contiguous_strides(leaf.shape):
+                # Buckets hold a leaf in its memory order: ranks must agree on it.
+                what += f", strides {strides}"
             if requires_grad:
                 what += f", requires_grad={leaf.requires_grad}"
         else:

@@ -54,7 +54,7 @@ class Bucket:
         if self.complex_[j]:
             real = part.as_strided((*shape, 2), (*(2 * s for s in stride), 1))
             return torch.view_as_complex(real)
-        if stride == _contiguous(shape):
+        if stride == contiguous_strides(shape):
             return part.view(shape)
         return part.as_strided(shape, stride)
 
@@ -107,7 +107,7 @@ class Bucket:
         return flat
 
 
-def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
@@ -115,10 +115,10 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
+def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
     """The strides ``torch.empty_like(t)`` gives: ``t``'s own if dense, else inferred dense ones."""
     if t.layout != torch.strided:
-        return _contiguous(t.shape)
+        return contiguous_strides(t.shape)
     stride = tuple(t.stride())
     if _is_dense(t.shape, stride):  # in Python: no dispatch, no tensor-subclass call
         return stride
@@ -188,7 +188,7 @@ def _bucket(indices: list[int], tensors: Sequence[torch.Tensor | None]) -> Bucke
             pads.append(numel)
             numel += 1
         shapes.append(t.shape)
-        strides.append(_dense_strides(t))
+        strides.append(dense_strides(t))
         complex_.append(t.is_complex())
         offsets.append(numel)
         numel += t.numel() * (2 if t.is_complex() else 1)

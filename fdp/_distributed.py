@@ -248,7 +248,7 @@ def _cached_plan(
     saves the planning and the page faults of fresh tens-of-MB buffers.
     Keyed by group too: two groups never share buffers.
     """
-    metas = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors)
+    metas = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
     key = (cap_bytes, group, spec, metas)
     with _plans_lock:
         plan = _plans.get(key)

@@ -25,6 +25,7 @@ def _grads_of(rank: int, what: str) -> dict[str, torch.Tensor]:
         "other_key": {"b": torch.ones(2, 3)},
         "other_size": {"a": torch.ones(7)},  # used to abort the process in gloo
         "other_dtype": {"a": torch.ones(2, 3, dtype=torch.float64)},
+        "other_layout": {"a": torch.arange(6.0).view(3, 2).t()},  # packed in memory order
     }[what]
 
 
@@ -36,7 +37,9 @@ def _all_reduce_mismatch(rank: int, size: int, what: str) -> tuple[str, list[flo
     return str(info.value), ok.tolist()
 
 
-@pytest.mark.parametrize("what", ["other_shape", "other_key", "other_size", "other_dtype"])
+@pytest.mark.parametrize(
+    "what", ["other_shape", "other_key", "other_size", "other_dtype", "other_layout"]
+)
 def test_all_reduce_grads_refuses_trees_that_differ_across_ranks(what: str) -> None:
     results = ranks.world(2).run(_all_reduce_mismatch, what)
     messages = {m for m, _ in results}
@@ -92,6 +95,57 @@ def test_ddp_refuses_requires_grad_on_some_ranks_only() -> None:
     assert "params['b']" in message
     assert "requires_grad=True" in message
     assert "requires_grad=False" in message
+
+
+def _params_of(rank: int, what: str) -> dict[str, torch.Tensor]:
+    params = {"conv": torch.ones(4, 3, 2, 2), "bias": torch.ones(4)}
+    if rank == 1:
+        if what == "other_shape":  # same numel
+            params["bias"] = torch.ones(2, 2)
+        elif what == "other_count":
+            params["extra"] = torch.ones(1)
+        elif what == "other_layout":  # same shape, other memory order
+            params["conv"] = params["conv"].to(memory_format=torch.channels_last)
+        elif what == "other_dtype":
+            params["bias"] = params["bias"].double()
+        elif what == "other_key":
+            params["b"] = params.pop("bias")
+    return {k: v.requires_grad_() for k, v in params.items()}
+
+
+def _mismatch_found(rank: int, size: int, what: str) -> tuple[bool, str]:
+    """(torch's DDP check refuses, fdp's error or "") for the same trees."""
+    params = _params_of(rank, what)
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError("no default group")
+    try:
+        dist._verify_params_across_processes(world, list(params.values()), None)  # type: ignore[attr-defined]
+        torch_refuses = False
+    except RuntimeError:
+        torch_refuses = True
+    try:
+        fdp.DistributedDataParallel(params)
+        return torch_refuses, ""
+    except ValueError as e:
+        return torch_refuses, str(e)
+
+
+@pytest.mark.parametrize(
+    "what", ["same", "other_shape", "other_count", "other_layout", "other_dtype", "other_key"]
+)
+def test_ddp_refuses_at_least_what_torchs_ddp_check_refuses(what: str) -> None:
+    # torch's own check (shapes, strides, count) is the reference; fdp also
+    # compares dtypes and pytree paths, which torch has no names for.
+    results = ranks.world(2).run(_mismatch_found, what)
+    torch_refuses = any(t for t, _ in results)  # torch raises on the ranks unlike rank 0
+    assert torch_refuses == (what in {"other_shape", "other_count", "other_layout"})
+    messages = {m for _, m in results}  # fdp: the same error on every rank
+    assert len(messages) == 1, messages
+    if what == "same":
+        assert messages == {""}
+    else:
+        assert "`params` differs across ranks" in messages.pop()
 
 
 def _group_and_empty_errors(rank: int, size: int) -> list[str]:
