@@ -8,7 +8,6 @@ returns a future of the averaged bucket.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,14 @@ itself, reduced in place. Every rank must issue the same collectives.
 """
 
 
-def allreduce_hook(bucket: torch.Tensor, group: ProcessGroup | None) -> torch.futures.Future[Any]:
+def reduced_tensor(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    """The one tensor a single-tensor collective's future resolves to."""
+    return fut.value()[0]
+
+
+def allreduce_hook(
+    bucket: torch.Tensor, group: ProcessGroup | None
+) -> torch.futures.Future[torch.Tensor]:
     """The default: averages ``bucket`` in place with one asynchronous all-reduce.
 
     Example::
@@ -37,22 +43,24 @@ def allreduce_hook(bucket: torch.Tensor, group: ProcessGroup | None) -> torch.fu
     # Divide first, as torch's DDP does: one pass, and no overflow in the sum.
     bucket.div_(dist.get_world_size(group))
     work = dist.all_reduce(bucket, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])  # type: ignore[no-any-return]
+    future: torch.futures.Future[list[torch.Tensor]] = work.get_future()
+    return future.then(reduced_tensor)
 
 
 def _compressed(
     bucket: torch.Tensor, group: ProcessGroup | None, dtype: torch.dtype
-) -> torch.futures.Future[Any]:
+) -> torch.futures.Future[torch.Tensor]:
     if bucket.dtype == dtype:
         return allreduce_hook(bucket, group)
     compressed = bucket.to(dtype).div_(dist.get_world_size(group))
     work = dist.all_reduce(compressed, group=group, async_op=True)
-    return work.get_future().then(lambda fut: bucket.copy_(fut.value()[0]))  # type: ignore[no-any-return]
+    future: torch.futures.Future[list[torch.Tensor]] = work.get_future()
+    return future.then(lambda fut: bucket.copy_(reduced_tensor(fut)))
 
 
 def fp16_compress_hook(
     bucket: torch.Tensor, group: ProcessGroup | None
-) -> torch.futures.Future[Any]:
+) -> torch.futures.Future[torch.Tensor]:
     """Reduces each bucket in float16 (half the bytes) and hands back full precision.
 
     Example::
@@ -64,7 +72,7 @@ def fp16_compress_hook(
 
 def bf16_compress_hook(
     bucket: torch.Tensor, group: ProcessGroup | None
-) -> torch.futures.Future[Any]:
+) -> torch.futures.Future[torch.Tensor]:
     """Reduces each bucket in bfloat16 (half the bytes, float32's range).
 
     Example::

@@ -28,7 +28,7 @@ def data_parallel(
     output_device: DeviceLike | None = None,
     dim: int = 0,
     kwargs: Mapping[str, Any] | None = None,
-) -> Any:
+) -> T:
     """Evaluates ``fn(params, *inputs, **kwargs)`` data-parallel over ``devices``.
 
     The batch (every tensor leaf of ``inputs`` and ``kwargs``) is split along
@@ -81,7 +81,8 @@ def data_parallel(
     replicas = _replicate(params, used, call=call, copied_state=copied_state)
     outputs = _parallel_apply(fn, replicas, chunks, kw_chunks, used)
     _write_back(copied_state)
-    return _gather(outputs, target, dim=dim, call=call)
+    gathered: T = _gather(outputs, target, dim=dim, call=call)
+    return gathered
 
 
 def _write_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

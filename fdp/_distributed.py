@@ -235,7 +235,7 @@ _plans_lock = threading.Lock()
 
 def _cached_plan(
     tree: Any,
-    spec: Any,
+    spec: _tree.Spec,
     leaves: list[Any],
     tensors: list[torch.Tensor | None],
     cap_bytes: int,

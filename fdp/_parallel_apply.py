@@ -24,7 +24,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
@@ -32,6 +32,8 @@ from fdp import _compat, _tree
 from fdp._device import DeviceLike, as_device
 
 __all__ = ["parallel_apply"]
+
+T = TypeVar("T")
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
 _SPIN_S = 200e-6
@@ -282,12 +284,12 @@ def _infer_device(*trees: Any) -> torch.device:
 
 
 def parallel_apply(
-    fn: Callable[..., Any],
+    fn: Callable[..., T],
     replicas: Sequence[Any],
     inputs: Sequence[Any],
     kwargs: Sequence[dict[str, Any]] | None = None,
     devices: Sequence[DeviceLike] | None = None,
-) -> list[Any]:
+) -> list[T]:
     """Calls ``fn(replicas[i], *inputs[i], **kwargs[i])`` for every ``i``.
 
     Replicas on distinct devices run concurrently on persistent worker

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from fdp import _compat
+from fdp import _comm_hooks, _compat
 from fdp._bucket import Layout
 
 
@@ -48,7 +48,7 @@ class Step:
         self.flats: list[torch.Tensor | None] = [None] * n
         self.filled: list[set[int]] = [set() for _ in range(n)]
         self.expected: list[int] = [0] * n
-        self.futures: list[torch.futures.Future[Any] | None] = [None] * n
+        self.futures: list[torch.futures.Future[torch.Tensor] | None] = [None] * n
         self.hooked: list[int] = []
         self.used: set[int] = set()  # leaves that got a gradient on this rank
         self.next_launch = 0
@@ -236,6 +236,9 @@ def _pack_old(view: torch.Tensor, old: torch.Tensor | None, scale: float) -> Non
         torch.mul(old, scale, out=view)
 
 
-def sum_hook(bucket: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future[Any]:
+def sum_hook(
+    bucket: torch.Tensor, group: dist.ProcessGroup | None
+) -> torch.futures.Future[torch.Tensor]:
     work = dist.all_reduce(bucket, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])  # type: ignore[no-any-return]
+    future: torch.futures.Future[list[torch.Tensor]] = work.get_future()
+    return future.then(_comm_hooks.reduced_tensor)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -18,6 +18,8 @@ from fdp import _batch, _tree
 from fdp._device import DeviceLike, as_device, as_devices
 
 __all__ = ["gather", "scatter", "scatter_kwargs"]
+
+T = TypeVar("T")
 
 
 def _as_args(inputs: Any) -> tuple[Any, ...]:
@@ -252,7 +254,7 @@ def _same(a: object, b: object) -> bool:
         return False
 
 
-def gather(outputs: Sequence[Any], output_device: DeviceLike, *, dim: int = 0) -> Any:
+def gather(outputs: Sequence[T], output_device: DeviceLike, *, dim: int = 0) -> T:
     """Joins per-replica outputs into one pytree on ``output_device``.
 
     Tensor leaves are concatenated along ``dim`` (differentiably); 0-dim
@@ -277,7 +279,8 @@ def gather(outputs: Sequence[Any], output_device: DeviceLike, *, dim: int = 0) -
     """
     call = "fdp.gather"
     target = as_device(output_device, call=call, arg="output_device")
-    return _gather(outputs, target, dim=dim, call=call)
+    gathered: T = _gather(outputs, target, dim=dim, call=call)
+    return gathered
 
 
 def _gather(outputs: Sequence[Any], target: torch.device, *, dim: int, call: str) -> Any:

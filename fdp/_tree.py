@@ -19,8 +19,11 @@ import torch
 
 NONE_IS_LEAF = True
 
+# optree's spec; while compiling, the nested tuples of _flatten_traceable.
+Spec = optree.PyTreeSpec | tuple[Any, ...]
 
-def flatten(tree: Any) -> tuple[list[Any], Any]:
+
+def flatten(tree: Any) -> tuple[list[Any], Spec]:
     """Leaves in optree order and the structure to rebuild the tree."""
     if torch.compiler.is_compiling():
         leaves: list[Any] = []
@@ -28,7 +31,7 @@ def flatten(tree: Any) -> tuple[list[Any], Any]:
     return optree.tree_flatten(tree, none_is_leaf=NONE_IS_LEAF)
 
 
-def unflatten(spec: Any, leaves: list[Any]) -> Any:
+def unflatten(spec: Spec, leaves: list[Any]) -> Any:
     """Inverse of :func:`flatten`."""
     if isinstance(spec, tuple):
         return _unflatten_traceable(spec, iter(leaves))

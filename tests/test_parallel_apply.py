@@ -254,7 +254,7 @@ def test_nested_data_parallel_does_not_deadlock() -> None:
         return torch.tanh(x @ p["w"])
 
     def outer(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return fdp.data_parallel(inner, p, x, devices=["cpu"] * 4) * 2  # type: ignore[no-any-return]
+        return fdp.data_parallel(inner, p, x, devices=["cpu"] * 4) * 2
 
     got = fdp.data_parallel(outer, params, x, devices=["cpu"] * 4)
     torch.testing.assert_close(got, inner(params, x) * 2)

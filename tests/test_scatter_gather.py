@@ -95,7 +95,7 @@ def test_inputs_without_tensors_make_one_call() -> None:
     w = torch.ones(3, requires_grad=True)
     out = fdp.data_parallel(fn, w, (), devices=["cpu"] * 3)
     torch.testing.assert_close(out, w * 2)  # not three copies concatenated
-    out.sum().backward()
+    torch.autograd.backward(out.sum())
     torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
     assert len(calls) == 1
 
@@ -208,7 +208,7 @@ def test_gather_scalars_become_a_vector_with_a_warning() -> None:
     with pytest.warns(UserWarning, match=r"returned as a vector with one entry per replica"):
         got = fdp.gather([{"loss": losses[0]}, {"loss": losses[1]}], -1)
     torch.testing.assert_close(got["loss"], torch.tensor([1.0, 2.0]))
-    got["loss"].sum().backward()
+    torch.autograd.backward(got["loss"].sum())
     assert [x.grad for x in losses] == [torch.tensor(1.0), torch.tensor(1.0)]
 
 
@@ -383,11 +383,11 @@ def test_user_containers_are_gathered_in_their_type() -> None:
     got = fdp.gather(outs, "cpu")
     assert type(got) is DictSub
     torch.testing.assert_close(got["y"], torch.tensor([0.0, 0.0, 1.0]))
-    got = fdp.gather(
+    example = fdp.gather(
         [Example(torch.zeros(1), torch.ones(1)), Example(torch.ones(1), torch.zeros(1))], "cpu"
     )
-    assert type(got) is Example
-    torch.testing.assert_close(got.x, torch.tensor([0.0, 1.0]))
+    assert type(example) is Example
+    torch.testing.assert_close(example.x, torch.tensor([0.0, 1.0]))
 
 
 def test_user_containers_without_tensors_are_shared_whole() -> None:
