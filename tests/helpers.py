@@ -1,8 +1,9 @@
-"""Shared test material: a corpus of pytrees, comparisons, and fake devices."""
+"""Shared test material: pytrees and the model most tests train, comparisons, fake devices."""
 
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -38,6 +39,50 @@ def params_corpus(seed: int = 0) -> dict[str, Any]:
         },
         "ordered": collections.OrderedDict([("z", p(2)), ("a", p(3))]),
     }
+
+
+# ---------------------------------------------------------------------------
+# The model the data-parallel, distributed and compile tests share: an MLP as
+# a pytree (a list of layer dicts, a namedtuple head whose bias may be None),
+# and the per-rank batch split of the multi-process tests.
+
+PER_RANK = 4  # examples per rank
+TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}  # averaging sums in another order
+TINY: dict[str, Any] = {"bucket_cap_mb": 1e-6, "first_bucket_cap_mb": 1e-6}  # a bucket per leaf
+
+
+def mlp_params(
+    seed: int = 0, *, inputs: int = 6, depth: int = 2, head_bias: bool = False
+) -> dict[str, Any]:
+    """``{"layers": [{"w", "b"}, ...], "head": Pair(w, b or None)}``, all leaves requiring grad."""
+    g = torch.Generator().manual_seed(seed)
+
+    def p(*shape: int) -> torch.Tensor:
+        t: torch.Tensor = torch.randn(*shape, generator=g) / shape[0] ** 0.5
+        return t.requires_grad_()
+
+    sizes = [inputs] + [8] * depth
+    layers = [{"w": p(a, b), "b": p(b)} for a, b in itertools.pairwise(sizes)]
+    return {"layers": layers, "head": Pair(first=p(8, 3), second=p(3) if head_bias else None)}
+
+
+def mlp(params: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+    for layer in params["layers"]:
+        x = torch.tanh(x @ layer["w"] + layer["b"])
+    weight, bias = params["head"]
+    out: torch.Tensor = x @ weight
+    return out if bias is None else out + bias
+
+
+def batch(rows: int, *, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs (``rows`` x 6) and regression targets (``rows`` x 3)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
+
+
+def shard(t: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s ``PER_RANK`` examples of a full batch."""
+    return t[rank * PER_RANK : (rank + 1) * PER_RANK]
 
 
 def leaves(tree: Any) -> list[Any]:
@@ -168,6 +213,3 @@ def plain(x: torch.Tensor) -> torch.Tensor:
 def count_copies() -> Iterator[Callable[[], int]]:
     before = Labelled.copies
     yield lambda: Labelled.copies - before
-
-
-requires_cuda = torch.cuda.is_available()

@@ -17,9 +17,20 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fdp
-from fdp import _parallel_apply, _replicate
+from fdp import _bucket, _parallel_apply, _replicate
 from tests import ranks
-from tests.helpers import Pair, detached_copy, leaves, tree_allclose
+from tests.helpers import (
+    PER_RANK,
+    Pair,
+    batch,
+    detached_copy,
+    grads_of,
+    leaves,
+    mlp,
+    mlp_params,
+    shard,
+    tree_allclose,
+)
 
 pytestmark = pytest.mark.compile
 DEVICES = ["cpu", "cpu"]
@@ -33,19 +44,10 @@ def _fresh_dynamo() -> Iterator[None]:
 
 
 def make_params(seed: int = 0) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-
-    def p(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=g).requires_grad_()
-
-    return {"layers": [{"w": p(6, 8), "b": p(8)}], "head": Pair(first=p(8, 3), second=None)}
+    return mlp_params(seed, depth=1)
 
 
-def model(params: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
-    for layer in params["layers"]:
-        x = torch.tanh(x @ layer["w"] + layer["b"])
-    out: torch.Tensor = x @ params["head"].first
-    return out
+model = mlp
 
 
 def loss_dp(params: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
@@ -57,12 +59,8 @@ def loss_ref(params: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
     return model(params, x).square().mean()
 
 
-def grads_of(params: Any) -> list[torch.Tensor | None]:
-    return [t.grad for t in leaves(params) if t is not None]
-
-
 def data(n: int = 7, seed: int = 1) -> torch.Tensor:
-    return torch.randn(n, 6, generator=torch.Generator().manual_seed(seed))
+    return batch(n, seed=seed)[0]
 
 
 def test_data_parallel_traces_into_one_graph() -> None:
@@ -171,10 +169,8 @@ def forced_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     """Makes replicate copy even onto the source device, as it does across GPUs."""
 
     def plan(tensors: list[torch.Tensor], targets: list[torch.device]) -> Any:
-        groups: dict[Any, list[int]] = {}
-        for i, t in enumerate(tensors):
-            groups.setdefault((t.device, t.dtype), []).append(i)
-        return tuple((tuple(ix), target) for target in targets for ix in groups.values())
+        buckets = _bucket.plan(tensors, cap_bytes=1 << 40)
+        return tuple((bucket, target) for target in targets for bucket in buckets)
 
     monkeypatch.setattr(_replicate, "_plan", plan)
 
@@ -210,12 +206,6 @@ def test_copies_in_a_compiled_loss_with_backward_are_correct() -> None:
 
 
 # --- across processes ----------------------------------------------------------
-
-PER_RANK = 4
-
-
-def shard(t: torch.Tensor, rank: int) -> torch.Tensor:
-    return t[rank * PER_RANK : (rank + 1) * PER_RANK]
 
 
 def _compiled_sgd(rank: int, size: int, steps: int) -> Any:

@@ -14,22 +14,22 @@ import torch
 from torch import nn
 
 import fdp
-from tests.helpers import Pair, detached_copy, fake, label, plain, tensor_leaves, tree_allclose
+from tests.helpers import (
+    Pair,
+    detached_copy,
+    fake,
+    label,
+    mlp_params,
+    plain,
+    tensor_leaves,
+    tree_allclose,
+)
 
 
 def make_params(seed: int = 0) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-
-    def p(*shape: int) -> torch.Tensor:
-        t: torch.Tensor = torch.randn(*shape, generator=g) / shape[0] ** 0.5
-        return t.requires_grad_()
-
-    return {
-        "layers": [{"w": p(5, 8), "b": p(8)}, {"w": p(8, 8), "b": p(8)}],
-        "head": Pair(first=p(8, 3), second=p(3)),
-        "unused_bias": None,
-        "frozen": torch.ones(8),
-    }
+    """The shared MLP with a head bias, a None leaf and a buffer that needs no grad."""
+    params = mlp_params(seed, inputs=5, head_bias=True)
+    return {**params, "unused_bias": None, "frozen": torch.ones(8)}
 
 
 def model(

@@ -18,40 +18,41 @@ import torch.distributed as dist
 
 import fdp
 from tests import ranks
-from tests.helpers import Pair, leaves, params_corpus, tree_allclose
+from tests.helpers import (
+    PER_RANK,
+    TINY,
+    TOL,
+    Pair,
+    batch,
+    leaves,
+    mlp,
+    mlp_params,
+    params_corpus,
+    shard,
+    tree_allclose,
+)
 
-PER_RANK = 4
-TINY: dict[str, Any] = {"bucket_cap_mb": 1e-6, "first_bucket_cap_mb": 1e-6}  # a bucket per leaf
 SMALL: dict[str, Any] = {
     "bucket_cap_mb": 2e-4,
     "first_bucket_cap_mb": 1e-4,
 }  # a few leaves per bucket
 DEFAULT: dict[str, Any] = {}
 CAPS: dict[str, dict[str, Any]] = {"tiny": TINY, "small": SMALL, "default": DEFAULT}
-# Averaging over ranks sums in another order than the full-batch reference.
-TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def make_params(seed: int = 0) -> dict[str, Any]:
-    """A tree with nesting, a namedtuple, a None leaf, a float64 leaf and an int buffer."""
-    g = torch.Generator().manual_seed(seed)
-
-    def p(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.randn(shape, generator=g).to(dtype).requires_grad_()
-
+    """The shared MLP, a float64 leaf and an int buffer (a namedtuple and a None leaf inside)."""
+    scale = torch.randn((), generator=torch.Generator().manual_seed(seed + 100))
     return {
-        "layers": [{"w": p(6, 8), "b": p(8)}, {"w": p(8, 8), "b": p(8)}],
-        "head": Pair(first=p(8, 3), second=None),
-        "scale": p(dtype=torch.float64),
+        **mlp_params(seed),
+        "scale": scale.double().requires_grad_(),
         "steps": torch.tensor(7),
     }
 
 
 def model(params: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
-    for layer in params["layers"]:
-        x = torch.tanh(x @ layer["w"] + layer["b"])
-    out: torch.Tensor = (x @ params["head"].first) * params["scale"].float()
-    return out + params["steps"]  # type: ignore[no-any-return]
+    out: torch.Tensor = mlp(params, x) * params["scale"].float() + params["steps"]
+    return out
 
 
 def loss_fn(params: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -59,14 +60,7 @@ def loss_fn(params: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> torch.T
 
 
 def data(size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(size * PER_RANK, 6, generator=g), torch.randn(
-        size * PER_RANK, 3, generator=g
-    )
-
-
-def shard(t: torch.Tensor, rank: int) -> torch.Tensor:
-    return t[rank * PER_RANK : (rank + 1) * PER_RANK]
+    return batch(size * PER_RANK, seed=seed)
 
 
 def grad_tree(params: Any) -> Any:

@@ -19,14 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fdp
 from tests import ranks
-
-PER_RANK = 4
-TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}
-TINY: dict[str, Any] = {"bucket_cap_mb": 1e-6, "first_bucket_cap_mb": 1e-6}
-
-
-def shard(t: torch.Tensor, rank: int) -> torch.Tensor:
-    return t[rank * PER_RANK : (rank + 1) * PER_RANK]
+from tests.helpers import PER_RANK, TINY, TOL, batch, shard
 
 
 def grads(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
@@ -63,7 +56,7 @@ def chain(p: dict[str, torch.Tensor], x: torch.Tensor, where: str, reentrant: bo
 
 
 def data(size: int) -> torch.Tensor:
-    return torch.randn(size * PER_RANK, 6, generator=torch.Generator().manual_seed(1))
+    return batch(size * PER_RANK)[0]
 
 
 def _checkpointed(rank: int, size: int, where: str, reentrant: bool) -> Any:
