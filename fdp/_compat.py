@@ -2,7 +2,9 @@
 
 Every function says what it needs and what to do when torch changes: most
 degrade to the safe answer (run replicas in a loop, never reuse a buffer)
-rather than fail. Checked against torch 2.13.
+rather than fail. All are present from torch 2.4 (fdp's lower bound) to
+2.13, the version they were checked on; no other fdp module touches
+``torch._*``, so a torch upgrade is checked here and by the tests.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ import torch
 
 
 def functorch_active() -> bool:
-    """Whether a ``torch.func`` transform (grad, vmap, ...) is running on this thread."""
+    """Whether a ``torch.func`` transform (grad, vmap, ...) is running on this thread.
+
+    If ``peek_interpreter_stack`` goes: functorch's ``maybe_current_level``
+    answers the same; returning True is the safe fallback (replicas loop).
+    """
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
@@ -34,6 +40,7 @@ def current_autograd_node() -> Any:
 
 
 def _dispatch_key_sets() -> tuple[str, str]:
+    # If these go, return a value unlike a fresh thread's: replicas then loop.
     return (
         repr(torch._C._dispatch_tls_local_include_set()),
         repr(torch._C._dispatch_tls_local_exclude_set()),
@@ -57,6 +64,7 @@ def default_device_modes() -> list[torch.device] | None:
 
     ``None`` when any other torch function mode is active: such modes (and
     every dispatch mode) hold state a worker thread cannot share safely.
+    If ``_get_current_function_mode_stack`` goes, return ``None`` (loop).
     """
     from torch.overrides import _get_current_function_mode_stack
     from torch.utils._device import DeviceContext
@@ -80,7 +88,8 @@ def uncarried_thread_state(*, carried: bool) -> str | None:
     guard changed) would reach replica 0 only, so replicas then run in a loop
     on the calling thread. ``carried``: grad/inference/autocast state differs
     from a new thread's and will be carried (the key-set comparison, which
-    those states change, is skipped then).
+    those states change, is skipped then). If a probe below goes, answer
+    with a reason (loop): wrong threads are worse than a slower loop.
     """
     if torch._C._len_torch_dispatch_stack() > 0:
         return "a torch dispatch mode is active"
@@ -155,7 +164,11 @@ def registered_node(kind: type) -> tuple[Flatten, Unflatten] | None:
 
 
 def unwrap_functorch(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under functorch's grad wrappers."""
+    """The plain tensor under functorch's grad wrappers.
+
+    If ``is_gradtrackingtensor``/``get_unwrapped`` go, the DDP tests under
+    ``torch.func.grad`` fail loudly; torch.func's public API has no equivalent.
+    """
     functorch = torch._C._functorch
     while functorch.is_gradtrackingtensor(t):
         t = functorch.get_unwrapped(t)
@@ -163,7 +176,11 @@ def unwrap_functorch(t: torch.Tensor) -> torch.Tensor:
 
 
 def functorch_disabled() -> Any:
-    """A context in which functorch does not intercept ops (collectives in backward hooks)."""
+    """A context in which functorch does not intercept ops (collectives in backward hooks).
+
+    If ``_DisableFuncTorch`` goes, DDP under ``torch.func.grad`` raises in
+    the collectives (tested); look for its successor in torch._functorch.
+    """
     return torch._C._DisableFuncTorch()
 
 
@@ -183,7 +200,11 @@ def engine_captures_grads(leaf: torch.Tensor) -> bool:
 
 
 def is_compiled_module(obj: object) -> bool:
-    """Whether ``obj`` is an ``nn.Module`` wrapped by ``torch.compile``."""
+    """Whether ``obj`` is an ``nn.Module`` wrapped by ``torch.compile``.
+
+    If ``OptimizedModule`` moves, this answers False: ``make_functional`` then
+    sees the wrapper's ``_orig_mod`` as a submodule (its test fails).
+    """
     optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
     kind = getattr(optimized, "OptimizedModule", None)
     return kind is not None and isinstance(obj, kind)

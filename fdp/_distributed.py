@@ -4,28 +4,9 @@
 ``DistributedDataParallel`` overlaps the gradient all-reduce with backward, as
 ``torch.nn.parallel.DistributedDataParallel`` does for modules.
 
-How ``DistributedDataParallel`` hooks into backward: ``ddp(params)`` registers
-a gradient hook on every parameter leaf. Leaf hooks run as soon as a leaf's
-gradient is complete (the autograd engine runs them at top priority), which is
-what lets a bucket's all-reduce start while the rest of backward is still
-running. A node inserted between the params and the model would run only at
-the end of backward, because the engine orders ready nodes by creation. Each
-hook copies its gradient into its bucket's flat buffer; a full bucket is
-launched once every earlier bucket has been, so every rank issues the same
-collectives in the same order. A callback queued on the engine runs when
-backward ends: it launches what is left (leaves nobody used count as zero),
-waits, and hands the reduced gradients out:
-
-- ``loss.backward()``: each leaf's ``.grad`` becomes a view of its reduced
-  bucket. A ``.grad`` already there (accumulated under ``no_sync``) is folded
-  into the reduction, DDP's semantics.
-- ``torch.autograd.grad`` and ``torch.func.grad``: the hook hands the engine
-  the bucket view itself, and the callback reduces the bucket in place before
-  the engine returns it, so the returned gradients are the reduced ones.
-
-Collectives run under ``torch.no_grad()`` and with functorch's dispatch
-disabled: the c10d ops are differentiable and would otherwise be recorded
-(torch 2.13 raises under ``torch.func.grad``).
+The bucket layout lives in ``fdp/_bucket.py``, the cross-rank agreement
+checks in ``fdp/_agreement.py``, and the per-step reduction (how DDP hooks into
+backward) in ``fdp/_reducer.py``; ``docs/design.md`` draws the data flow.
 """
 
 from __future__ import annotations

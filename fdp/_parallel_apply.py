@@ -154,9 +154,10 @@ def _one_busy_cpu(devices: list[torch.device]) -> bool:
     """Whether every replica is on the CPU and torch already spreads each op over cores.
 
     Then concurrent replicas only compete for the same cores (two OpenMP
-    teams spinning on two cores): measured on a 2-core machine, a 6-layer
-    MLP step with two CPU replicas in threads took 1.2-1.4x as long as the
-    same replicas in a loop, and the loop was within 5% of one direct call.
+    teams spinning on two cores). Measured on a 2-core machine with a 6-layer
+    512-wide MLP and two CPU replicas: threads made the forward pass
+    1.5-1.75x and the whole step 1.2-1.4x as slow as a loop, and the loop
+    was within 5% of one direct call (docs/performance.md).
     """
     return torch.get_num_threads() > 1 and all(d.type == "cpu" for d in devices)
 
