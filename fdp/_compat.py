@@ -21,7 +21,11 @@ def functorch_active() -> bool:
     If ``peek_interpreter_stack`` goes: functorch's ``maybe_current_level``
     answers the same; returning True is the safe fallback (replicas loop).
     """
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    # While dynamo traces, ``peek_interpreter_stack() is not None`` is always
+    # True (torch 2.13 wraps even a None result in a variable, and the
+    # variable is not None); the result's class is traced correctly.
+    top: object = torch._C._functorch.peek_interpreter_stack()
+    return top.__class__ is not type(None)
 
 
 def current_autograd_node() -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fdp import _agreement, _bucket, _compat, _tree
+from fdp import _agreement, _bucket, _compat, _traced, _tree
 from fdp._comm_hooks import CommHook
 from fdp._reducer import Reduction, Step, sum_hook
 
@@ -252,19 +252,6 @@ def clear_plans() -> None:
         _plans.clear()
 
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _eager(fn: _F) -> _F:
-    """Runs ``fn`` outside dynamo: a graph break under torch.compile, with a reason."""
-    disabled = torch.compiler.disable(  # type: ignore[no-untyped-call]
-        fn,
-        reason="fdp.DistributedDataParallel hooks the params' gradients eagerly; inside "
-        "torch.compile(fullgraph=True) reduce gradients with fdp.all_reduce_grads instead",
-    )
-    return cast(_F, disabled)
-
-
 class DistributedDataParallel:
     """Averages the gradients of a parameter tree across ranks, overlapping backward.
 
@@ -360,6 +347,8 @@ class DistributedDataParallel:
             tuple(paths[i] for i in b.indices) for b in self._layout.buckets
         ]
         """The leaf paths of each bucket, in reduction order."""
+        self._traced_spec = _tree.traced_spec(params)
+        self._traced_hook = _traced.traced_hook(comm_hook)
         self._sync = True
         self._step: Step | None = None
 
@@ -381,11 +370,30 @@ class DistributedDataParallel:
         finally:
             self._sync = previous
 
-    @_eager
     def __call__(self, params: T) -> T:
+        leaves = self._checked_leaves(params)
+        if not self._sync or not torch.is_grad_enabled():
+            return params
+        if torch.compiler.is_compiling():
+            # No hooks in a compiled graph: the reduction becomes part of it.
+            synced = _traced.average(
+                leaves, self._layout, hook=self._traced_hook, group=self._reduction.group
+            )
+            return cast(T, _tree.unflatten(self._traced_spec or (), synced))
+        return self._hooked(params, leaves)
+
+    def _checked_leaves(self, params: Any) -> list[Any]:
+        """``params``' leaves, checked against the tree the buckets were planned for."""
         call = "fdp.DistributedDataParallel.__call__"
         leaves, spec = _tree.flatten(params)
-        if spec != self._spec:
+        expected = self._traced_spec if torch.compiler.is_compiling() else self._spec
+        if expected is None:
+            raise ValueError(
+                f"{call}: `params` holds custom pytree nodes, which are leaves while "
+                "compiling; inside torch.compile pass params in dicts, lists, tuples and "
+                "namedtuples, or call ddp(params) outside the compiled function"
+            )
+        if spec != expected:
             raise ValueError(
                 f"{call}: `params` has a different structure from the tree the buckets were "
                 f"planned for; expected {self._spec}, got {spec}"
@@ -399,13 +407,7 @@ class DistributedDataParallel:
                     f"of shape {tuple(meta[0])}, dtype {meta[1]} on {meta[2]}; "
                     f"got {_tree.describe(leaf)}"
                 )
-        if self._step is not None:  # the last step's backward never ran
-            self._step.remove()
-            self._step = None
-        if not self._sync or not torch.is_grad_enabled():
-            return params
-        capture = _compat.functorch_active()
-        if not capture:
+        if not _compat.functorch_active():
             for i in self._layout.where:
                 if leaves[i].requires_grad and leaves[i].grad_fn is not None:
                     raise ValueError(
@@ -413,7 +415,14 @@ class DistributedDataParallel:
                         f"leaf of the autograd graph; got a tensor computed by "
                         f"{type(leaves[i].grad_fn).__name__} (pass the tensors you update)"
                     )
-        step = Step(self._reduction, leaves, capture=capture)
+        return leaves
+
+    def _hooked(self, params: T, leaves: list[Any]) -> T:
+        """The eager path: hooks on the leaves reduce during the backward that follows."""
+        if self._step is not None:  # the last step's backward never ran
+            self._step.remove()
+            self._step = None
+        step = Step(self._reduction, leaves, capture=_compat.functorch_active())
         step.register()
         if step.hooked:
             self._step = step

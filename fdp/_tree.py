@@ -86,6 +86,19 @@ def _unflatten_traceable(spec: tuple[Any, ...], leaves: Iterator[Any]) -> Any:
     return kind(*values_)  # a namedtuple
 
 
+def traced_spec(tree: Any) -> tuple[Any, ...] | None:
+    """The spec :func:`flatten` gives ``tree`` while compiling, if its leaves match optree's.
+
+    ``None`` when they do not (a custom pytree node is a leaf while compiling):
+    then a structure planned eagerly cannot be matched inside a compiled graph.
+    """
+    traced: list[Any] = []
+    spec = _flatten_traceable(tree, traced)
+    eager = optree.tree_leaves(tree, none_is_leaf=NONE_IS_LEAF)
+    same = len(traced) == len(eager) and all(a is b for a, b in zip(traced, eager, strict=True))
+    return spec if same else None
+
+
 def paths(tree: Any, root: str) -> list[str]:
     """Python expressions (``params['layers'][0].weight``) naming each leaf of ``tree``."""
     accessors = optree.tree_accessors(tree, none_is_leaf=NONE_IS_LEAF)

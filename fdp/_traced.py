@@ -1,0 +1,191 @@
+"""``DistributedDataParallel`` inside ``torch.compile``: the reduction as part of the graph.
+
+Eager DDP hooks every leaf and reduces from the hooks (``_reducer.py``). A
+compiled function cannot register hooks, and hooks would fire only after the
+compiled backward has finished. So while dynamo traces ``ddp(params)``, the
+leaves go through one identity :class:`_Average` Function instead. Its
+backward packs the gradients into the same buckets as eager DDP (same
+layout, same order), all-reduces each bucket with a functional collective
+and hands out views of the reduced buckets. AOTAutograd inlines that
+backward into the compiled backward graph, where each bucket's pack and
+all-reduce depends only on its own gradients: inductor's comm/compute
+reordering (``reorder_for_compute_comm_overlap``) can issue each all-reduce
+as soon as its gradients exist and wait as late as possible.
+
+Why one Function over every leaf, not one per bucket: a bucket none of whose
+leaves this rank used would not run its backward, while the other ranks issue
+its all-reduce (a hang). One node runs whenever any leaf is used, and its
+backward sees zeros for the unused leaves, so every rank issues the same
+collectives in the same order. The price, documented: a leaf that no rank
+used gets a zero gradient instead of ``None`` (which leaves were used is data
+the compiled graph cannot branch on).
+
+Under ``no_sync()`` nothing is reduced and ``.grad`` accumulates locally, as
+in eager; the next synchronised step passes the accumulated ``.grad`` into
+the Function, reduces ``new + accumulated`` and returns ``reduced -
+accumulated`` for autograd to add back, so ``.grad`` ends up the average of
+the total (DDP's semantics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from fdp import _bucket, _comm_hooks, _compat
+
+ProcessGroup = dist.ProcessGroup
+
+# Hooks that have a traced equivalent: the dtype they reduce in (None: the
+# bucket's own). Any other hook cannot run inside a compiled graph.
+_TRACEABLE: dict[Callable[..., Any], torch.dtype | None] = {
+    _comm_hooks.allreduce_hook: None,
+    _comm_hooks.fp16_compress_hook: torch.float16,
+    _comm_hooks.bf16_compress_hook: torch.bfloat16,
+}
+
+
+def traced_hook(hook: Callable[..., Any] | None) -> torch.dtype | None | str:
+    """How ``hook`` reduces while compiling: its dtype (None: the bucket's), or why it cannot.
+
+    Decided eagerly, at construction: dynamo reads a function's name wrongly.
+    """
+    if hook is None or hook in _TRACEABLE:
+        return None if hook is None else _TRACEABLE[hook]
+    name = getattr(hook, "__qualname__", None) or repr(hook)
+    return (
+        f"fdp.DistributedDataParallel: `comm_hook` {name} cannot run inside torch.compile: "
+        "a hook returns a torch.futures.Future, which dynamo cannot trace. Inside compiled "
+        "code fdp reduces with the default hook, fdp.allreduce_hook, fdp.fp16_compress_hook "
+        "or fdp.bf16_compress_hook. To keep this hook, call ddp(params) outside the compiled "
+        "function and pass its result in: its hooks then run eagerly after the compiled "
+        "backward"
+    )
+
+
+def _reduce_bucket(
+    flat: torch.Tensor, world: int, dtype: torch.dtype | None, group: ProcessGroup
+) -> torch.Tensor:
+    """The average over ranks of ``flat``, by a functional all-reduce (traceable)."""
+    if dtype is None or dtype == flat.dtype:
+        summed: torch.Tensor = funcol.all_reduce(flat / world, "sum", group)
+        return summed
+    compressed = flat.to(dtype) / world
+    summed = funcol.all_reduce(compressed, "sum", group)
+    return summed.to(flat.dtype)
+
+
+@torch.library.custom_op("fdp::zero_after", mutates_args=())
+def _zero_after(deps: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A scalar zero on ``device`` that a graph computes only after every tensor of ``deps``.
+
+    The gradients of outputs this rank did not use are zeros made from
+    nothing. A bucket holding only such zeros would not depend on backward,
+    and the min-cut partitioner (aot_eager, inductor) would move its pack and
+    all-reduce into the forward graph: issued in forward on this rank and in
+    backward on the others, the collectives would pair up wrongly (measured:
+    zero gradients). Adding this zero to every bucket keeps all collectives in
+    backward, in bucket order, on every rank. An opaque op, because
+    inductor's joint-graph constant folding saw through every arithmetic
+    zero tried (an empty slice, ``x * 0``); it reads nothing, so it is
+    NaN-safe and costs one tiny kernel per step.
+    """
+    return torch.zeros((), device=device)
+
+
+@_zero_after.register_fake
+def _(deps: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.empty((), device=device)
+
+
+class _Average(torch.autograd.Function):
+    """Identity forward; backward averages the gradients across ranks, bucket by bucket.
+
+    Inputs: the reduction's constants, then the ``n`` leaves, then the
+    ``.grad`` accumulated under ``no_sync`` for the leaves in ``folded``.
+    """
+
+    @staticmethod
+    def forward(
+        buckets: tuple[_bucket.Bucket, ...],
+        folded: tuple[int, ...],
+        how: tuple[int, torch.dtype | None, ProcessGroup],
+        n: int,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        buckets, folded, how, n, *tensors = inputs
+        ctx.buckets, ctx.folded, ctx.how, ctx.n = buckets, folded, how, n
+        ctx.save_for_backward(*tensors[n:])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        old = dict(zip(ctx.folded, ctx.saved_tensors, strict=True))
+        totals = [g + old[s] if s in old else g for s, g in enumerate(grads)]
+        anchors: dict[torch.device, torch.Tensor] = {}
+        world, dtype, group = ctx.how
+        out: list[torch.Tensor | None] = [None] * ctx.n
+        for bucket in ctx.buckets:
+            # A slot of -1 is a leaf that needs no gradient: it reduces zeros.
+            flat = bucket.pack([totals[s] if s >= 0 else None for s in bucket.indices])
+            if flat.device not in anchors:
+                anchors[flat.device] = _zero_after(list(grads), flat.device)
+            flat = flat + anchors[flat.device].to(flat.dtype)
+            reduced = _reduce_bucket(flat, world, dtype, group)
+            for s, view in zip(bucket.indices, bucket.views(reduced), strict=True):
+                if s >= 0:
+                    out[s] = view - old[s] if s in old else view
+        return (None, None, None, None, *out, *(None for _ in ctx.folded))
+
+
+def average(
+    leaves: Sequence[Any],
+    layout: _bucket.Layout,
+    *,
+    hook: torch.dtype | None | str,
+    group: ProcessGroup | None,
+) -> list[Any]:
+    """``leaves`` with the bucketed cross-rank average in their backward (while compiling).
+
+    ``hook`` is :func:`traced_hook`'s answer for the DDP's comm hook.
+    """
+    if _compat.functorch_active():
+        raise NotImplementedError(
+            "fdp.DistributedDataParallel: ddp(params) inside torch.compile(torch.func.grad(...)) "
+            "would give unreduced gradients: torch 2.13 drops a custom autograd.Function's "
+            "backward when it compiles a torch.func transform (pytorch/pytorch#193279). "
+            "Compile the loss and call .backward() on its result, or run torch.func.grad "
+            "without torch.compile"
+        )
+    if isinstance(hook, str):
+        raise NotImplementedError(hook)
+    dtype = hook
+    synced = [i for i in sorted(layout.where) if leaves[i].requires_grad]
+    slot = {i: s for s, i in enumerate(synced)}
+    buckets = tuple(
+        dataclasses.replace(b, indices=tuple(slot.get(i, -1) for i in b.indices))
+        for b in layout.buckets
+    )
+    tensors = [leaves[i] for i in synced]
+    folded = []  # a tied tensor's accumulated .grad is folded once
+    for s, t in enumerate(tensors):
+        # `is`, not id(): dynamo would guard on the ids of the very tensors
+        # and recompile for new parameter tensors every step.
+        if t.grad is not None and not any(t is u for u in tensors[:s]):
+            folded.append(s)
+    pg = dist.group.WORLD if group is None else group
+    how = (dist.get_world_size(group), dtype, pg)
+    olds = [tensors[s].grad for s in folded]
+    outputs = _Average.apply(buckets, tuple(folded), how, len(tensors), *tensors, *olds)  # type: ignore[no-untyped-call]
+    result = list(leaves)
+    for i, out in zip(synced, outputs, strict=True):
+        result[i] = out
+    return result

@@ -1,0 +1,272 @@
+"""DistributedDataParallel inside torch.compile(fullgraph=True): the reduction in the graph.
+
+Every body runs on spawned gloo ranks (tests/ranks.py), compiles the loss
+with ``fullgraph=True`` (so any graph break fails the test), and its
+gradients are compared with one plain single-process computation: the
+average over ranks of each rank's loss gradient.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import fdp
+from tests import ranks
+from tests.helpers import PER_RANK, TINY, TOL, batch, mlp_params, shard
+
+pytestmark = pytest.mark.compile
+DEPTH = 3
+
+
+def make_params() -> dict[str, Any]:
+    """The shared MLP, a frozen float leaf, an int buffer and a leaf no rank uses."""
+    params = mlp_params(depth=DEPTH)
+    params["frozen"] = torch.full((8,), 0.5)
+    params["steps"] = torch.tensor(3)
+    params["never"] = torch.ones(5, requires_grad=True)
+    return params
+
+
+def skipped_layer(rank: int, skip: bool) -> int | None:
+    """The 8-to-8 layer rank ``rank`` leaves out (its buckets unused there), if ``skip``."""
+    return 1 + rank % (DEPTH - 1) if skip else None
+
+
+def loss_fn(params: dict[str, Any], x: torch.Tensor, y: torch.Tensor, skip: int | None) -> Any:
+    h = x
+    for j, layer in enumerate(params["layers"]):
+        if j != skip:
+            h = torch.tanh(h @ layer["w"] + layer["b"]) * params["frozen"]
+        else:
+            h = h * params["frozen"]
+    out = h @ params["head"].first + params["steps"]
+    return (out - y).square().mean()
+
+
+def ddp_loss(ddp: fdp.DistributedDataParallel, p: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+    return loss_fn(ddp(p), x, y, None)
+
+
+def reference(size: int, *, skip: bool, steps: int = 1) -> list[torch.Tensor | None]:
+    """Average over ranks of each rank's gradient, accumulated over ``steps`` batches."""
+    params = make_params()
+    for step in range(steps):
+        x, y = batch(size * PER_RANK, seed=1 + step)
+        for r in range(size):
+            loss = loss_fn(params, shard(x, r), shard(y, r), skipped_layer(r, skip)) / size
+            torch.autograd.backward(loss)
+    return grads(params)
+
+
+def grads(params: dict[str, Any]) -> list[torch.Tensor | None]:
+    out = [layer[k].grad for layer in params["layers"] for k in ("w", "b")]
+    return [*out, params["head"].first.grad, params["never"].grad]
+
+
+def check(got: list[torch.Tensor | None], expected: list[torch.Tensor | None]) -> None:
+    for g, e in zip(got, expected, strict=True):
+        # A leaf no rank used: zeros inside a compiled graph (documented), None eagerly.
+        torch.testing.assert_close(g, torch.zeros(5) if e is None else e, **TOL)
+
+
+def _fullgraph_step(rank: int, size: int, backend: str, skip: bool) -> tuple[Any, int]:
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    params = make_params()
+    ddp = fdp.DistributedDataParallel(params, **TINY)  # a bucket per leaf
+    s = skipped_layer(rank, skip)
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def loss(p: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> Any:
+        return loss_fn(ddp(p), x, y, s)
+
+    x, y = batch(size * PER_RANK)
+    torch.autograd.backward(loss(params, shard(x, rank), shard(y, rank)))
+    return grads(params), counter.frame_count
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_fullgraph_ddp_matches_the_full_batch_gradients(backend: str) -> None:
+    for got, frames in ranks.world(2).run(_fullgraph_step, backend, False):
+        check(got, reference(2, skip=False))
+        assert frames == 1
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_fullgraph_ddp_with_whole_buckets_unused_on_some_ranks(size: int) -> None:
+    # Rank r leaves layer 1 or 2 out: its buckets get no gradient there, while
+    # the other ranks reduce them; nothing may hang, and .grad is the average.
+    for got, _ in ranks.world(size).run(_fullgraph_step, "aot_eager", True):
+        check(got, reference(size, skip=True))
+
+
+def test_fullgraph_ddp_with_inductor() -> None:
+    # inductor's partitioner and joint-graph passes are where unused buckets
+    # once moved their all-reduce into the forward graph.
+    for got, frames in ranks.world(2).run(_fullgraph_step, "inductor", True):
+        check(got, reference(2, skip=True))
+        assert frames == 1
+
+
+def _backward_inputs(rank: int, size: int) -> list[torch.Tensor | None]:
+    torch._dynamo.reset()
+    params = make_params()
+    ddp = fdp.DistributedDataParallel(params, **TINY)
+    loss = torch.compile(partial(ddp_loss, ddp), fullgraph=True, backend="aot_eager")
+    x, y = batch(size * PER_RANK)
+    chosen = [params["head"].first, params["layers"][0]["w"]]
+    torch.autograd.backward(loss(params, shard(x, rank), shard(y, rank)), inputs=chosen)
+    return grads(params)
+
+
+def test_backward_with_inputs_reduces_the_chosen_leaves() -> None:
+    expected = reference(2, skip=False)
+    for got in ranks.world(2).run(_backward_inputs):
+        w0, b0, *_, head, never = got
+        assert b0 is None
+        assert never is None
+        check([w0, head], [expected[0], expected[-2]])
+
+
+def _accumulate(rank: int, size: int, cycles: int) -> tuple[list[Any], int]:
+    """``cycles`` rounds of two no_sync micro-batches and one synchronised one, then SGD."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    params = make_params()
+    ddp = fdp.DistributedDataParallel(params, **TINY)
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def loss(p: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> Any:
+        return loss_fn(ddp(p), x, y, None)
+
+    results = []
+    for _ in range(cycles):
+        for step in range(3):
+            x, y = batch(size * PER_RANK, seed=1 + step)
+            if step < 2:
+                with ddp.no_sync():
+                    torch.autograd.backward(loss(params, shard(x, rank), shard(y, rank)))
+            else:
+                torch.autograd.backward(loss(params, shard(x, rank), shard(y, rank)))
+        results.append(grads(params))
+        for t in [*leaves_of(params), params["never"]]:  # zero_grad(set_to_none=True)
+            t.grad = None
+    return results, counter.frame_count
+
+
+def test_no_sync_accumulation_inside_the_compiled_loss() -> None:
+    expected = reference(2, skip=False, steps=3)
+    for results, frames in ranks.world(2).run(_accumulate, 3):
+        for got in results:
+            check(got, expected)
+        assert frames == 2  # one graph without the reduction, one with it
+
+
+def _new_tensors_every_step(rank: int, size: int, steps: int) -> tuple[list[Any], int]:
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    params = make_params()
+    ddp = fdp.DistributedDataParallel(params)
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def loss(p: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> Any:
+        return loss_fn(ddp(p), x, y, None)
+
+    for step in range(steps):
+        x, y = batch(size * PER_RANK, seed=step)
+        torch.autograd.backward(loss(params, shard(x, rank), shard(y, rank)))
+        params = sgd(params)
+    return leaves_of(params), counter.frame_count
+
+
+def sgd(params: dict[str, Any]) -> dict[str, Any]:
+    """New leaf tensors, one step of SGD from the ones with a ``.grad``."""
+
+    def update(t: torch.Tensor) -> torch.Tensor:
+        new = t.detach() - 0.1 * t.grad if t.grad is not None else t.detach()
+        return new.requires_grad_(t.requires_grad)
+
+    layers = [{k: update(v) for k, v in layer.items()} for layer in params["layers"]]
+    head = params["head"]._replace(first=update(params["head"].first))
+    return {**params, "layers": layers, "head": head, "never": update(params["never"])}
+
+
+def leaves_of(params: dict[str, Any]) -> list[torch.Tensor]:
+    return [*(v for layer in params["layers"] for v in layer.values()), params["head"].first]
+
+
+def test_a_training_loop_with_new_tensors_compiles_once() -> None:
+    steps, size = 20, 2
+    reference_params = make_params()
+    for step in range(steps):
+        x, y = batch(size * PER_RANK, seed=step)
+        torch.autograd.backward(loss_fn(reference_params, x, y, None))
+        reference_params = sgd(reference_params)
+    for got, frames in ranks.world(size).run(_new_tensors_every_step, steps):
+        for g, e in zip(got, leaves_of(reference_params), strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+        assert frames == 1
+
+
+def _hooks(rank: int, size: int) -> tuple[dict[str, list[Any]], str]:
+    results = {}
+    for hook in (fdp.allreduce_hook, fdp.fp16_compress_hook, fdp.bf16_compress_hook):
+        torch._dynamo.reset()
+        params = make_params()
+        ddp = fdp.DistributedDataParallel(params, comm_hook=hook)
+        loss = torch.compile(partial(ddp_loss, ddp), backend="aot_eager", fullgraph=True)
+        x, y = batch(size * PER_RANK)
+        torch.autograd.backward(loss(params, shard(x, rank), shard(y, rank)))
+        results[hook.__name__] = grads(params)
+
+    def my_hook(bucket: torch.Tensor, group: Any) -> torch.futures.Future[torch.Tensor]:
+        return fdp.allreduce_hook(bucket, group)
+
+    torch._dynamo.reset()
+    params = make_params()
+    ddp = fdp.DistributedDataParallel(params, comm_hook=my_hook)
+    refused = torch.compile(partial(ddp_loss, ddp), backend="aot_eager", fullgraph=True)
+    x, y = batch(size * PER_RANK)
+    with pytest.raises(
+        Exception, match=r"`comm_hook` .*my_hook cannot run inside torch.compile"
+    ) as e:
+        refused(params, x, y)
+    return results, str(e.value)
+
+
+def test_comm_hooks_traced_and_a_user_hook_refused_clearly() -> None:
+    expected = reference(2, skip=False)
+    for results, message in ranks.world(2).run(_hooks):
+        check(results["allreduce_hook"], expected)
+        for name in ("fp16_compress_hook", "bf16_compress_hook"):
+            for g, e in zip(results[name], expected, strict=True):
+                torch.testing.assert_close(
+                    g, torch.zeros(5) if e is None else e, rtol=0.02, atol=2e-3
+                )
+        assert "fdp.allreduce_hook, fdp.fp16_compress_hook or fdp.bf16_compress_hook" in message
+
+
+def _compiled_func_grad(rank: int, size: int) -> str:
+    torch._dynamo.reset()
+    params = make_params()
+    ddp = fdp.DistributedDataParallel(params)
+    x, y = batch(size * PER_RANK)
+
+    def loss(layers: Any) -> Any:
+        return loss_fn(ddp({**params, "layers": layers}), shard(x, rank), shard(y, rank), None)
+
+    with pytest.raises(Exception, match=r"pytorch/pytorch#193279") as e:
+        torch.compile(torch.func.grad(loss), backend="aot_eager", fullgraph=True)(params["layers"])
+    return str(e.value)
+
+
+def test_compiled_func_grad_over_ddp_is_refused_under_fullgraph() -> None:
+    # Without fullgraph, dynamo runs the transform eagerly and the hooks reduce
+    # (test_compile.py::test_ddp_in_compiled_losses_reduces_correctly).
+    for message in ranks.world(2).run(_compiled_func_grad):
+        assert "Compile the loss and call .backward()" in message
