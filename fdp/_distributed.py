@@ -278,6 +278,11 @@ class DistributedDataParallel:
       torch returns it (``None``, or zeros from ``torch.func.grad``), while the
       other ranks still receive its contribution as zero.
 
+    Inside ``torch.compile`` (``fullgraph=True`` included) ``ddp(params)``
+    is traced: the same buckets are all-reduced by functional collectives in
+    the compiled backward (``fdp/_traced.py``), with the default hook or
+    the fp16/bf16 ones; there a leaf that no rank used gets a zero ``.grad``.
+
     Non-floating leaves (integer buffers) and leaves that do not require grad
     pass through untouched. Reentrant activation checkpointing
     (``use_reentrant=True``) works: the reduction finishes when the outermost
