@@ -354,6 +354,9 @@ class DistributedDataParallel:
         """The leaf paths of each bucket, in reduction order."""
         self._traced_spec = _tree.traced_spec(params)
         self._traced_hook = _traced.traced_hook(comm_hook)
+        firsts: dict[int, int] = {}
+        self._ties = {i: firsts.setdefault(id(leaves[i]), i) for i in sorted(self._layout.where)}
+        self._ties = {i: j for i, j in self._ties.items() if i != j}
         self._sync = True
         self._step: Step | None = None
 
@@ -382,7 +385,11 @@ class DistributedDataParallel:
         if torch.compiler.is_compiling():
             # No hooks in a compiled graph: the reduction becomes part of it.
             synced = _traced.average(
-                leaves, self._layout, hook=self._traced_hook, group=self._reduction.group
+                leaves,
+                self._layout,
+                hook=self._traced_hook,
+                group=self._reduction.group,
+                ties=self._ties,
             )
             return cast(T, _tree.unflatten(self._traced_spec or (), synced))
         return self._hooked(params, leaves)

@@ -50,7 +50,7 @@ _TRACEABLE: dict[Callable[..., Any], torch.dtype | None] = {
 }
 
 
-def traced_hook(hook: Callable[..., Any] | None) -> torch.dtype | None | str:
+def traced_hook(hook: Callable[..., Any] | None) -> torch.dtype | str | None:
     """How ``hook`` reduces while compiling: its dtype (None: the bucket's), or why it cannot.
 
     Decided eagerly, at construction: dynamo reads a function's name wrongly.
@@ -103,6 +103,44 @@ def _(deps: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.empty((), device=device)
 
 
+def _pack(bucket: _bucket.Bucket, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """The bucket's flat buffer, functionally: one ``cat`` in logical element order.
+
+    Eager DDP packs each leaf in its memory order so that ``.grad`` can be a
+    view; here the gradients are new tensors anyway, and every rank runs the
+    same graph, so logical order is as good and traces without in-place
+    copies into strided or complex views. Offsets (and the padding that keeps
+    complex leaves at even offsets) are the bucket's.
+    """
+    pieces, pos = [], 0
+    for j, g in enumerate(grads):
+        start, n = bucket.offsets[j], _width(bucket, j)
+        if start > pos:
+            pieces.append(torch.zeros(start - pos, dtype=bucket.dtype, device=bucket.device))
+        if g is None:
+            pieces.append(torch.zeros(n, dtype=bucket.dtype, device=bucket.device))
+        else:
+            pieces.append((torch.view_as_real(g) if g.is_complex() else g).reshape(-1))
+        pos = start + n
+    return torch.cat(pieces)
+
+
+def _unpack(bucket: _bucket.Bucket, flat: torch.Tensor) -> list[torch.Tensor]:
+    """Each leaf's part of ``flat`` (from :func:`_pack`), shaped like the leaf."""
+    out = []
+    for j, shape in enumerate(bucket.shapes):
+        part = flat[bucket.offsets[j] : bucket.offsets[j] + _width(bucket, j)]
+        if bucket.complex_[j]:
+            out.append(torch.view_as_complex(part.view(*shape, 2)))
+        else:
+            out.append(part.view(shape))
+    return out
+
+
+def _width(bucket: _bucket.Bucket, j: int) -> int:
+    return bucket.shapes[j].numel() * (2 if bucket.complex_[j] else 1)
+
+
 class _Average(torch.autograd.Function):
     """Identity forward; backward averages the gradients across ranks, bucket by bucket.
 
@@ -135,12 +173,12 @@ class _Average(torch.autograd.Function):
         out: list[torch.Tensor | None] = [None] * ctx.n
         for bucket in ctx.buckets:
             # A slot of -1 is a leaf that needs no gradient: it reduces zeros.
-            flat = bucket.pack([totals[s] if s >= 0 else None for s in bucket.indices])
+            flat = _pack(bucket, [totals[s] if s >= 0 else None for s in bucket.indices])
             if flat.device not in anchors:
                 anchors[flat.device] = _zero_after(list(grads), flat.device)
             flat = flat + anchors[flat.device].to(flat.dtype)
             reduced = _reduce_bucket(flat, world, dtype, group)
-            for s, view in zip(bucket.indices, bucket.views(reduced), strict=True):
+            for s, view in zip(bucket.indices, _unpack(bucket, reduced), strict=True):
                 if s >= 0:
                     out[s] = view - old[s] if s in old else view
         return (None, None, None, None, *out, *(None for _ in ctx.folded))
@@ -150,12 +188,14 @@ def average(
     leaves: Sequence[Any],
     layout: _bucket.Layout,
     *,
-    hook: torch.dtype | None | str,
+    hook: torch.dtype | str | None,
     group: ProcessGroup | None,
+    ties: dict[int, int],
 ) -> list[Any]:
     """``leaves`` with the bucketed cross-rank average in their backward (while compiling).
 
-    ``hook`` is :func:`traced_hook`'s answer for the DDP's comm hook.
+    ``hook`` is :func:`traced_hook`'s answer for the DDP's comm hook;
+    ``ties`` maps a leaf to the first leaf holding the same tensor.
     """
     if _compat.functorch_active():
         raise NotImplementedError(
@@ -168,24 +208,31 @@ def average(
     if isinstance(hook, str):
         raise NotImplementedError(hook)
     dtype = hook
-    synced = [i for i in sorted(layout.where) if leaves[i].requires_grad]
-    slot = {i: s for s, i in enumerate(synced)}
+    tensors: list[torch.Tensor] = []  # each distinct tensor once (tied weights)
+    first: dict[int, int] = {}  # leaf -> its tensor's input slot, for its first leaf only
+    uses: dict[int, int] = {}  # every synced leaf -> its tensor's input slot
+    for i in sorted(layout.where):
+        if not leaves[i].requires_grad:
+            continue
+        # Ties are known from construction (found by id() there: here dynamo
+        # would guard on the ids and recompile for new tensors every step).
+        tied_to = ties.get(i)
+        if tied_to is not None and tied_to in uses and leaves[i] is leaves[tied_to]:
+            uses[i] = uses[tied_to]
+        else:
+            uses[i] = first[i] = len(tensors)
+            tensors.append(leaves[i])
+    # A tied tensor's other leaves reduce zeros and get the same gradient, as eagerly.
     buckets = tuple(
-        dataclasses.replace(b, indices=tuple(slot.get(i, -1) for i in b.indices))
+        dataclasses.replace(b, indices=tuple(first.get(i, -1) for i in b.indices))
         for b in layout.buckets
     )
-    tensors = [leaves[i] for i in synced]
-    folded = []  # a tied tensor's accumulated .grad is folded once
-    for s, t in enumerate(tensors):
-        # `is`, not id(): dynamo would guard on the ids of the very tensors
-        # and recompile for new parameter tensors every step.
-        if t.grad is not None and not any(t is u for u in tensors[:s]):
-            folded.append(s)
+    folded = [s for s, t in enumerate(tensors) if t.grad is not None]
     pg = dist.group.WORLD if group is None else group
     how = (dist.get_world_size(group), dtype, pg)
     olds = [tensors[s].grad for s in folded]
     outputs = _Average.apply(buckets, tuple(folded), how, len(tensors), *tensors, *olds)  # type: ignore[no-untyped-call]
     result = list(leaves)
-    for i, out in zip(synced, outputs, strict=True):
-        result[i] = out
+    for i, s in uses.items():
+        result[i] = outputs[s]
     return result

@@ -270,3 +270,42 @@ def test_compiled_func_grad_over_ddp_is_refused_under_fullgraph() -> None:
     # (test_compile.py::test_ddp_in_compiled_losses_reduces_correctly).
     for message in ranks.world(2).run(_compiled_func_grad):
         assert "Compile the loss and call .backward()" in message
+
+
+def layouts_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    conv = torch.randn(2, 3, 2, 2, generator=g).to(memory_format=torch.channels_last)
+    tied = torch.randn(3, generator=g).requires_grad_()
+    return {
+        "conv": conv.requires_grad_(),
+        "odd": torch.randn(3, generator=g).requires_grad_(),  # the complex leaf at an odd offset
+        "z": torch.randn(4, dtype=torch.complex64, generator=g).requires_grad_(),
+        "tied_a": tied,
+        "tied_b": tied,
+    }
+
+
+def layouts_loss(p: dict[str, torch.Tensor], rank: int) -> torch.Tensor:
+    scale = float(rank + 1)
+    total = (p["conv"] ** 2).sum() * scale + (p["odd"] * scale).sin().sum()
+    total = total + (p["z"].abs() ** 2 * scale).sum() + (p["tied_a"] * scale).sum()
+    return total + (p["tied_b"] ** 3).sum()
+
+
+def _layouts(rank: int, size: int) -> list[torch.Tensor | None]:
+    torch._dynamo.reset()
+    params = layouts_params()
+    ddp = fdp.DistributedDataParallel(params, bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)
+    loss = torch.compile(lambda p: layouts_loss(ddp(p), rank), backend="aot_eager", fullgraph=True)
+    torch.autograd.backward(loss(params))
+    return [params[k].grad for k in ("conv", "odd", "z", "tied_a")]
+
+
+def test_complex_channels_last_and_tied_leaves_inside_the_compiled_loss() -> None:
+    size = 2
+    params = layouts_params()
+    for r in range(size):
+        torch.autograd.backward(layouts_loss(params, r) / size)
+    expected = [params[k].grad for k in ("conv", "odd", "z", "tied_a")]
+    for got in ranks.world(size).run(_layouts):
+        check(got, expected)
