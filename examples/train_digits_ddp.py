@@ -40,7 +40,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the loss with the reduction (inductor, fullgraph)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the loss with the reduction (inductor, fullgraph)",
+    )
     parser.add_argument(
         "--min-accuracy", type=float, default=0.9, help="exit 1 below this test accuracy"
     )

@@ -443,7 +443,7 @@ def test_make_functional_leaves_no_garbage() -> None:
             o
             for o in gc.garbage
             if isinstance(o, nn.Module)
-            or (inspect.isfunction(o) and o.__module__.startswith("fdp"))
+            or (inspect.isfunction(o) and (o.__module__ or "").startswith("fdp"))
         ]
     finally:
         gc.set_debug(0)
