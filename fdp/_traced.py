@@ -172,6 +172,8 @@ class _Average(torch.autograd.Function):
         world, dtype, group = ctx.how
         out: list[torch.Tensor | None] = [None] * ctx.n
         for bucket in ctx.buckets:
+            if all(s < 0 for s in bucket.indices):
+                continue  # no leaf here needs a gradient, on any rank (it is agreed on)
             # A slot of -1 is a leaf that needs no gradient: it reduces zeros.
             flat = _pack(bucket, [totals[s] if s >= 0 else None for s in bucket.indices])
             if flat.device not in anchors:

@@ -16,6 +16,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fdp
+from fdp import _tree
 from tests import ranks
 from tests.helpers import PER_RANK, TINY, TOL, batch, mlp_params, shard
 
@@ -309,3 +310,43 @@ def test_complex_channels_last_and_tied_leaves_inside_the_compiled_loss() -> Non
     expected = [params[k].grad for k in ("conv", "odd", "z", "tied_a")]
     for got in ranks.world(size).run(_layouts):
         check(got, expected)
+
+
+def _backward_collectives(rank: int, size: int, caps: dict[str, Any]) -> tuple[int, int]:
+    """(all-reduces in the compiled backward graph, buckets) for one bucket-cap setting."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    torch._dynamo.reset()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return boxed_nop(gm, example_inputs)
+
+    params = make_params()
+    ddp = fdp.DistributedDataParallel(params, **caps)
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=keep)
+    loss = torch.compile(partial(ddp_loss, ddp), backend=backend, fullgraph=True)
+    x, y = batch(size * PER_RANK)
+    torch.autograd.backward(loss(params, shard(x, rank), shard(y, rank)))
+    (backward,) = graphs
+    reduces = [
+        n for n in backward.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default
+    ]
+    # A bucket of leaves that need no gradient (the frozen one) is skipped.
+    leaves, _ = _tree.flatten(params)
+    paths = _tree.paths(params, "params")
+    trainable = {p for p, t in zip(paths, leaves, strict=True) if getattr(t, "requires_grad", 0)}
+    return len(reduces), sum(1 for b in ddp.buckets if trainable & set(b))
+
+
+@pytest.mark.parametrize(
+    "caps",
+    [TINY, {"bucket_cap_mb": 1e-3, "first_bucket_cap_mb": 1e-4}, {}],
+    ids=["a bucket per leaf", "a few buckets", "one bucket"],
+)
+def test_the_compiled_backward_has_one_all_reduce_per_bucket(caps: dict[str, Any]) -> None:
+    for reduces, buckets in ranks.world(2).run(_backward_collectives, caps):
+        assert reduces == buckets
+        assert (buckets > 1) == (caps != {})
