@@ -212,3 +212,22 @@ def is_compiled_module(obj: object) -> bool:
     optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
     kind = getattr(optimized, "OptimizedModule", None)
     return kind is not None and isinstance(obj, kind)
+
+
+def order_effects(op: Any) -> bool:
+    """Give custom op ``op`` an ordered side effect; whether this torch could.
+
+    AOTAutograd threads an effectful op on a token, and in a backward graph
+    that token is a backward input: the partitioner keeps the op, and all
+    that depends on it, in backward, in program order, even when its tensor
+    inputs are constants. If ``register_effect`` or ``EffectType`` goes,
+    this returns False and ``_traced`` ties every bucket to all gradients
+    instead (correct, without overlap).
+    """
+    try:
+        from torch._library.effects import EffectType
+
+        op.register_effect(EffectType.ORDERED)
+    except (ImportError, AttributeError):
+        return False
+    return True

@@ -8,9 +8,13 @@ backward packs the gradients into the same buckets as eager DDP (same
 layout, same order), all-reduces each bucket with a functional collective
 and hands out views of the reduced buckets. AOTAutograd inlines that
 backward into the compiled backward graph, where each bucket's pack and
-all-reduce depends only on its own gradients: inductor's comm/compute
-reordering (``reorder_for_compute_comm_overlap``) can issue each all-reduce
-as soon as its gradients exist and wait as late as possible.
+all-reduce depends only on its own gradients (and keeps bucket order, see
+:func:`_zero_after`). In graph order they still come after the last
+gradient, because autograd runs this node last; inductor's comm/compute
+reordering moves each all-reduce up to where its gradients exist and each
+wait down to where its result is needed, when the user asks for it
+(``options={"reorder_for_compute_comm_overlap": True, ...}``, docs/compile.md;
+``tests/test_traced.py`` checks the order in the generated code).
 
 Why one Function over every leaf, not one per bucket: a bucket none of whose
 leaves this rank used would not run its backward, while the other ranks issue
@@ -68,34 +72,36 @@ def traced_hook(hook: Callable[..., Any] | None) -> torch.dtype | str | None:
     )
 
 
-def _reduce_bucket(
-    flat: torch.Tensor, world: int, dtype: torch.dtype | None, group: ProcessGroup
-) -> torch.Tensor:
-    """The average over ranks of ``flat``, by a functional all-reduce (traceable)."""
-    if dtype is None or dtype == flat.dtype:
-        summed: torch.Tensor = funcol.all_reduce(flat / world, "sum", group)
-        return summed
-    compressed = flat.to(dtype) / world
-    summed = funcol.all_reduce(compressed, "sum", group)
-    return summed.to(flat.dtype)
+def _reduce_bucket(flat: torch.Tensor, dtype: torch.dtype, group: ProcessGroup) -> torch.Tensor:
+    """The sum over ranks of ``flat`` (already scaled), by a functional all-reduce, as ``dtype``."""
+    summed: torch.Tensor = funcol.all_reduce(flat, "sum", group)
+    return summed if summed.dtype == dtype else summed.to(dtype)
 
 
 @torch.library.custom_op("fdp::zero_after", mutates_args=())
 def _zero_after(deps: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """A scalar zero on ``device`` that a graph computes only after every tensor of ``deps``.
 
-    The gradients of outputs this rank did not use are zeros made from
-    nothing. A bucket holding only such zeros would not depend on backward,
-    and the min-cut partitioner (aot_eager, inductor) would move its pack and
-    all-reduce into the forward graph: issued in forward on this rank and in
-    backward on the others, the collectives would pair up wrongly (measured:
-    zero gradients). Adding this zero to every bucket keeps all collectives in
-    backward, in bucket order, on every rank. An opaque op, because
+    Added to each bucket before its all-reduce, it pins the collectives to
+    the backward graph, in bucket order, on every rank. Without it, a bucket
+    this rank did not use holds only zeros made from nothing, and the
+    min-cut partitioner (aot_eager, inductor) moves its all-reduce into the
+    forward graph: issued in forward here and in backward elsewhere, the
+    collectives pair up wrongly (measured: zero gradients, or a hang).
+
+    The op has an ordered effect (:func:`_compat.order_effects`), so its
+    token, a backward input, keeps it in backward whatever ``deps`` are; its
+    ``deps`` are then only the bucket's own gradients, and a compiler that
+    reorders for overlap can issue each bucket's all-reduce as soon as they
+    exist. Where torch cannot order effects, ``deps`` are all the gradients
+    (every collective after the last gradient). An opaque op, because
     inductor's joint-graph constant folding saw through every arithmetic
-    zero tried (an empty slice, ``x * 0``); it reads nothing, so it is
-    NaN-safe and costs one tiny kernel per step.
+    zero tried; it reads nothing, so it is NaN-safe.
     """
     return torch.zeros((), device=device)
+
+
+_ORDERED = _compat.order_effects(_zero_after)
 
 
 @_zero_after.register_fake
@@ -103,8 +109,19 @@ def _(deps: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.empty((), device=device)
 
 
-def _pack(bucket: _bucket.Bucket, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
-    """The bucket's flat buffer, functionally: one ``cat`` in logical element order.
+def _pack(
+    bucket: _bucket.Bucket,
+    grads: Sequence[torch.Tensor | None],
+    anchor: torch.Tensor,
+    how: tuple[int, torch.dtype | None, ProcessGroup],
+) -> torch.Tensor:
+    """The bucket's flat buffer, scaled for the average, functionally: one ``cat``.
+
+    Each piece is converted (``hook``'s dtype) and divided by the world size
+    before the ``cat``, so that inductor fuses both into the one copy that
+    packs the bucket (dividing the ``cat`` instead is a second pass over the
+    bucket: measured 15 ms of a 110 ms step here). ``anchor`` (see
+    :func:`_zero_after`) is added to the first piece, fused the same way.
 
     Eager DDP packs each leaf in its memory order so that ``.grad`` can be a
     view; here the gradients are new tensors anyway, and every rank runs the
@@ -112,16 +129,21 @@ def _pack(bucket: _bucket.Bucket, grads: Sequence[torch.Tensor | None]) -> torch
     copies into strided or complex views. Offsets (and the padding that keeps
     complex leaves at even offsets) are the bucket's.
     """
-    pieces, pos = [], 0
+    world, dtype, _ = how
+    dtype = bucket.dtype if dtype is None else dtype
+    pieces: list[torch.Tensor] = []
+    pos = 0
     for j, g in enumerate(grads):
         start, n = bucket.offsets[j], _width(bucket, j)
         if start > pos:
-            pieces.append(torch.zeros(start - pos, dtype=bucket.dtype, device=bucket.device))
+            pieces.append(torch.zeros(start - pos, dtype=dtype, device=bucket.device))
         if g is None:
-            pieces.append(torch.zeros(n, dtype=bucket.dtype, device=bucket.device))
+            pieces.append(torch.zeros(n, dtype=dtype, device=bucket.device))
         else:
-            pieces.append((torch.view_as_real(g) if g.is_complex() else g).reshape(-1))
+            flat = (torch.view_as_real(g) if g.is_complex() else g).reshape(-1)
+            pieces.append(flat.to(dtype) / world)
         pos = start + n
+    pieces[0] = pieces[0] + anchor.to(dtype)
     return torch.cat(pieces)
 
 
@@ -168,18 +190,17 @@ class _Average(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         old = dict(zip(ctx.folded, ctx.saved_tensors, strict=True))
         totals = [g + old[s] if s in old else g for s, g in enumerate(grads)]
-        anchors: dict[torch.device, torch.Tensor] = {}
-        world, dtype, group = ctx.how
         out: list[torch.Tensor | None] = [None] * ctx.n
         for bucket in ctx.buckets:
             if all(s < 0 for s in bucket.indices):
                 continue  # no leaf here needs a gradient, on any rank (it is agreed on)
+            deps = [grads[s] for s in bucket.indices if s >= 0] if _ORDERED else list(grads)
+            anchor = _zero_after(deps, bucket.device)
             # A slot of -1 is a leaf that needs no gradient: it reduces zeros.
-            flat = _pack(bucket, [totals[s] if s >= 0 else None for s in bucket.indices])
-            if flat.device not in anchors:
-                anchors[flat.device] = _zero_after(list(grads), flat.device)
-            flat = flat + anchors[flat.device].to(flat.dtype)
-            reduced = _reduce_bucket(flat, world, dtype, group)
+            flat = _pack(
+                bucket, [totals[s] if s >= 0 else None for s in bucket.indices], anchor, ctx.how
+            )
+            reduced = _reduce_bucket(flat, bucket.dtype, ctx.how[2])
             for s, view in zip(bucket.indices, _unpack(bucket, reduced), strict=True):
                 if s >= 0:
                     out[s] = view - old[s] if s in old else view
