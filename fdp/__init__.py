@@ -15,6 +15,7 @@ from fdp._replicate import replicate as replicate
 from fdp._scatter_gather import gather as gather
 from fdp._scatter_gather import scatter as scatter
 from fdp._scatter_gather import scatter_kwargs as scatter_kwargs
+from fdp._traced import overlap_options as overlap_options
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "fp16_compress_hook",
     "gather",
     "make_functional",
+    "overlap_options",
     "parallel_apply",
     "replicate",
     "scatter",

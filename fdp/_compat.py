@@ -231,3 +231,18 @@ def order_effects(op: Any) -> bool:
     except (ImportError, AttributeError):
         return False
     return True
+
+
+def inductor_overlap_passes() -> list[str]:
+    """Inductor's scheduler passes that move collectives early and their waits late.
+
+    Named in ``torch._inductor.comms``; the peak-memory-preserving ones
+    (torch >= 2.8) are inductor's recommendation, the older pair is the
+    fallback. An empty list (no pass known) leaves inductor's order.
+    """
+    from torch._inductor import comms
+
+    preferred = ["reorder_communication_preserving_peak_memory", "sink_waits_iterative"]
+    if all(hasattr(comms, name) for name in preferred):
+        return [*preferred, preferred[0]]
+    return [name for name in ("sink_waits", "raise_comms") if hasattr(comms, name)]

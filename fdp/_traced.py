@@ -13,8 +13,8 @@ all-reduce depends only on its own gradients (and keeps bucket order, see
 gradient, because autograd runs this node last; inductor's comm/compute
 reordering moves each all-reduce up to where its gradients exist and each
 wait down to where its result is needed, when the user asks for it
-(``options={"reorder_for_compute_comm_overlap": True, ...}``, docs/compile.md;
-``tests/test_traced.py`` checks the order in the generated code).
+(``torch.compile(..., options=fdp.overlap_options())``; ``tests/test_traced.py``
+checks the order in the generated code).
 
 Why one Function over every leaf, not one per bucket: a bucket none of whose
 leaves this rank used would not run its backward, while the other ranks issue
@@ -70,6 +70,33 @@ def traced_hook(hook: Callable[..., Any] | None) -> torch.dtype | str | None:
         "function and pass its result in: its hooks then run eagerly after the compiled "
         "backward"
     )
+
+
+def overlap_options() -> dict[str, Any]:
+    """Inductor options that overlap DDP's all-reduces with the rest of backward.
+
+    Inside a compiled loss, ``ddp(params)`` puts one all-reduce per bucket in
+    the compiled backward, each depending only on its own bucket's
+    gradients. Autograd still records them after the last gradient; these
+    options let inductor's scheduler issue each one as soon as its
+    gradients exist and wait for it as late as possible. They are options
+    of ``torch.compile``, for the user to pass (fdp sets no global config).
+
+    Returns:
+        A new dict for ``torch.compile(..., options=...)`` with the
+        inductor backend: ``reorder_for_compute_comm_overlap`` and the passes
+        this torch provides.
+
+    Example:
+        >>> import fdp, torch
+        >>> loss = torch.compile(lambda x: x.sum(), fullgraph=True, options=fdp.overlap_options())
+        >>> sorted(fdp.overlap_options())
+        ['reorder_for_compute_comm_overlap', 'reorder_for_compute_comm_overlap_passes']
+    """
+    return {
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": _compat.inductor_overlap_passes(),
+    }
 
 
 def _reduce_bucket(flat: torch.Tensor, dtype: torch.dtype, group: ProcessGroup) -> torch.Tensor:
@@ -191,16 +218,21 @@ class _Average(torch.autograd.Function):
         old = dict(zip(ctx.folded, ctx.saved_tensors, strict=True))
         totals = [g + old[s] if s in old else g for s, g in enumerate(grads)]
         out: list[torch.Tensor | None] = [None] * ctx.n
+        previous: list[torch.Tensor] = []
         for bucket in ctx.buckets:
             if all(s < 0 for s in bucket.indices):
                 continue  # no leaf here needs a gradient, on any rank (it is agreed on)
-            deps = [grads[s] for s in bucket.indices if s >= 0] if _ORDERED else list(grads)
-            anchor = _zero_after(deps, bucket.device)
+            own = [grads[s] for s in bucket.indices if s >= 0] if _ORDERED else list(grads)
+            # After the previous bucket's result: compilers keep data order,
+            # not the order collectives were traced in (measured: inductor's
+            # overlap passes issued the last bucket first).
+            anchor = _zero_after(own + previous, bucket.device)
             # A slot of -1 is a leaf that needs no gradient: it reduces zeros.
             flat = _pack(
                 bucket, [totals[s] if s >= 0 else None for s in bucket.indices], anchor, ctx.how
             )
             reduced = _reduce_bucket(flat, bucket.dtype, ctx.how[2])
+            previous = [reduced]
             for s, view in zip(bucket.indices, _unpack(bucket, reduced), strict=True):
                 if s >= 0:
                     out[s] = view - old[s] if s in old else view

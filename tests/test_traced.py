@@ -106,6 +106,22 @@ def test_fullgraph_ddp_with_whole_buckets_unused_on_some_ranks(size: int) -> Non
         check(got, reference(size, skip=True))
 
 
+def _unordered_step(rank: int, size: int, backend: str, skip: bool) -> tuple[Any, int]:
+    """:func:`_fullgraph_step` as on a torch that cannot give an op an ordered effect."""
+    from fdp import _traced
+
+    _traced._ORDERED = False
+    try:
+        return _fullgraph_step(rank, size, backend, skip)
+    finally:
+        _traced._ORDERED = True
+
+
+def test_fullgraph_ddp_without_ordered_effects_ties_buckets_to_all_gradients() -> None:
+    for got, _ in ranks.world(3).run(_unordered_step, "aot_eager", True):
+        check(got, reference(3, skip=True))
+
+
 def test_fullgraph_ddp_with_inductor() -> None:
     # inductor's partitioner and joint-graph passes are where unused buckets
     # once moved their all-reduce into the forward graph.
@@ -350,3 +366,67 @@ def test_the_compiled_backward_has_one_all_reduce_per_bucket(caps: dict[str, Any
     for reduces, buckets in ranks.world(2).run(_backward_collectives, caps):
         assert reduces == buckets
         assert (buckets > 1) == (caps != {})
+
+
+WIDE, LAYERS = 64, 4
+
+
+def wide_params() -> list[dict[str, torch.Tensor]]:
+    """A 4-layer 64-wide tanh MLP: matrices big enough that inductor calls extern mm."""
+    g = torch.Generator().manual_seed(0)
+    return [
+        {
+            "w": (torch.randn(WIDE, WIDE, generator=g) / WIDE**0.5).requires_grad_(),
+            "b": torch.zeros(WIDE, requires_grad=True),
+        }
+        for _ in range(LAYERS)
+    ]
+
+
+def wide_loss(params: list[dict[str, torch.Tensor]], x: torch.Tensor, skip: int | None) -> Any:
+    for j, layer in enumerate(params):
+        if j != skip:
+            x = torch.tanh(x @ layer["w"] + layer["b"])
+    return x.square().mean()
+
+
+def _overlapped(rank: int, size: int) -> tuple[list[Any], list[str], int]:
+    """Gradients, the backward's extern mm / all-reduce / wait calls in generated order, buckets."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    params = wide_params()
+    # Three buckets; rank 1 leaves layer 2 out (unused leaves in a bucket there).
+    ddp = fdp.DistributedDataParallel(params, bucket_cap_mb=0.02, first_bucket_cap_mb=0.02)
+    skip = 2 if rank == 1 else None
+    loss = torch.compile(
+        lambda p, x: wide_loss(ddp(p), x, skip), fullgraph=True, options=fdp.overlap_options()
+    )
+    x = torch.randn(size * 8, WIDE, generator=torch.Generator().manual_seed(1))
+    _, codes = run_and_get_code(lambda: torch.autograd.backward(loss(params, shard(x, rank))))
+    (backward,) = [code for code in codes if "all_reduce_" in code]
+    calls = re.findall(
+        r"(extern_kernels\.mm|all_reduce_\.default|wait_tensor\.default)\(", backward
+    )
+    return [t.grad for layer in params for t in layer.values()], calls, len(ddp.buckets)
+
+
+def test_overlap_options_issue_each_all_reduce_before_backward_ends() -> None:
+    size = 2
+    params = wide_params()
+    x = torch.randn(size * 8, WIDE, generator=torch.Generator().manual_seed(1))
+    for r in range(size):
+        torch.autograd.backward(wide_loss(params, shard(x, r), 2 if r == 1 else None) / size)
+    expected = [t.grad for layer in params for t in layer.values()]
+    for got, calls, buckets in ranks.world(size).run(_overlapped):
+        check(got, expected)
+        issues = [i for i, c in enumerate(calls) if c.startswith("all_reduce")]
+        waits = [i for i, c in enumerate(calls) if c.startswith("wait")]
+        last_mm = max(i for i, c in enumerate(calls) if c.endswith("mm"))
+        assert len(issues) == len(waits) == buckets > 1, calls
+        # The first bucket (the last layer) is in flight while backward
+        # still multiplies; every wait comes after its issue.
+        assert issues[0] < last_mm, calls
+        assert all(i < w for i, w in zip(issues, waits, strict=True)), calls
