@@ -246,3 +246,30 @@ def inductor_overlap_passes() -> list[str]:
     if all(hasattr(comms, name) for name in preferred):
         return [*preferred, preferred[0]]
     return [name for name in ("sink_waits", "raise_comms") if hasattr(comms, name)]
+
+
+def all_reduce_issue(t: torch.Tensor, op: str, group: Any) -> torch.Tensor:
+    """Start a traceable all-reduce of ``t``; its result is valid after :func:`wait`.
+
+    ``funcol.all_reduce`` waits at the result's first use, and while tracing
+    it records the wait right after the collective: nothing could then
+    depend on the collective having been *issued* without depending on its
+    end. If the ``_c10d_functional`` ops go: the public ``funcol.all_reduce``
+    (issue and wait together), with :func:`wait` a no-op on it.
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    ops = getattr(torch.ops, "_c10d_functional", None)
+    if ops is None or not hasattr(ops, "all_reduce"):
+        return funcol.all_reduce(t, op, group)
+    out: torch.Tensor = ops.all_reduce(t, op, funcol._resolve_group_name(group))
+    return out
+
+
+def wait(t: torch.Tensor) -> torch.Tensor:
+    """The finished result of :func:`all_reduce_issue`."""
+    ops = getattr(torch.ops, "_c10d_functional", None)
+    if ops is None or not hasattr(ops, "wait_tensor"):
+        return t
+    out: torch.Tensor = ops.wait_tensor(t)
+    return out

@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from fdp import _bucket, _comm_hooks, _compat
 
@@ -97,12 +96,6 @@ def overlap_options() -> dict[str, Any]:
         "reorder_for_compute_comm_overlap": True,
         "reorder_for_compute_comm_overlap_passes": _compat.inductor_overlap_passes(),
     }
-
-
-def _reduce_bucket(flat: torch.Tensor, dtype: torch.dtype, group: ProcessGroup) -> torch.Tensor:
-    """The sum over ranks of ``flat`` (already scaled), by a functional all-reduce, as ``dtype``."""
-    summed: torch.Tensor = funcol.all_reduce(flat, "sum", group)
-    return summed if summed.dtype == dtype else summed.to(dtype)
 
 
 @torch.library.custom_op("fdp::zero_after", mutates_args=())
@@ -217,22 +210,27 @@ class _Average(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         old = dict(zip(ctx.folded, ctx.saved_tensors, strict=True))
         totals = [g + old[s] if s in old else g for s, g in enumerate(grads)]
-        out: list[torch.Tensor | None] = [None] * ctx.n
-        previous: list[torch.Tensor] = []
+        issued: list[tuple[_bucket.Bucket, torch.Tensor]] = []
         for bucket in ctx.buckets:
             if all(s < 0 for s in bucket.indices):
                 continue  # no leaf here needs a gradient, on any rank (it is agreed on)
             own = [grads[s] for s in bucket.indices if s >= 0] if _ORDERED else list(grads)
-            # After the previous bucket's result: compilers keep data order,
-            # not the order collectives were traced in (measured: inductor's
-            # overlap passes issued the last bucket first).
-            anchor = _zero_after(own + previous, bucket.device)
+            # Issued after the previous bucket was issued, not after it ended:
+            # compilers keep data order, not the order collectives were
+            # traced in (measured: inductor's overlap passes issued the last
+            # bucket first), and waiting here would stall a GPU's compute
+            # stream on every bucket. All waits follow all issues, so that a
+            # compiler is free to place each wait as late as it likes.
+            before = [issued[-1][1]] if issued else []
+            anchor = _zero_after(own + before, bucket.device)
             # A slot of -1 is a leaf that needs no gradient: it reduces zeros.
             flat = _pack(
                 bucket, [totals[s] if s >= 0 else None for s in bucket.indices], anchor, ctx.how
             )
-            reduced = _reduce_bucket(flat, bucket.dtype, ctx.how[2])
-            previous = [reduced]
+            issued.append((bucket, _compat.all_reduce_issue(flat, "sum", ctx.how[2])))
+        out: list[torch.Tensor | None] = [None] * ctx.n
+        for bucket, pending in issued:
+            reduced = _compat.wait(pending).to(bucket.dtype)
             for s, view in zip(bucket.indices, _unpack(bucket, reduced), strict=True):
                 if s >= 0:
                     out[s] = view - old[s] if s in old else view
