@@ -261,7 +261,8 @@ def all_reduce_issue(t: torch.Tensor, op: str, group: Any) -> torch.Tensor:
 
     ops = getattr(torch.ops, "_c10d_functional", None)
     if ops is None or not hasattr(ops, "all_reduce"):
-        return funcol.all_reduce(t, op, group)
+        summed: torch.Tensor = funcol.all_reduce(t, op, group)
+        return summed
     out: torch.Tensor = ops.all_reduce(t, op, funcol._resolve_group_name(group))
     return out
 
