@@ -43,3 +43,27 @@ def side_by_side(
         ta.append(t1 if r % 2 == 0 else t2)
         tb.append(t2 if r % 2 == 0 else t1)
     return statistics.median(ta), statistics.median(tb)
+
+
+def interleaved(
+    fns: dict[str, Callable[[], Any]],
+    *,
+    rounds: int,
+    repeats: int,
+    sync: Callable[[], None] = lambda: None,
+) -> dict[str, float]:
+    """Median seconds per call of each of ``fns``, interleaved round by round.
+
+    The order rotates every round, so that drift and the cost of switching
+    from one function to the next fall on each of them alike.
+    """
+    names = list(fns)
+    for _ in range(max(2, repeats // 4)):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            times[name].append(timed(fns[name], repeats, sync))
+    return {name: statistics.median(t) for name, t in times.items()}

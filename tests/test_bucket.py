@@ -72,6 +72,15 @@ def test_pack_and_views_round_trip(with_none: bool) -> None:
         expected = torch.zeros(view.shape) if t is None else t
         torch.testing.assert_close(view, expected)
         assert view.data_ptr() >= flat.data_ptr()
+    # Contiguous real leaves take the one-split path; it must agree with the per-leaf views.
+    assert bucket._split_sizes is not None
+    for j, view in enumerate(bucket.views(flat)):
+        one = bucket.view(flat, j)
+        assert (view.data_ptr(), view.shape, view.stride()) == (
+            one.data_ptr(),
+            one.shape,
+            one.stride(),
+        )
     flat.add_(1)  # views alias the buffer
     for view, t in zip(bucket.views(flat), ordered, strict=True):
         expected = torch.zeros(view.shape) if t is None else t
@@ -98,6 +107,7 @@ def test_complex_and_strided_leaves_round_trip() -> None:
         assert view.stride() == t.stride()  # the leaf's own layout
         torch.testing.assert_close(view, t * 0.5)
     assert flat[135] == 0
+    assert bucket._split_sizes is None  # padded, complex and strided: a view per leaf
 
 
 def test_empty_plan() -> None:
