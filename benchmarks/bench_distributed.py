@@ -221,6 +221,50 @@ def bench_functional(rounds: int, rank: int) -> dict[str, float]:
     return {"eager_ms": 1e3 * f_eager, "compiled_ms": 1e3 * f_comp, "ratio": f_comp / f_eager}
 
 
+def bench_timeline(rank: int) -> list[str]:
+    """One compiled step's backward, profiled: when each bucket's all-reduce is issued, waited."""
+    x, y = data(rank)
+    params = make_params(0)
+    ddp = fdp.DistributedDataParallel(params)
+
+    def ddp_loss(p: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        return F.cross_entropy(mlp(ddp(p), x), y)
+
+    loss = torch.compile(ddp_loss, fullgraph=True, options=fdp.overlap_options())
+    for _ in range(3):
+        torch.autograd.backward(loss(params))
+    dist.barrier()
+    with torch.profiler.profile(record_shapes=True) as prof:
+        torch.autograd.backward(loss(params))
+    events = list(prof.events())
+    (backward,) = [e for e in events if e.name == "CompiledFunctionBackward"]
+    t0 = backward.time_range.start
+
+    def at(e: Any, end: bool = False) -> float:
+        return float((e.time_range.end if end else e.time_range.start) - t0) / 1e3
+
+    def numel(e: Any) -> int:
+        return int(torch.Size(e.input_shapes[0]).numel())
+
+    issues = [e for e in events if e.name == "_c10d_functional::all_reduce_"]
+    waits = [e for e in events if e.name == "_c10d_functional::wait_tensor"]
+    mms = [e for e in events if e.name == "aten::mm"]
+    lines = [
+        f"backward ends at {at(backward, True):.1f} ms; its {len(mms)} matmuls run "
+        f"{at(mms[0]):.1f}-{at(mms[-1], True):.1f} ms"
+    ]
+    for k, issue in enumerate(issues):
+        # Waits come in any order; a bucket's is the first one left of its size.
+        wait = next(w for w in waits if numel(w) == numel(issue))
+        waits.remove(wait)
+        paths = ddp.buckets[k]
+        lines.append(
+            f"bucket {k} ({4 * numel(issue) / 1e6:.1f} MB, {paths[0]} .. {paths[-1]}): "
+            f"issued at {at(issue):.1f} ms, waited {at(wait):.1f}-{at(wait, True):.1f} ms"
+        )
+    return lines
+
+
 def report_step(s: dict[str, Any], cap_mb: float, say: Any) -> None:
     ms = s["ms"]
     say(
@@ -272,6 +316,10 @@ def run(rank: int, size: int, port: int, quick: bool, which: str, cap_mb: float)
         )
     if which in ("all", "step", "compiled"):
         report_step(bench_step(rounds, rank, cap_mb, compiled=which != "step"), cap_mb, say)
+    if which in ("all", "compiled", "timeline"):
+        say("one compiled step with fdp.overlap_options(), profiled on this rank:")
+        for line in bench_timeline(rank):
+            say("  " + line)
     if which in ("all", "compiled"):
         f = bench_functional(rounds, rank)
         say(
@@ -284,7 +332,9 @@ def run(rank: int, size: int, port: int, quick: bool, which: str, cap_mb: float)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
-    parser.add_argument("--only", choices=["all", "all_reduce", "step", "compiled"], default="all")
+    parser.add_argument(
+        "--only", choices=["all", "all_reduce", "step", "compiled", "timeline"], default="all"
+    )
     parser.add_argument(
         "--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size, fdp and torch alike"
     )

@@ -101,7 +101,10 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
 
     # Compiled, the whole loss is one graph (fullgraph=True: no graph break),
     # and the bucketed all-reduce is part of the compiled backward.
-    loss_fn = torch.compile(ddp_loss, fullgraph=True) if args.compile else ddp_loss
+    # overlap_options() lets inductor issue each bucket as soon as its
+    # gradients exist and wait for it as late as possible.
+    options = fdp.overlap_options()
+    loss_fn = torch.compile(ddp_loss, fullgraph=True, options=options) if args.compile else ddp_loss
     start = time.perf_counter()
     bar: tqdm[int] = tqdm(range(args.epochs), desc="training", unit="epoch", disable=rank != 0)
     loss_sum = torch.zeros((), device=device)
