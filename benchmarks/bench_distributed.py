@@ -5,6 +5,7 @@ compares two timings interleaved round by round (median over rounds).
 
     python benchmarks/bench_distributed.py            # both benchmarks
     python benchmarks/bench_distributed.py --quick    # fewer rounds
+    python benchmarks/bench_distributed.py --only step --ranks 1   # DDP cost, no communication
 
 1. all_reduce_grads over 200 leaves of 32768 float32 (25.6 MB) vs one flat
    ``dist.all_reduce`` of the same bytes (target <= 1.2x), and vs one
@@ -338,14 +339,22 @@ def main() -> None:
     parser.add_argument(
         "--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size, fdp and torch alike"
     )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=2,
+        help="gloo ranks; 1 leaves each DDP only its own cost (an all-reduce of one rank is free)",
+    )
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     ctx = mp.get_context("spawn")
     procs = [
-        ctx.Process(target=run, args=(rank, 2, port, args.quick, args.only, args.bucket_cap_mb))
-        for rank in range(2)
+        ctx.Process(
+            target=run, args=(rank, args.ranks, port, args.quick, args.only, args.bucket_cap_mb)
+        )
+        for rank in range(args.ranks)
     ]
     for p in procs:
         p.start()
