@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fdp import _agreement, _bucket, _compat, _traced, _tree
+from fdp import _agreement, _bucket, _buffers, _compat, _traced, _tree
 from fdp._comm_hooks import CommHook
 from fdp._reducer import Reduction, Step, sum_hook
 
@@ -283,8 +283,13 @@ class DistributedDataParallel:
     the compiled backward (``fdp/_traced.py``), with the default hook or
     the fp16/bf16 ones; there a leaf that no rank used gets a zero ``.grad``.
 
-    Non-floating leaves (integer buffers) and leaves that do not require grad
-    pass through untouched. Reentrant activation checkpointing
+    Buffers, the tensor leaves that do not require grad (BatchNorm's running
+    statistics, integer counters), get rank 0's values in place on every
+    call when ``broadcast_buffers`` is true (under ``no_sync`` and
+    ``torch.no_grad`` too), coalesced into one broadcast per device and
+    dtype, eagerly, under ``torch.func`` and while compiling. Rank 0's
+    buffers evolve exactly as under torch's DDP, which skips the broadcast
+    on calls that do not follow a synchronised training call. Reentrant activation checkpointing
     (``use_reentrant=True``) works: the reduction finishes when the outermost
     backward does. Refused with a clear error: backward with
     ``create_graph=True`` (double backward through the reduced gradients),
@@ -300,6 +305,8 @@ class DistributedDataParallel:
         comm_hook: how a bucket is reduced (see :data:`CommHook`);
             :func:`fp16_compress_hook` and :func:`bf16_compress_hook` halve the
             bytes sent. Default: :func:`allreduce_hook`.
+        broadcast_buffers: give every rank rank 0's buffers (see above);
+            False leaves each rank's buffers as its own forward left them.
 
     Example::
 
@@ -319,6 +326,7 @@ class DistributedDataParallel:
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         comm_hook: CommHook | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         call = "fdp.DistributedDataParallel"
         cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
@@ -336,7 +344,9 @@ class DistributedDataParallel:
         described = _agreement.signature(params, leaves, "params", requires_grad=True)
         _agreement.check(described, group=group, call=call, arg="params")
         self._spec = spec
-        self._meta = [None if t is None else (t.shape, t.dtype, t.device) for t in tensors]
+        every = [t if isinstance(t, torch.Tensor) else None for t in leaves]
+        self._meta = [None if t is None else (t.shape, t.dtype, t.device) for t in every]
+        self._buffers = _buffers.Buffers(every, group) if broadcast_buffers else None
         self._layout = _bucket.Layout(tensors, cap_bytes=cap, first_cap_bytes=first_cap)
         paths = _tree.paths(params, "params")
         self._reduction = Reduction(
@@ -380,6 +390,8 @@ class DistributedDataParallel:
 
     def __call__(self, params: T) -> T:
         leaves = self._checked_leaves(params)
+        if self._buffers is not None:
+            self._buffers.sync(leaves)
         if not self._sync or not torch.is_grad_enabled():
             return params
         if torch.compiler.is_compiling():

@@ -237,6 +237,18 @@ class _Average(torch.autograd.Function):
         return (None, None, None, None, *out, *(None for _ in ctx.folded))
 
 
+def refuse_compiled_functorch() -> None:
+    """Raises inside ``torch.compile(torch.func.grad(...))``, where fdp cannot be right."""
+    if _compat.functorch_active():
+        raise NotImplementedError(
+            "fdp.DistributedDataParallel: ddp(params) inside torch.compile(torch.func.grad(...)) "
+            "would give unreduced gradients: torch 2.13 drops a custom autograd.Function's "
+            "backward when it compiles a torch.func transform (pytorch/pytorch#193279). "
+            "Compile the loss and call .backward() on its result, or run torch.func.grad "
+            "without torch.compile"
+        )
+
+
 def average(
     leaves: Sequence[Any],
     layout: _bucket.Layout,
@@ -250,14 +262,7 @@ def average(
     ``hook`` is :func:`traced_hook`'s answer for the DDP's comm hook;
     ``ties`` maps a leaf to the first leaf holding the same tensor.
     """
-    if _compat.functorch_active():
-        raise NotImplementedError(
-            "fdp.DistributedDataParallel: ddp(params) inside torch.compile(torch.func.grad(...)) "
-            "would give unreduced gradients: torch 2.13 drops a custom autograd.Function's "
-            "backward when it compiles a torch.func transform (pytorch/pytorch#193279). "
-            "Compile the loss and call .backward() on its result, or run torch.func.grad "
-            "without torch.compile"
-        )
+    refuse_compiled_functorch()
     if isinstance(hook, str):
         raise NotImplementedError(hook)
     dtype = hook

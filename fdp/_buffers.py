@@ -1,0 +1,92 @@
+"""``DistributedDataParallel(broadcast_buffers=True)``: rank 0's buffers on every rank.
+
+Buffers (BatchNorm's running statistics, step counters: every tensor leaf of
+the tree that does not require grad) are updated by each rank's own forward,
+so without care ranks drift apart and a checkpoint from rank 0 evaluates
+differently from rank 1. torch's DDP broadcasts them from rank 0 before
+forwards; :class:`Buffers` does it whenever ``ddp(state)`` is called, in
+place, coalesced by device and dtype into few broadcasts, like
+:func:`fdp.broadcast_params`.
+
+Eagerly (``loss.backward()``, ``torch.func.grad``) it uses async broadcasts
+of packed buffers; under ``torch.func`` the leaves are functorch wrappers, so
+the copy goes to the tensor underneath, with functorch's dispatch disabled
+(the collective would otherwise be recorded). While compiling it uses
+functional broadcasts and ``copy_`` into the leaves: an input mutation,
+which ``torch.compile`` applies after the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from fdp import _bucket, _compat, _traced
+
+ProcessGroup = dist.ProcessGroup
+
+# Buffers are small next to gradients; one broadcast per device and dtype.
+_CAP_BYTES = 250 * _bucket.MB
+
+
+class Buffers:
+    """The buffer leaves of a DDP's tree, broadcast from rank 0 on every call.
+
+    ``indices`` are the tree's tensor leaves that do not require grad
+    (decided once, at construction, where ranks agree on the tree).
+
+    torch's DDP broadcasts before a forward that follows a synchronised
+    training forward. Broadcasting on every call gives rank 0 the same
+    buffers as that rule (its own updates, never another rank's), gives
+    every rank rank 0's buffers at the start of every forward (under
+    ``no_sync`` and in evaluation too), and keeps no state: inside
+    ``torch.compile`` a flag would be one more guard, and toggling
+    ``no_sync`` would compile three graphs instead of two. It costs a
+    broadcast of the buffers on the calls torch would skip.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor | None], group: ProcessGroup | None) -> None:
+        self.indices = [i for i, t in enumerate(tensors) if t is not None and not t.requires_grad]
+        self.buckets = _bucket.plan([tensors[i] for i in self.indices], cap_bytes=_CAP_BYTES)
+        self.group = group
+        self.src = dist.get_global_rank(group, 0) if group is not None else 0
+
+    def sync(self, leaves: Sequence[Any]) -> None:
+        """Gives the buffers among ``leaves`` rank 0's values, in place."""
+        if not self.buckets:
+            return
+        targets = [leaves[i] for i in self.indices]
+        if torch.compiler.is_compiling():
+            self._traced(targets)
+        else:
+            self._eager(targets)
+
+    def _eager(self, targets: list[torch.Tensor]) -> None:
+        with torch.no_grad(), _compat.functorch_disabled():
+            plain = [_compat.unwrap_functorch(t) for t in targets]
+            flats = [b.pack([plain[i] for i in b.indices]) for b in self.buckets]
+            works = [
+                dist.broadcast(f, src=self.src, group=self.group, async_op=True) for f in flats
+            ]
+            for bucket, flat, work in zip(self.buckets, flats, works, strict=True):
+                work.wait()
+                views = bucket.views(flat)
+                _compat.foreach_copy_([plain[i] for i in bucket.indices], views)
+
+    def _traced(self, targets: list[torch.Tensor]) -> None:
+        # Under a compiled torch.func transform the copy would mutate a
+        # captured tensor, and the reduction cannot be right there anyway.
+        _traced.refuse_compiled_functorch()
+        group = self.group if self.group is not None else dist.group.WORLD
+        if group is None:
+            raise RuntimeError("fdp.DistributedDataParallel: the default process group is gone")
+        with torch.no_grad():
+            for bucket in self.buckets:
+                flat = bucket.pack([targets[i] for i in bucket.indices])
+                flat = funcol.broadcast(flat, 0, group)  # the group's rank 0, as eagerly
+                for i, view in zip(bucket.indices, bucket.views(flat), strict=True):
+                    targets[i].copy_(view)
