@@ -28,6 +28,7 @@ compares two timings interleaved round by round (median over rounds).
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import itertools
 import multiprocessing as mp
@@ -266,6 +267,46 @@ def bench_timeline(rank: int) -> list[str]:
     return lines
 
 
+def bench_buffers(rounds: int, rank: int) -> dict[str, float]:
+    """The cost of broadcast_buffers per step on a BatchNorm MLP, fdp against torch DDP."""
+    x, y = data(rank)
+    layers: list[torch.nn.Module] = []
+    for _ in range(DEPTH):
+        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.BatchNorm1d(WIDTH), torch.nn.Tanh()]
+    net = torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, CLASSES))
+    fns: dict[str, Any] = {}
+    for flag in (True, False):
+        state = {k: v.detach().clone().requires_grad_() for k, v in net.named_parameters()}
+        state |= {k: v.clone() for k, v in net.named_buffers()}
+        ddp = fdp.DistributedDataParallel(state, broadcast_buffers=flag)
+        opt = torch.optim.SGD([v for v in state.values() if v.requires_grad], lr=1e-3)
+
+        def fdp_step(ddp: Any = ddp, state: Any = state, opt: Any = opt) -> None:
+            opt.zero_grad()
+            out = torch.func.functional_call(net, ddp(state), x)
+            torch.autograd.backward(F.cross_entropy(out, y))
+            opt.step()
+
+        module = copy.deepcopy(net)
+        torch_ddp = torch.nn.parallel.DistributedDataParallel(module, broadcast_buffers=flag)
+        torch_opt = torch.optim.SGD(torch_ddp.parameters(), lr=1e-3)
+
+        def torch_step(model: Any = torch_ddp, opt: Any = torch_opt) -> None:
+            opt.zero_grad()
+            torch.autograd.backward(F.cross_entropy(model(x), y))
+            opt.step()
+
+        fns[f"fdp {flag}"], fns[f"torch {flag}"] = fdp_step, torch_step
+    ms = {k: 1e3 * t for k, t in interleaved(fns, rounds=rounds, repeats=3,
+                                             sync=dist.barrier).items()}  # fmt: skip
+    return {
+        "fdp_ms": ms["fdp True"],
+        "fdp_cost": ms["fdp True"] - ms["fdp False"],
+        "torch_ms": ms["torch True"],
+        "torch_cost": ms["torch True"] - ms["torch False"],
+    }
+
+
 def report_step(s: dict[str, Any], cap_mb: float, say: Any) -> None:
     ms = s["ms"]
     say(
@@ -317,6 +358,13 @@ def run(rank: int, size: int, port: int, quick: bool, which: str, cap_mb: float)
         )
     if which in ("all", "step", "compiled"):
         report_step(bench_step(rounds, rank, cap_mb, compiled=which != "step"), cap_mb, say)
+    if which in ("all", "buffers"):
+        b = bench_buffers(rounds, rank)
+        say(
+            f"broadcast_buffers on a BatchNorm MLP ({DEPTH} BatchNorm1d({WIDTH})): fdp step "
+            f"{b['fdp_ms']:.1f} ms, of which {b['fdp_cost']:.1f} ms for the buffers; torch DDP "
+            f"{b['torch_ms']:.1f} ms, of which {b['torch_cost']:.1f} ms (target fdp <= torch)"
+        )
     if which in ("all", "compiled", "timeline"):
         say("one compiled step with fdp.overlap_options(), profiled on this rank:")
         for line in bench_timeline(rank):
@@ -334,7 +382,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument(
-        "--only", choices=["all", "all_reduce", "step", "compiled", "timeline"], default="all"
+        "--only",
+        choices=["all", "all_reduce", "step", "buffers", "compiled", "timeline"],
+        default="all",
     )
     parser.add_argument(
         "--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size, fdp and torch alike"
