@@ -7,6 +7,7 @@ single-process, full-batch computation and compares every rank's results.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -568,3 +569,44 @@ def test_results_kept_by_the_caller_are_never_overwritten() -> None:
     torch.testing.assert_close(second[0], torch.full((4,), 10.5))
     for held, snapshot in kept:
         tree_allclose(held, snapshot, rtol=0, atol=0)
+
+
+def replicated_model(tree: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = mlp(tree["net"], x) * tree["scale"]
+    return out
+
+
+def replicated_tree(rank: int) -> dict[str, Any]:
+    """The shared MLP and a buffer whose value differs by rank (rank 0's is 1)."""
+    return {"net": mlp_params(), "scale": torch.full((3,), 1.0 + rank)}
+
+
+def _several_devices_per_rank(rank: int, size: int) -> tuple[list[Any], torch.Tensor]:
+    """Two micro-batches under no_sync, then a synchronised one; 2 CPU replicas per rank."""
+    tree = replicated_tree(rank)
+    ddp = fdp.DistributedDataParallel(tree)
+    for step in range(3):
+        x, y = batch(size * PER_RANK, seed=step)
+        x, y = shard(x, rank), shard(y, rank)
+        with ddp.no_sync() if step < 2 else contextlib.nullcontext():
+            out = fdp.data_parallel(replicated_model, ddp(tree), x, devices=["cpu", "cpu"])
+            torch.autograd.backward(torch.nn.functional.mse_loss(out, y))
+    leaves = [t.grad for t in optree.tree_leaves(tree["net"]) if t is not None]
+    return leaves, out.detach()
+
+
+def test_data_parallel_inside_each_rank_matches_the_full_batch_reference() -> None:
+    # What torch's DDP did with several device_ids: replicas within a rank,
+    # all-reduce across ranks. Buffers come from rank 0 (broadcast_buffers).
+    size = 2
+    ref = replicated_tree(0)
+    for step in range(3):
+        x, y = batch(size * PER_RANK, seed=step)
+        for r in range(size):
+            out = replicated_model(ref, shard(x, r))
+            torch.autograd.backward(torch.nn.functional.mse_loss(out, shard(y, r)) / size)
+    expected = [t.grad for t in optree.tree_leaves(ref["net"]) if t is not None]
+    for r, (got, out) in enumerate(ranks.world(size).run(_several_devices_per_rank)):
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, **TOL)
+        torch.testing.assert_close(out, replicated_model(ref, shard(x, r)), **TOL)
