@@ -2,6 +2,7 @@
 
 from fdp._caches import clear_caches as clear_caches
 from fdp._comm_hooks import CommHook as CommHook
+from fdp._comm_hooks import GradBucket as GradBucket
 from fdp._comm_hooks import allreduce_hook as allreduce_hook
 from fdp._comm_hooks import bf16_compress_hook as bf16_compress_hook
 from fdp._comm_hooks import fp16_compress_hook as fp16_compress_hook
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CommHook",
     "DistributedDataParallel",
+    "GradBucket",
     "all_reduce_grads",
     "allreduce_hook",
     "bf16_compress_hook",

@@ -1,28 +1,87 @@
 """Comm hooks: how ``DistributedDataParallel`` reduces one bucket.
 
-The signature mirrors ``DistributedDataParallel.register_comm_hook`` in torch,
-without the state argument (close over it instead): ``hook(bucket, group)``
-returns a future of the averaged bucket.
+The protocol is torch's (``DistributedDataParallel.register_comm_hook``):
+``hook(state, bucket) -> Future[Tensor]``, where ``bucket`` is a
+:class:`GradBucket` and the future resolves to the *average* of the bucket
+over the ranks. So torch's own hooks run unmodified
+(``torch.distributed.algorithms.ddp_comm_hooks``: ``default_hooks``,
+``powerSGD_hook`` with its ``PowerSGDState``, the fp16/bf16 wrappers), and
+fdp's hooks below follow the same protocol, with the process group (or
+``None``: the world) as ``state``, as torch's default hooks do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-__all__ = ["CommHook", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
+__all__ = ["CommHook", "GradBucket", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
 
 ProcessGroup = dist.ProcessGroup
 
-CommHook = Callable[[torch.Tensor, "ProcessGroup | None"], "torch.futures.Future[torch.Tensor]"]
-"""``hook(bucket, group) -> Future[Tensor]``, called once per bucket and step.
 
-``bucket`` is a flat 1-D tensor with this rank's gradients for one bucket
-(full precision). The future must resolve to the *average* over the ranks of
-``group`` with ``bucket``'s shape, dtype and device; it may be ``bucket``
-itself, reduced in place. Every rank must issue the same collectives.
+class GradBucket:
+    """One bucket of gradients, as a comm hook sees it (torch's ``dist.GradBucket`` API).
+
+    ``buffer()`` is the flat 1-D tensor of this rank's gradients for the
+    bucket (full precision; ``gradients()`` are views into it, shaped like
+    ``parameters()``). ``index()`` counts buckets in reduction order, and
+    ``is_last()`` marks the last of a step (PowerSGD counts steps on it).
+    ``set_buffer(t)`` replaces the buffer the hook works on, e.g. by a
+    compressed copy; the reduced result is copied back into the bucket.
+    """
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        *,
+        index: int,
+        is_last: bool,
+        gradients: Sequence[torch.Tensor],
+        parameters: Sequence[torch.Tensor],
+    ) -> None:
+        self._buffer = buffer
+        self._index = index
+        self._is_last = is_last
+        self._gradients = list(gradients)
+        self._parameters = list(parameters)
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._gradients
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._parameters
+
+    def __repr__(self) -> str:
+        n = self._buffer.numel()
+        return f"GradBucket(index={self._index}, numel={n}, is_last={self._is_last})"
+
+
+CommHook = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
+"""``hook(state, bucket) -> Future[Tensor]``, called once per bucket and step.
+
+``state`` is what was registered with the hook (fdp's and torch's default
+hooks take the process group, ``None`` meaning the world). The future must
+resolve to the *average* over the ranks of ``bucket.buffer()``, with the
+buffer's shape and device (any floating dtype: it is copied into the
+bucket); it may be the buffer itself, reduced in place. Every rank must
+issue the same collectives.
 """
 
 
@@ -32,34 +91,39 @@ def reduced_tensor(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tenso
 
 
 def allreduce_hook(
-    bucket: torch.Tensor, group: ProcessGroup | None
+    state: ProcessGroup | None, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """The default: averages ``bucket`` in place with one asynchronous all-reduce.
+    """The default: averages the bucket in place with one asynchronous all-reduce.
 
     Example::
 
         ddp = fdp.DistributedDataParallel(params, comm_hook=fdp.allreduce_hook)
     """
+    return _average(state, bucket.buffer())
+
+
+def _average(group: ProcessGroup | None, flat: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     # Divide first, as torch's DDP does: one pass, and no overflow in the sum.
-    bucket.div_(dist.get_world_size(group))
-    work = dist.all_reduce(bucket, group=group, async_op=True)
+    flat.div_(dist.get_world_size(group))
+    work = dist.all_reduce(flat, group=group, async_op=True)
     future: torch.futures.Future[list[torch.Tensor]] = work.get_future()
     return future.then(reduced_tensor)
 
 
 def _compressed(
-    bucket: torch.Tensor, group: ProcessGroup | None, dtype: torch.dtype
+    group: ProcessGroup | None, bucket: GradBucket, dtype: torch.dtype
 ) -> torch.futures.Future[torch.Tensor]:
-    if bucket.dtype == dtype:
-        return allreduce_hook(bucket, group)
-    compressed = bucket.to(dtype).div_(dist.get_world_size(group))
+    flat = bucket.buffer()
+    if flat.dtype == dtype:
+        return _average(group, flat)
+    compressed = flat.to(dtype).div_(dist.get_world_size(group))
     work = dist.all_reduce(compressed, group=group, async_op=True)
     future: torch.futures.Future[list[torch.Tensor]] = work.get_future()
-    return future.then(lambda fut: bucket.copy_(reduced_tensor(fut)))
+    return future.then(lambda fut: flat.copy_(reduced_tensor(fut)))
 
 
 def fp16_compress_hook(
-    bucket: torch.Tensor, group: ProcessGroup | None
+    state: ProcessGroup | None, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Reduces each bucket in float16 (half the bytes) and hands back full precision.
 
@@ -67,11 +131,11 @@ def fp16_compress_hook(
 
         ddp = fdp.DistributedDataParallel(params, comm_hook=fdp.fp16_compress_hook)
     """
-    return _compressed(bucket, group, torch.float16)
+    return _compressed(state, bucket, torch.float16)
 
 
 def bf16_compress_hook(
-    bucket: torch.Tensor, group: ProcessGroup | None
+    state: ProcessGroup | None, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Reduces each bucket in bfloat16 (half the bytes, float32's range).
 
@@ -79,4 +143,18 @@ def bf16_compress_hook(
 
         ddp = fdp.DistributedDataParallel(params, comm_hook=fdp.bf16_compress_hook)
     """
-    return _compressed(bucket, group, torch.bfloat16)
+    return _compressed(state, bucket, torch.bfloat16)
+
+
+# Hooks that issue their one collective when called (none from callbacks):
+# buckets reduced with them may be in flight together.
+ONE_COLLECTIVE = frozenset(
+    [
+        allreduce_hook,
+        fp16_compress_hook,
+        bf16_compress_hook,
+        default_hooks.allreduce_hook,
+        default_hooks.fp16_compress_hook,
+        default_hooks.bf16_compress_hook,
+    ]
+)

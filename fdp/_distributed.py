@@ -12,6 +12,7 @@ backward) in ``fdp/_reducer.py``; ``docs/design.md`` draws the data flow.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ import torch.distributed._functional_collectives as funcol
 
 from fdp import _agreement, _bucket, _buffers, _compat, _traced, _tree
 from fdp._comm_hooks import CommHook
-from fdp._reducer import Reduction, Step, sum_hook
+from fdp._reducer import Reduction, Step
 
 __all__ = ["DistributedDataParallel", "all_reduce_grads", "broadcast_params"]
 
@@ -349,31 +350,56 @@ class DistributedDataParallel:
         self._buffers = _buffers.Buffers(every, group) if broadcast_buffers else None
         self._layout = _bucket.Layout(tensors, cap_bytes=cap, first_cap_bytes=first_cap)
         paths = _tree.paths(params, "params")
+        # Without a hook the division by the world size is folded into
+        # packing the bucket (one pass over the gradients instead of two).
         self._reduction = Reduction(
-            layout=self._layout,
-            reduce=comm_hook or sum_hook,
-            # The default hook's division is folded into packing the bucket
-            # (one pass over the gradients instead of two).
-            prescale=1.0 if comm_hook else 1.0 / dist.get_world_size(group),
-            group=group,
-            paths=paths,
+            layout=self._layout, hook=comm_hook, state=group, group=group, paths=paths
         )
         self.buckets: list[tuple[str, ...]] = [
             tuple(paths[i] for i in b.indices) for b in self._layout.buckets
         ]
         """The leaf paths of each bucket, in reduction order."""
         self._traced_spec = _tree.traced_spec(params)
-        self._traced_hook = _traced.traced_hook(comm_hook)
+        self._traced_hook = _traced.traced_hook(comm_hook, group, group)
         firsts: dict[int, int] = {}
         self._ties = {i: firsts.setdefault(id(leaves[i]), i) for i in sorted(self._layout.where)}
         self._ties = {i: j for i, j in self._ties.items() if i != j}
         self._sync = True
+        self._called = False
         self._step: Step | None = None
 
     def __repr__(self) -> str:
         buckets = self._layout.buckets
         sizes = ", ".join(f"{b.numel * b.dtype.itemsize / _bucket.MB:.2f}" for b in buckets)
         return f"fdp.DistributedDataParallel({len(buckets)} buckets, MiB: [{sizes}])"
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Reduces every bucket with ``hook(state, bucket)``, torch's DDP protocol.
+
+        torch's hooks run unmodified: ``default_hooks.allreduce_hook`` and
+        its fp16/bf16 relatives and wrappers, ``powerSGD_hook`` with a
+        ``PowerSGDState``. Register once, before the first ``ddp(params)``;
+        ``comm_hook=`` at construction is the same with the group as state.
+        Inside ``torch.compile`` only fdp's and torch's default, fp16 and
+        bf16 hooks (with a process group or None as state) are traced.
+
+        Example::
+
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+
+            state = powerSGD.PowerSGDState(process_group=None, start_powerSGD_iter=10)
+            ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
+        """
+        call = "fdp.DistributedDataParallel.register_comm_hook"
+        if not callable(hook):
+            raise TypeError(f"{call}: `hook` expected a callable; got {hook!r}")
+        if self._reduction.hook is not None or self._called:
+            raise RuntimeError(
+                f"{call}: a comm hook can be registered only once, before the first "
+                "ddp(params); got a second registration (as torch's DDP refuses)"
+            )
+        self._reduction = dataclasses.replace(self._reduction, hook=hook, state=state)
+        self._traced_hook = _traced.traced_hook(hook, state, self._reduction.group)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -389,6 +415,7 @@ class DistributedDataParallel:
             self._sync = previous
 
     def __call__(self, params: T) -> T:
+        self._called = True
         leaves = self._checked_leaves(params)
         if self._buffers is not None:
             self._buffers.sync(leaves)

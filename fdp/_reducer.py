@@ -42,23 +42,40 @@ from torch.utils.hooks import RemovableHandle
 
 from fdp import _comm_hooks, _compat
 from fdp._bucket import Layout
+from fdp._comm_hooks import CommHook, GradBucket
 
 
 @dataclass(frozen=True)
 class Reduction:
     """What every step of one ``DistributedDataParallel`` reduces, and how.
 
-    ``reduce(bucket, group)`` returns a future of the reduced bucket; each
-    gradient is multiplied by ``prescale`` while it is packed (the default
-    hook's division by the world size, folded into that pass). ``paths``
-    names every leaf for error messages.
+    ``hook(state, bucket)`` (a comm hook, or None: :func:`sum_hook` after
+    a ``prescale`` folded into packing) returns a future of the reduced
+    bucket. ``paths`` names every leaf for error messages.
     """
 
     layout: Layout
-    reduce: Callable[[torch.Tensor, Any], Any]
-    prescale: float
+    hook: CommHook | None
+    state: Any
     group: dist.ProcessGroup | None
     paths: list[str]
+
+    @property
+    def serial(self) -> bool:
+        """Whether buckets must wait for each other: the hook may issue collectives later.
+
+        PowerSGD issues its second and third all-reduce from its future's
+        callbacks, on the backend's thread: launching the next bucket (or
+        the usage all-reduce) meanwhile would order the collectives
+        differently on different ranks (measured: a hang). Hooks known to
+        issue one collective up front keep the buckets overlapping.
+        """
+        return self.hook is not None and self.hook not in _comm_hooks.ONE_COLLECTIVE
+
+    @property
+    def prescale(self) -> float:
+        """What packing multiplies each gradient by: the default's division by the world size."""
+        return 1.0 / dist.get_world_size(self.group) if self.hook is None else 1.0
 
 
 class Step:
@@ -173,6 +190,10 @@ class Step:
         return view if self.capture else grad
 
     def _launch(self, k: int) -> None:
+        if self.r.serial and k > 0:
+            previous = self.futures[k - 1]
+            if previous is not None:
+                previous.wait()
         flat = self._flat(k)
         bucket = self.r.layout.buckets[k]
         bucket.zero_pads(flat)
@@ -182,7 +203,17 @@ class Step:
             leaf = self.leaves[i]
             old = None if self.capture or not leaf.requires_grad else leaf.grad
             _pack_old(self.views[k][j], old, self.r.prescale)
-        future = self.r.reduce(flat, self.r.group)
+        if self.r.hook is None:
+            future: Any = sum_hook(flat, self.r.group)
+        else:
+            grad_bucket = GradBucket(
+                flat,
+                index=k,
+                is_last=k == len(self.flats) - 1,
+                gradients=self.views[k],
+                parameters=[self.leaves[i] for i in bucket.indices],
+            )
+            future = self.r.hook(self.r.state, grad_bucket)
         if not callable(getattr(future, "wait", None)):
             raise TypeError(
                 f"fdp.DistributedDataParallel: `comm_hook` expected to return a "
@@ -200,7 +231,7 @@ class Step:
             try:
                 while self.next_launch < len(self.flats):
                     self._launch(self.next_launch)
-                usage = None if self.capture else self._launch_usage()
+                usage = None if self.capture or self.r.serial else self._launch_usage()
                 for k, fut in enumerate(self.futures):
                     flat = self.flats[k]
                     if fut is None or flat is None:
@@ -208,6 +239,8 @@ class Step:
                     result = fut.wait()
                     if result is not flat:
                         flat.copy_(result)
+                if usage is None and self.r.serial and not self.capture:
+                    usage = self._launch_usage()  # after every hook's last collective
                 if usage is not None:
                     self._hand_out(usage)
             finally:

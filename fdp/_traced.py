@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from fdp import _bucket, _comm_hooks, _compat
 
@@ -50,24 +51,31 @@ _TRACEABLE: dict[Callable[..., Any], torch.dtype | None] = {
     _comm_hooks.allreduce_hook: None,
     _comm_hooks.fp16_compress_hook: torch.float16,
     _comm_hooks.bf16_compress_hook: torch.bfloat16,
+    default_hooks.allreduce_hook: None,
+    default_hooks.fp16_compress_hook: torch.float16,
+    default_hooks.bf16_compress_hook: torch.bfloat16,
 }
 
 
-def traced_hook(hook: Callable[..., Any] | None) -> torch.dtype | str | None:
-    """How ``hook`` reduces while compiling: its dtype (None: the bucket's), or why it cannot.
+def traced_hook(
+    hook: Callable[..., Any] | None, state: Any, group: ProcessGroup | None
+) -> torch.dtype | str | None:
+    """How ``hook(state, ...)`` reduces while compiling: its dtype (None: the bucket's), or why not.
 
-    Decided eagerly, at construction: dynamo reads a function's name wrongly.
+    Decided eagerly, at registration: dynamo reads a function's name wrongly.
     """
-    if hook is None or hook in _TRACEABLE:
-        return None if hook is None else _TRACEABLE[hook]
+    if hook is None:
+        return None
+    if hook in _TRACEABLE and (state is None or state is group):
+        return _TRACEABLE[hook]
     name = getattr(hook, "__qualname__", None) or repr(hook)
     return (
         f"fdp.DistributedDataParallel: `comm_hook` {name} cannot run inside torch.compile: "
         "a hook returns a torch.futures.Future, which dynamo cannot trace. Inside compiled "
-        "code fdp reduces with the default hook, fdp.allreduce_hook, fdp.fp16_compress_hook "
-        "or fdp.bf16_compress_hook. To keep this hook, call ddp(params) outside the compiled "
-        "function and pass its result in: its hooks then run eagerly after the compiled "
-        "backward"
+        "code fdp reduces with the default hook, or with fdp's or torch's allreduce_hook, "
+        "fp16_compress_hook or bf16_compress_hook whose state is the DDP's process group "
+        "(or None). To keep this hook, call ddp(params) outside the compiled function and "
+        "pass its result in: its hooks then run eagerly after the compiled backward"
     )
 
 

@@ -348,17 +348,17 @@ def _hooks(rank: int, size: int, name: str) -> Any:
     params = make_params()
     calls: list[int] = []
 
-    def counting(bucket: torch.Tensor, group: Any) -> torch.futures.Future[Any]:
-        calls.append(bucket.numel())
-        return fdp.allreduce_hook(bucket, group)
+    def counting(group: Any, bucket: fdp.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        calls.append(bucket.buffer().numel())
+        return fdp.allreduce_hook(group, bucket)
 
-    def out_of_place(bucket: torch.Tensor, group: Any) -> torch.futures.Future[Any]:
-        averaged = bucket / dist.get_world_size(group)  # a new tensor, not the bucket
+    def out_of_place(group: Any, bucket: fdp.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        averaged = bucket.buffer() / dist.get_world_size(group)  # a new tensor, not the bucket
         work = dist.all_reduce(averaged, group=group, async_op=True)
         assert work is not None
         return work.get_future().then(lambda fut: fut.value()[0])  # type: ignore[no-any-return]
 
-    hook = {
+    hook: dict[str, fdp.CommHook] = {
         "fp16": fdp.fp16_compress_hook,
         "bf16": fdp.bf16_compress_hook,
         "user": counting,

@@ -240,7 +240,7 @@ def test_sparse_gradients_are_refused_clearly() -> None:
 
 def _bad_hook(rank: int, size: int) -> str:
     params = chain_params()
-    bad: Callable[..., Any] = lambda bucket, group: 3  # noqa: E731
+    bad: Callable[..., Any] = lambda state, bucket: 3  # noqa: E731
     ddp = fdp.DistributedDataParallel(params, comm_hook=bad)
     loss = chain(ddp(params), shard(data(size), rank), "last", reentrant=False)
     with pytest.raises(TypeError) as info:
