@@ -7,6 +7,7 @@ backward, bucket by bucket, so every rank takes the same optimiser step.
 
     torchrun --standalone --nproc_per_node=2 examples/train_digits_ddp.py
     torchrun --standalone --nproc_per_node=2 examples/train_digits_ddp.py --compile
+    torchrun --standalone --nproc_per_node=2 examples/train_digits_ddp.py --powersgd
 
 On CUDA machines each rank drives the GPU ``LOCAL_RANK`` over NCCL; across
 machines, run on every node (with the node's rank and a reachable host):
@@ -26,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 from tqdm import tqdm
 from train_digits import Params, init_params, load_data, mlp
 
@@ -44,6 +46,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--compile",
         action="store_true",
         help="torch.compile the loss with the reduction (inductor, fullgraph)",
+    )
+    parser.add_argument(
+        "--powersgd",
+        action="store_true",
+        help="reduce gradients with torch's PowerSGD hook (rank-1 compression after 10 steps)",
     )
     parser.add_argument(
         "--min-accuracy", type=float, default=0.9, help="exit 1 below this test accuracy"
@@ -88,6 +95,11 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     )
     fdp.broadcast_params(params)
     ddp = fdp.DistributedDataParallel(params)
+    if args.powersgd:  # torch's hook, unmodified: fdp speaks torch's comm-hook protocol
+        state = powerSGD.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10
+        )
+        ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
     leaves = [t for layer in params["layers"] for t in layer.values()]
     optimizer = torch.optim.Adam(leaves, lr=args.lr)
     if rank == 0:
