@@ -16,6 +16,7 @@ from fdp._replicate import replicate as replicate
 from fdp._scatter_gather import gather as gather
 from fdp._scatter_gather import scatter as scatter
 from fdp._scatter_gather import scatter_kwargs as scatter_kwargs
+from fdp._sync_batch_norm import sync_batch_norm as sync_batch_norm
 from fdp._traced import overlap_options as overlap_options
 
 __version__ = "0.1.0"
@@ -38,4 +39,5 @@ __all__ = [
     "replicate",
     "scatter",
     "scatter_kwargs",
+    "sync_batch_norm",
 ]

@@ -1,0 +1,158 @@
+"""``sync_batch_norm``: batch norm over the batches of every rank.
+
+Each rank holds its own part of the global batch. The statistics are taken
+over all of it: every rank sums its elements per channel (sum, sum of
+squares, count) and one all-reduce adds them up, so ranks may hold batches
+of different sizes, 0 included. Backward needs two more sums per channel
+over the global batch (of ``dy`` and of ``dy * (x - mean)``): one more
+all-reduce. The gradients of ``weight`` and ``bias`` are this rank's share
+(its own sums), as with ``torch.nn.SyncBatchNorm``: summed over ranks they
+are the global batch norm's, and DDP averages them.
+
+The collectives run eagerly under ``loss.backward()`` and ``torch.func.grad``
+(with functorch's dispatch disabled, on plain tensors: a collective is not
+differentiable), and as functional collectives while compiling.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+from fdp import _compat
+
+ProcessGroup = dist.ProcessGroup
+
+
+def _summed(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """The sum over the ranks of ``group`` of ``t`` (a new tensor)."""
+    if torch.compiler.is_compiling():
+        pg = group if group is not None else dist.group.WORLD
+        out: torch.Tensor = funcol.all_reduce(t, "sum", pg)  # type: ignore[arg-type]
+        return out
+    with torch.no_grad(), _compat.functorch_disabled():
+        plain = _compat.unwrap_functorch(t).clone()
+        dist.all_reduce(plain, group=group)
+        return plain
+
+
+def _channel_sums(t: torch.Tensor) -> torch.Tensor:
+    """Per-channel sums of an (N, C, *) tensor."""
+    return t.transpose(0, 1).reshape(t.shape[1], -1).sum(1)
+
+
+class _SyncBatchNorm(torch.autograd.Function):
+    """Normalises ``x`` with the global mean and variance; returns (y, mean, biased var, count)."""
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        eps: float,
+        group: ProcessGroup | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = x.shape[1]
+        count = torch.full((1,), x.numel() // max(c, 1), dtype=x.dtype, device=x.device)
+        local = torch.cat([_channel_sums(x), _channel_sums(x * x), count])
+        total = _summed(local, group)
+        n = total[2 * c :]
+        mean = total[:c] / n
+        var = (total[c : 2 * c] / n - mean * mean).clamp_min(0)
+        shape = [1, c] + [1] * (x.dim() - 2)
+        invstd = torch.rsqrt(var + eps)
+        y = (x - mean.view(shape)) * (invstd * weight).view(shape) + bias.view(shape)
+        return y, mean, var, n
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, weight, _bias, eps, group = inputs
+        _y, mean, var, n = output
+        ctx.save_for_backward(x, weight, mean, var, n)
+        ctx.eps, ctx.group = eps, group
+        ctx.mark_non_differentiable(mean, var, n)
+
+    @staticmethod
+    def backward(
+        ctx: Any, dy: torch.Tensor, *_: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        x, weight, mean, var, n = ctx.saved_tensors
+        c = x.shape[1]
+        shape = [1, c] + [1] * (x.dim() - 2)
+        invstd = torch.rsqrt(var + ctx.eps)
+        xmu = x - mean.view(shape)
+        sum_dy = _channel_sums(dy)
+        sum_dy_xmu = _channel_sums(dy * xmu)
+        total = _summed(torch.cat([sum_dy, sum_dy_xmu]), ctx.group)
+        g_dy, g_dy_xmu = total[:c] / n, total[c:] / n
+        dx = (dy - g_dy.view(shape) - xmu * (invstd * invstd * g_dy_xmu).view(shape)) * (
+            invstd * weight
+        ).view(shape)
+        return dx, sum_dy_xmu * invstd, sum_dy, None, None
+
+
+def sync_batch_norm(
+    x: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    training: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    group: ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Batch norm whose statistics are taken over the batches of every rank.
+
+    Arguments as ``torch.nn.functional.batch_norm``: ``x`` is ``(N, C, *)``
+    (BatchNorm1d/2d/3d shapes); ``N`` may differ between ranks, 0 included.
+    In training the running statistics are updated in place, with the
+    global batch's mean and unbiased variance. In evaluation (or with
+    ``training=False``) it is ``F.batch_norm`` with the running statistics,
+    and communicates nothing. Every rank of ``group`` must call it the same
+    number of times in the same order.
+
+    Example::
+
+        y = fdp.sync_batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias)
+    """
+    if x.dim() < 2:
+        raise ValueError(
+            f"fdp.sync_batch_norm: `x` expected shape (N, C, *); got shape {tuple(x.shape)}"
+        )
+    if not training:
+        return F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps)
+    c = x.shape[1]
+    w = weight if weight is not None else torch.ones(c, dtype=x.dtype, device=x.device)
+    b = bias if bias is not None else torch.zeros(c, dtype=x.dtype, device=x.device)
+    y, mean, var, n = _SyncBatchNorm.apply(x, w, b, eps, group)  # type: ignore[no-untyped-call]
+    if running_mean is not None and running_var is not None:
+        _update_running(running_mean, running_var, mean, var * n / (n - 1).clamp_min(1), momentum)
+    out: torch.Tensor = y
+    return out
+
+
+def _update_running(
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    momentum: float,
+) -> None:
+    """``F.batch_norm``'s in-place update of the running statistics."""
+    if torch.compiler.is_compiling():
+        with torch.no_grad():
+            running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+            running_var.lerp_(var.to(running_var.dtype), momentum)
+        return
+    # Under torch.func the statistics are wrapped at the transform's level,
+    # while the buffers are plain tensors the transform captured.
+    with torch.no_grad(), _compat.functorch_disabled():
+        for buf, new in ((running_mean, mean), (running_var, var)):
+            target = _compat.unwrap_functorch(buf)
+            target.lerp_(_compat.unwrap_functorch(new).to(target.dtype), momentum)

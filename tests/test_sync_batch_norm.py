@@ -1,0 +1,107 @@
+"""fdp.sync_batch_norm against batch norm on the concatenated global batch (fdp._sync_batch_norm).
+
+Every rank holds a slice of one global batch (of different sizes, 0
+included) and a slice of a fixed output gradient. The reference is
+``F.batch_norm`` on the whole batch in one process: outputs, input
+gradients and running statistics per rank, and the weight and bias
+gradients as the sum of every rank's share.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fdp
+from tests import ranks
+from tests.helpers import TOL
+
+C = 4
+SPATIAL = {"1d": (), "1d_length": (3,), "2d": (2, 3), "3d": (2, 2, 2)}
+SIZES = {2: [5, 3], 3: [4, 0, 3]}
+
+
+def problem(spatial: tuple[int, ...], total: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "x": torch.randn(total, C, *spatial, generator=g) * 2 + 1,
+        "dy": torch.randn(total, C, *spatial, generator=g),
+        "w": torch.randn(C, generator=g),
+        "b": torch.randn(C, generator=g),
+    }
+
+
+def my_slice(rank: int, size: int) -> slice:
+    sizes = SIZES[size]
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def _sync_bn(rank: int, size: int, spatial: tuple[int, ...], how: str) -> dict[str, Any]:
+    torch._dynamo.reset()
+    p = problem(spatial, sum(SIZES[size]))
+    x, dy = p["x"][my_slice(rank, size)].clone(), p["dy"][my_slice(rank, size)]
+    w, b = p["w"].clone().requires_grad_(), p["b"].clone().requires_grad_()
+    rm, rv = torch.zeros(C), torch.ones(C)
+
+    def loss(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        y = fdp.sync_batch_norm(x, rm, rv, w, b, momentum=0.2)
+        return (y * dy).sum()
+
+    if how == "func.grad":
+        dx, dw, db = torch.func.grad(loss, argnums=(0, 1, 2))(x, w, b)
+    else:
+        x.requires_grad_()
+        fn = torch.compile(loss, backend="aot_eager", fullgraph=True) if how == "compile" else loss
+        torch.autograd.backward(fn(x, w, b))
+        dx, dw, db = x.grad, w.grad, b.grad
+    with torch.no_grad():
+        y = fdp.sync_batch_norm(x.detach(), None, None, p["w"], p["b"])
+    # func.grad's results depend on w and b, which require grad out here.
+    out = {"y": y, "dx": dx, "dw": dw, "db": db, "rm": rm, "rv": rv}
+    return {k: v.detach() for k, v in out.items()}
+
+
+def reference(spatial: tuple[int, ...], size: int) -> dict[str, torch.Tensor]:
+    p = problem(spatial, sum(SIZES[size]))
+    x = p["x"].clone().requires_grad_()
+    w, b = p["w"].clone().requires_grad_(), p["b"].clone().requires_grad_()
+    rm, rv = torch.zeros(C), torch.ones(C)
+    y = F.batch_norm(x, rm, rv, w, b, training=True, momentum=0.2, eps=1e-5)
+    torch.autograd.backward((y * p["dy"]).sum())
+    assert x.grad is not None
+    assert w.grad is not None
+    assert b.grad is not None
+    return {"y": y.detach(), "dx": x.grad, "dw": w.grad, "db": b.grad, "rm": rm, "rv": rv}
+
+
+@pytest.mark.parametrize("spatial", list(SPATIAL), ids=list(SPATIAL))
+@pytest.mark.parametrize("size", [2, 3])
+def test_matches_batch_norm_on_the_global_batch(spatial: str, size: int) -> None:
+    check(SPATIAL[spatial], size, "backward")
+
+
+@pytest.mark.parametrize("how", ["func.grad", pytest.param("compile", marks=pytest.mark.compile)])
+def test_under_func_grad_and_compile(how: str) -> None:
+    check(SPATIAL["2d"], 3, how)
+
+
+def check(spatial: tuple[int, ...], size: int, how: str) -> None:
+    ref = reference(spatial, size)
+    results = ranks.world(size).run(_sync_bn, spatial, how)
+    for rank, r in enumerate(results):
+        part = my_slice(rank, size)
+        torch.testing.assert_close(r["y"], ref["y"][part], **TOL)
+        torch.testing.assert_close(r["dx"], ref["dx"][part], **TOL)
+        torch.testing.assert_close(r["rm"], ref["rm"], **TOL)
+        torch.testing.assert_close(r["rv"], ref["rv"], **TOL)
+    torch.testing.assert_close(sum(r["dw"] for r in results), ref["dw"], **TOL)
+    torch.testing.assert_close(sum(r["db"] for r in results), ref["db"], **TOL)
+
+
+def test_bad_shapes_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"`x` expected shape \(N, C, \*\); got shape \(3,\)"):
+        fdp.sync_batch_norm(torch.ones(3), None, None)
