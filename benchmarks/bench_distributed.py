@@ -307,6 +307,29 @@ def bench_buffers(rounds: int, rank: int) -> dict[str, float]:
     }
 
 
+def bench_sync_bn(rounds: int, rank: int) -> dict[str, Any]:
+    """fdp.sync_batch_norm forward+backward against local batch norm and torch.nn.SyncBatchNorm."""
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(32, 64, 16, 16, generator=g, requires_grad=True)
+    bn = torch.nn.BatchNorm2d(64)
+
+    def fdp_bn() -> None:
+        out = fdp.sync_batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias)
+        torch.autograd.backward(out.square().mean())
+
+    def local_bn() -> None:
+        torch.autograd.backward(bn(x).square().mean())
+
+    sync = torch.nn.SyncBatchNorm(64)
+    try:
+        sync(x)
+        refused = ""
+    except ValueError as e:  # torch 2.13: GPU, XPU, HPU or privateuse1 only
+        refused = str(e).split(",")[0]
+    t_fdp, t_local = side_by_side(fdp_bn, local_bn, rounds=rounds, repeats=10, sync=dist.barrier)
+    return {"fdp_ms": 1e3 * t_fdp, "local_ms": 1e3 * t_local, "refused": refused}
+
+
 def report_step(s: dict[str, Any], cap_mb: float, say: Any) -> None:
     ms = s["ms"]
     say(
@@ -365,6 +388,14 @@ def run(rank: int, size: int, port: int, quick: bool, which: str, cap_mb: float)
             f"{b['fdp_ms']:.1f} ms, of which {b['fdp_cost']:.1f} ms for the buffers; torch DDP "
             f"{b['torch_ms']:.1f} ms, of which {b['torch_cost']:.1f} ms (target fdp <= torch)"
         )
+    if which in ("all", "sync_bn"):
+        n = bench_sync_bn(rounds, rank)
+        say(
+            f"sync_batch_norm forward+backward, 32x64x16x16 per rank: fdp {n['fdp_ms']:.2f} ms, "
+            f"local batch norm (no sync) {n['local_ms']:.2f} ms -> "
+            f"{n['fdp_ms'] / n['local_ms']:.2f}x; torch.nn.SyncBatchNorm: "
+            + (f"refused ({n['refused']})" if n["refused"] else "runs")
+        )
     if which in ("all", "compiled", "timeline"):
         say("one compiled step with fdp.overlap_options(), profiled on this rank:")
         for line in bench_timeline(rank):
@@ -383,7 +414,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument(
         "--only",
-        choices=["all", "all_reduce", "step", "buffers", "compiled", "timeline"],
+        choices=["all", "all_reduce", "step", "buffers", "sync_bn", "compiled", "timeline"],
         default="all",
     )
     parser.add_argument(

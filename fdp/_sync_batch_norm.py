@@ -41,8 +41,8 @@ def _summed(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 
 
 def _channel_sums(t: torch.Tensor) -> torch.Tensor:
-    """Per-channel sums of an (N, C, *) tensor."""
-    return t.transpose(0, 1).reshape(t.shape[1], -1).sum(1)
+    """Per-channel sums of an (N, C, *) tensor (a reduction: no transposed copy)."""
+    return t.sum([0, *range(2, t.dim())])
 
 
 class _SyncBatchNorm(torch.autograd.Function):
@@ -58,14 +58,15 @@ class _SyncBatchNorm(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         c = x.shape[1]
         count = torch.full((1,), x.numel() // max(c, 1), dtype=x.dtype, device=x.device)
-        local = torch.cat([_channel_sums(x), _channel_sums(x * x), count])
-        total = _summed(local, group)
+        # Per-channel sums of x and x^2: two fast reductions (var_mean's
+        # Welford pass over these dims was 15x slower on the CPU).
+        total = _summed(torch.cat([_channel_sums(x), _channel_sums(x * x), count]), group)
         n = total[2 * c :]
         mean = total[:c] / n
         var = (total[c : 2 * c] / n - mean * mean).clamp_min(0)
         shape = [1, c] + [1] * (x.dim() - 2)
-        invstd = torch.rsqrt(var + eps)
-        y = (x - mean.view(shape)) * (invstd * weight).view(shape) + bias.view(shape)
+        scale = torch.rsqrt(var + eps) * weight
+        y = torch.addcmul((bias - mean * scale).view(shape), x, scale.view(shape))
         return y, mean, var, n
 
     @staticmethod
@@ -84,14 +85,15 @@ class _SyncBatchNorm(torch.autograd.Function):
         c = x.shape[1]
         shape = [1, c] + [1] * (x.dim() - 2)
         invstd = torch.rsqrt(var + ctx.eps)
-        xmu = x - mean.view(shape)
         sum_dy = _channel_sums(dy)
-        sum_dy_xmu = _channel_sums(dy * xmu)
+        sum_dy_xmu = _channel_sums(dy * x) - mean * sum_dy
         total = _summed(torch.cat([sum_dy, sum_dy_xmu]), ctx.group)
         g_dy, g_dy_xmu = total[:c] / n, total[c:] / n
-        dx = (dy - g_dy.view(shape) - xmu * (invstd * invstd * g_dy_xmu).view(shape)) * (
-            invstd * weight
-        ).view(shape)
+        # dx = a * (dy - g_dy - (x - mean) * k), as two fused multiply-adds.
+        a = invstd * weight
+        k = invstd * invstd * g_dy_xmu
+        dx = torch.addcmul((a * (mean * k - g_dy)).view(shape), dy, a.view(shape))
+        dx = torch.addcmul(dx, x, (-a * k).view(shape))
         return dx, sum_dy_xmu * invstd, sum_dy, None, None
 
 
