@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from fdp import _sync_batch_norm
 from fdp._device import DeviceLike, as_device, as_devices
 from fdp._parallel_apply import _parallel_apply
 from fdp._replicate import _replicate
@@ -98,7 +99,10 @@ def _write_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             leaf.copy_(copy)
 
 
-def _shell(module: nn.Module) -> nn.Module:
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _shell(module: nn.Module, *, sync_batch_norm: bool = False, group: Any = None) -> nn.Module:
     """A copy of the module tree, as it is now, that shares every tensor but owns its dicts.
 
     ``functional_call`` swaps tensors in and out of module attributes; on a
@@ -113,6 +117,8 @@ def _shell(module: nn.Module) -> nn.Module:
     for m in modules:
         shell = object.__new__(type(m))
         shell.__dict__.update(m.__dict__)
+        if sync_batch_norm and isinstance(m, _BATCH_NORMS):
+            _sync_batch_norm.synced(shell, group)
         shells[id(m)] = shell
     for m in modules:
         attrs = shells[id(m)].__dict__
@@ -135,7 +141,9 @@ def _refuse_lazy(state: Mapping[str, torch.Tensor], module: nn.Module) -> None:
             )
 
 
-def make_functional(module: nn.Module) -> tuple[Callable[..., Any], dict[str, torch.Tensor]]:
+def make_functional(
+    module: nn.Module, *, sync_batch_norm: bool = False, group: Any = None
+) -> tuple[Callable[..., Any], dict[str, torch.Tensor]]:
     """Splits a module into a pure function and its state.
 
     ``state`` maps each name of ``module.named_parameters()`` and
@@ -151,8 +159,16 @@ def make_functional(module: nn.Module) -> tuple[Callable[..., Any], dict[str, to
     land on the shell and are dropped, as on DataParallel's replicas; tensors
     updated in place (BatchNorm statistics) land on the module.
 
+    With ``sync_batch_norm=True`` the module's ``BatchNorm1d/2d/3d`` layers
+    normalise with :func:`fdp.sync_batch_norm` over the batches of every rank
+    of ``group`` (what ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``
+    does, without touching the module; and it runs under ``torch.func``).
+    Not inside ``torch.compile``: there call ``fdp.sync_batch_norm``.
+
     Args:
         module: the module to split.
+        sync_batch_norm: batch statistics over every rank (see above).
+        group: the process group for ``sync_batch_norm`` (default: the world).
 
     Returns:
         ``(fn, state)``.
@@ -179,7 +195,16 @@ def make_functional(module: nn.Module) -> tuple[Callable[..., Any], dict[str, to
 
     def fn(state: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         # Compiled code runs on one thread; dynamo traces the real module.
-        target = module if torch.compiler.is_compiling() else _shell(module)
+        if torch.compiler.is_compiling():
+            if sync_batch_norm:
+                raise NotImplementedError(
+                    "fdp.make_functional: `sync_batch_norm=True` does not run inside "
+                    "torch.compile (it swaps the class of a per-call copy of the module); call "
+                    "fdp.sync_batch_norm in the compiled function instead"
+                )
+            target = module
+        else:
+            target = _shell(module, sync_batch_norm=sync_batch_norm, group=group)
         return torch.func.functional_call(target, dict(state), args, kwargs)
 
     return fn, state

@@ -158,3 +158,44 @@ def _update_running(
         for buf, new in ((running_mean, mean), (running_var, var)):
             target = _compat.unwrap_functorch(buf)
             target.lerp_(_compat.unwrap_functorch(new).to(target.dtype), momentum)
+
+
+def _synced_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """``_BatchNorm.forward`` with :func:`sync_batch_norm` for the batch statistics."""
+    self._check_input_dim(x)
+    momentum = 0.0 if self.momentum is None else self.momentum
+    if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+        with torch.no_grad(), _compat.functorch_disabled():  # a captured buffer under torch.func
+            _compat.unwrap_functorch(self.num_batches_tracked).add_(1)
+        if self.momentum is None:  # a cumulative moving average
+            momentum = 1.0 / float(self.num_batches_tracked)
+    batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+    tracked = not self.training or self.track_running_stats
+    if not batch_stats:
+        return F.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+        )
+    return sync_batch_norm(
+        x,
+        self.running_mean if tracked else None,
+        self.running_var if tracked else None,
+        self.weight,
+        self.bias,
+        momentum=momentum,
+        eps=self.eps,
+        group=self.__dict__.get("_fdp_group"),
+    )
+
+
+# One subclass per batch-norm class, made once: a shell's class is swapped
+# for it (an attribute per instance would tie the shell to itself in a cycle).
+_SYNCED: dict[type, type] = {}
+
+
+def synced(shell: torch.nn.Module, group: ProcessGroup | None) -> None:
+    """Makes a shell of a ``BatchNorm*d`` module normalise with :func:`sync_batch_norm`."""
+    cls = type(shell)
+    if cls not in _SYNCED:
+        _SYNCED[cls] = type(f"Synced{cls.__name__}", (cls,), {"forward": _synced_forward})
+    shell.__class__ = _SYNCED[cls]
+    shell.__dict__["_fdp_group"] = group
