@@ -53,25 +53,31 @@ class Buffers:
         self.indices = [i for i, t in enumerate(tensors) if t is not None and not t.requires_grad]
         self.buckets = _bucket.plan([tensors[i] for i in self.indices], cap_bytes=_CAP_BYTES)
         self.group = group
-        self.src = dist.get_global_rank(group, 0) if group is not None else 0
 
-    def sync(self, leaves: Sequence[Any]) -> None:
-        """Gives the buffers among ``leaves`` rank 0's values, in place."""
+    def sync(self, leaves: Sequence[Any], *, src: int = 0) -> None:
+        """Gives the buffers among ``leaves`` the values of the group's rank ``src``, in place."""
         if not self.buckets:
             return
         targets = [leaves[i] for i in self.indices]
         if torch.compiler.is_compiling():
             self._traced(targets)
         else:
-            self._eager(targets)
+            self._eager(targets, self._global(src))
 
-    def _eager(self, targets: list[torch.Tensor]) -> None:
+    def shadow(self, *, src: int) -> None:
+        """Takes part in the broadcast of rank ``src``'s buffers, keeping nothing (``join``)."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                dist.broadcast(bucket.empty(), src=self._global(src), group=self.group)
+
+    def _global(self, src: int) -> int:
+        return dist.get_global_rank(self.group, src) if self.group is not None else src
+
+    def _eager(self, targets: list[torch.Tensor], src: int) -> None:
         with torch.no_grad(), _compat.functorch_disabled():
             plain = [_compat.unwrap_functorch(t) for t in targets]
             flats = [b.pack([plain[i] for i in b.indices]) for b in self.buckets]
-            works = [
-                dist.broadcast(f, src=self.src, group=self.group, async_op=True) for f in flats
-            ]
+            works = [dist.broadcast(f, src=src, group=self.group, async_op=True) for f in flats]
             for bucket, flat, work in zip(self.buckets, flats, works, strict=True):
                 work.wait()
                 views = bucket.views(flat)

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fdp import _agreement, _bucket, _buffers, _compat, _traced, _tree
+from fdp import _agreement, _bucket, _buffers, _comm_hooks, _compat, _traced, _tree
 from fdp._comm_hooks import CommHook
+from fdp._join import Joiner
 from fdp._reducer import Reduction, Step
 
 __all__ = ["DistributedDataParallel", "all_reduce_grads", "broadcast_params"]
@@ -366,6 +367,12 @@ class DistributedDataParallel:
         self._ties = {i: j for i, j in self._ties.items() if i != j}
         self._sync = True
         self._called = False
+        self._joiner: Joiner | None = None
+        # How many leaves a step's usage all-reduce counts (hooked: needing
+        # grad, each tensor once), for join's mirroring ranks.
+        self._counted = sum(1 for i in self._layout.where if leaves[i].requires_grad) - len(
+            [i for i in self._ties if leaves[i].requires_grad]
+        )
         self._step: Step | None = None
 
     def __repr__(self) -> str:
@@ -402,6 +409,49 @@ class DistributedDataParallel:
         self._traced_hook = _traced.traced_hook(hook, state, self._reduction.group)
 
     @contextmanager
+    def join(self, *, divide_by_initial_world_size: bool = True) -> Iterator[None]:
+        """Lets ranks with different numbers of batches train together (torch's ``Join``).
+
+        Each rank runs its own loop of ``ddp(params)`` and backward inside the
+        block. A rank that runs out of data leaves its loop; on leaving the
+        block it mirrors the collectives of the ranks still training
+        (contributing zeros) until every rank has left. Gradients are divided
+        by the initial world size, or with
+        ``divide_by_initial_world_size=False`` by the number of ranks still
+        training. Buffers come from the first rank still training. An
+        exception inside the block propagates without mirroring; the other
+        ranks then fail at the process group's timeout instead of hanging.
+        Eager only, with the default reduction (``fdp/_join.py``).
+
+        Example::
+
+            with ddp.join():
+                for x, y in my_uneven_shard:
+                    loss_fn(model(ddp(params), x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+        """
+        if self._reduction.hook not in (None, _comm_hooks.allreduce_hook):
+            raise NotImplementedError(
+                "fdp.DistributedDataParallel.join: a rank that has left mirrors the default "
+                "reduction only; got a comm hook, whose collectives it cannot know"
+            )
+        if self._joiner is not None:
+            raise RuntimeError("fdp.DistributedDataParallel.join: already inside join")
+        self._joiner = Joiner(
+            group=self._reduction.group,
+            buckets=self._layout.buckets,
+            counted=self._counted,
+            buffers=self._buffers,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+        try:
+            yield
+            self._joiner.shadow()
+        finally:
+            self._joiner = None
+
+    @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skips the reduction: gradients accumulate locally in ``.grad``.
 
@@ -417,9 +467,18 @@ class DistributedDataParallel:
     def __call__(self, params: T) -> T:
         self._called = True
         leaves = self._checked_leaves(params)
+        synchronised = self._sync and torch.is_grad_enabled()
+        src, prescale = 0, None
+        if self._joiner is not None:
+            if torch.compiler.is_compiling():
+                raise NotImplementedError(
+                    "fdp.DistributedDataParallel.join: ddp(params) inside torch.compile is not "
+                    "supported in a join block; call ddp(params) outside the compiled function"
+                )
+            src, prescale = self._joiner.step(synchronised=synchronised)
         if self._buffers is not None:
-            self._buffers.sync(leaves)
-        if not self._sync or not torch.is_grad_enabled():
+            self._buffers.sync(leaves, src=src)
+        if not synchronised:
             return params
         if torch.compiler.is_compiling():
             # No hooks in a compiled graph: the reduction becomes part of it.
@@ -431,7 +490,7 @@ class DistributedDataParallel:
                 ties=self._ties,
             )
             return cast(T, _tree.unflatten(self._traced_spec or (), synced))
-        return self._hooked(params, leaves)
+        return self._hooked(params, leaves, prescale=prescale)
 
     def _checked_leaves(self, params: Any) -> list[Any]:
         """``params``' leaves, checked against the tree the buckets were planned for."""
@@ -468,12 +527,18 @@ class DistributedDataParallel:
                     )
         return leaves
 
-    def _hooked(self, params: T, leaves: list[Any]) -> T:
+    def _hooked(self, params: T, leaves: list[Any], *, prescale: float | None) -> T:
         """The eager path: hooks on the leaves reduce during the backward that follows."""
         if self._step is not None:  # the last step's backward never ran
             self._step.remove()
             self._step = None
-        step = Step(self._reduction, leaves, capture=_compat.functorch_active())
+        step = Step(
+            self._reduction,
+            leaves,
+            capture=_compat.functorch_active(),
+            prescale=prescale,
+            always_count=self._joiner is not None,
+        )
         step.register()
         if step.hooked:
             self._step = step

@@ -81,8 +81,20 @@ class Reduction:
 class Step:
     """The reduction state of one synchronised forward/backward."""
 
-    def __init__(self, reduction: Reduction, leaves: list[Any], *, capture: bool) -> None:
+    def __init__(
+        self,
+        reduction: Reduction,
+        leaves: list[Any],
+        *,
+        capture: bool,
+        prescale: float | None = None,
+        always_count: bool = False,
+    ) -> None:
         self.r = reduction
+        # ``join`` may divide by the ranks still training, and needs the
+        # usage all-reduce on every step, which shadowing ranks mirror.
+        self.prescale = reduction.prescale if prescale is None else prescale
+        self.always_count = always_count
         self.leaves = leaves
         n = len(reduction.layout.buckets)
         self.flats: list[torch.Tensor | None] = [None] * n
@@ -170,7 +182,7 @@ class Step:
                 self.queued = True
             view = self._view(i)
             old = None if self.capture else leaf.grad
-            scale = self.r.prescale
+            scale = self.prescale
             if grad is None:  # an undefined gradient: zero, as if unused here
                 _pack_old(view, old, scale)
             else:
@@ -202,7 +214,7 @@ class Step:
                 continue
             leaf = self.leaves[i]
             old = None if self.capture or not leaf.requires_grad else leaf.grad
-            _pack_old(self.views[k][j], old, self.r.prescale)
+            _pack_old(self.views[k][j], old, self.prescale)
         if self.r.hook is None:
             future: Any = sum_hook(flat, self.r.group)
         else:
@@ -231,7 +243,8 @@ class Step:
             try:
                 while self.next_launch < len(self.flats):
                     self._launch(self.next_launch)
-                usage = None if self.capture or self.r.serial else self._launch_usage()
+                counting = not self.capture or self.always_count
+                usage = self._launch_usage() if counting and not self.r.serial else None
                 for k, fut in enumerate(self.futures):
                     flat = self.flats[k]
                     if fut is None or flat is None:
@@ -239,9 +252,11 @@ class Step:
                     result = fut.wait()
                     if result is not flat:
                         flat.copy_(result)
-                if usage is None and self.r.serial and not self.capture:
+                if usage is None and self.r.serial and counting:
                     usage = self._launch_usage()  # after every hook's last collective
-                if usage is not None:
+                if usage is not None and self.capture:
+                    usage[1].wait()  # counted for join's shadowing ranks only
+                elif usage is not None:
                     self._hand_out(usage)
             finally:
                 self.remove()

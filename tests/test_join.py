@@ -1,0 +1,102 @@
+"""DistributedDataParallel.join: ranks with different numbers of batches (fdp._join).
+
+Rank 0 trains on 3 batches, rank 1 on 5, rank 2 on none. At every step the
+reference is the single-process sum of the gradients of the ranks that
+still had data, divided by the initial world size or by their number.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import pytest
+import torch
+
+import fdp
+from tests import ranks
+from tests.helpers import PER_RANK, TOL, batch, mlp, mlp_params, shard
+
+BATCHES = [3, 5, 0]
+
+
+def loss(params: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(mlp(params, x), y)
+
+
+def flat(params: dict[str, Any]) -> torch.Tensor:
+    leaves = [params["head"].first, *(t for layer in params["layers"] for t in layer.values())]
+    return torch.cat([t.grad.reshape(-1) for t in leaves if t.grad is not None])
+
+
+def data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch(3 * PER_RANK, seed=10 + step)
+    return shard(x, rank), shard(y, rank)
+
+
+def _join(rank: int, size: int, by_initial: bool, micro: int) -> list[torch.Tensor]:
+    """Per step: ``micro - 1`` micro-batches under no_sync, then a synchronised one."""
+    params = mlp_params(depth=2)
+    params["count"] = torch.tensor(rank)  # a buffer: the first rank training wins
+    ddp = fdp.DistributedDataParallel(params)
+    out = []
+    with ddp.join(divide_by_initial_world_size=by_initial):
+        for step in range(BATCHES[rank]):
+            for m in range(micro):
+                params["count"].fill_(rank)  # each rank's own value before the call
+                x, y = data(step * micro + m, rank)
+                if m < micro - 1:
+                    with ddp.no_sync():
+                        torch.autograd.backward(loss(ddp(params), x, y))
+                else:
+                    torch.autograd.backward(loss(ddp(params), x, y))
+            # Buffers come from the first rank still training: rank 0, then rank 1.
+            assert int(params["count"]) == (0 if step < BATCHES[0] else 1)
+            out.append(flat(params))
+            for t in optree.tree_leaves(params):  # type: ignore[var-annotated,arg-type]
+                if t is not None:
+                    t.grad = None
+    return out
+
+
+def expected(step: int, by_initial: bool, micro: int) -> torch.Tensor:
+    training = [r for r in range(3) if BATCHES[r] > step]
+    params = mlp_params(depth=2)
+    for r in training:
+        for m in range(micro):
+            x, y = data(step * micro + m, r)
+            torch.autograd.backward(loss(params, x, y) / (3 if by_initial else len(training)))
+    return flat(params)
+
+
+@pytest.mark.parametrize("by_initial", [True, False], ids=["initial", "training"])
+@pytest.mark.parametrize("micro", [1, 2], ids=["sync", "no_sync"])
+def test_uneven_batches_average_over_the_ranks_that_have_data(by_initial: bool, micro: int) -> None:
+    results = ranks.world(3).run(_join, by_initial, micro)
+    for rank, steps in enumerate(results):
+        assert len(steps) == BATCHES[rank]
+        for step, got in enumerate(steps):
+            torch.testing.assert_close(got, expected(step, by_initial, micro), **TOL)
+
+
+def _raises(rank: int, size: int) -> None:
+    params = mlp_params(depth=2)
+    ddp = fdp.DistributedDataParallel(params)
+    with ddp.join():
+        for step in range(BATCHES[rank]):
+            if rank == 1 and step == 1:
+                raise ValueError("rank 1 fails inside join")
+            torch.autograd.backward(loss(ddp(params), *data(step, rank)))
+
+
+def test_an_exception_inside_join_reaches_the_other_ranks_as_an_error() -> None:
+    world = ranks.World(3, pg_timeout_s=5.0)
+    try:
+        with pytest.raises(ranks.RankError) as info:
+            world.run(_raises, timeout_s=60)
+    finally:
+        world.close()
+    message = str(info.value)
+    assert "rank 1 fails inside join" in message
+    # The others fail at the process group's timeout instead of hanging.
+    assert message.count("--- rank") == 3
