@@ -1,6 +1,8 @@
 """fdp: functional data parallelism for PyTorch."""
 
 from fdp._caches import clear_caches as clear_caches
+from fdp._collectives import all_reduce_grads as all_reduce_grads
+from fdp._collectives import broadcast_params as broadcast_params
 from fdp._comm_hooks import CommHook as CommHook
 from fdp._comm_hooks import GradBucket as GradBucket
 from fdp._comm_hooks import allreduce_hook as allreduce_hook
@@ -9,8 +11,6 @@ from fdp._comm_hooks import fp16_compress_hook as fp16_compress_hook
 from fdp._data_parallel import data_parallel as data_parallel
 from fdp._data_parallel import make_functional as make_functional
 from fdp._distributed import DistributedDataParallel as DistributedDataParallel
-from fdp._distributed import all_reduce_grads as all_reduce_grads
-from fdp._distributed import broadcast_params as broadcast_params
 from fdp._parallel_apply import parallel_apply as parallel_apply
 from fdp._replicate import replicate as replicate
 from fdp._scatter_gather import gather as gather

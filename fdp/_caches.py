@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fdp import _distributed, _parallel_apply
+from fdp import _collectives, _parallel_apply
 
 __all__ = ["clear_caches"]
 
@@ -23,5 +23,5 @@ def clear_caches() -> None:
         >>> import fdp
         >>> fdp.clear_caches()
     """
-    _distributed.clear_plans()
+    _collectives.clear_plans()
     _parallel_apply.forget_compiled()

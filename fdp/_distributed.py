@@ -1,257 +1,34 @@
-"""Data parallelism across processes on ``torch.distributed``, for parameter pytrees.
+"""``DistributedDataParallel`` for parameter pytrees, across processes on ``torch.distributed``.
 
-``broadcast_params`` and ``all_reduce_grads`` are the building blocks;
-``DistributedDataParallel`` overlaps the gradient all-reduce with backward, as
-``torch.nn.parallel.DistributedDataParallel`` does for modules.
-
-The bucket layout lives in ``fdp/_bucket.py``, the cross-rank agreement
-checks in ``fdp/_agreement.py``, and the per-step reduction (how DDP hooks into
-backward) in ``fdp/_reducer.py``; ``docs/design.md`` draws the data flow.
+It overlaps the gradient all-reduce with backward, as
+``torch.nn.parallel.DistributedDataParallel`` does for modules. The bucket
+layout lives in ``fdp/_bucket.py``, the cross-rank agreement checks in
+``fdp/_agreement.py``, the per-step reduction (how DDP hooks into backward)
+in ``fdp/_reducer.py``, the compiled reduction in ``fdp/_traced.py``,
+buffers in ``fdp/_buffers.py`` and ``join`` in ``fdp/_join.py``;
+``docs/design.md`` draws the data flow.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from fdp import _agreement, _bucket, _buffers, _comm_hooks, _compat, _traced, _tree
+from fdp._collectives import _tensor_leaves
 from fdp._comm_hooks import CommHook
 from fdp._join import Joiner
 from fdp._reducer import Reduction, Step
 
-__all__ = ["DistributedDataParallel", "all_reduce_grads", "broadcast_params"]
+__all__ = ["DistributedDataParallel"]
 
 T = TypeVar("T")
 ProcessGroup = dist.ProcessGroup
-
-# torch's own default for broadcasting module states.
-_BROADCAST_CAP_BYTES = 250 * _bucket.MB
-
-
-def _tensor_leaves(
-    tree: Any, *, call: str, arg: str, float_only: bool
-) -> tuple[list[Any], Any, list[torch.Tensor | None]]:
-    """Leaves, spec, and per leaf the tensor to communicate (None: not communicated)."""
-    leaves, spec = _tree.flatten(tree)
-    selected: list[torch.Tensor | None] = []
-    for i, leaf in enumerate(leaves):
-        if leaf is None:
-            selected.append(None)
-            continue
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"{call}: `{arg}` leaf {_tree.path(tree, i, arg)} expected a tensor or None; "
-                f"got {_tree.describe(leaf)}"
-            )
-        if leaf.layout != torch.strided:
-            raise TypeError(
-                f"{call}: `{arg}` leaf {_tree.path(tree, i, arg)} expected a dense tensor; "
-                f"got layout {leaf.layout}"
-            )
-        floating = leaf.is_floating_point() or leaf.is_complex()
-        selected.append(leaf if floating or not float_only else None)
-    return leaves, spec, selected
-
-
-def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None) -> T:
-    """Gives every rank's tensor leaves rank ``src``'s values, in place.
-
-    Leaves are packed into flat buffers by device and dtype (up to 250 MB
-    each), so a tree of many small tensors costs a few collectives. All ranks
-    first check that they hold the same tree (structure, shapes, dtypes) and
-    raise the same ``ValueError`` if not.
-
-    Args:
-        tree: a pytree of tensors (``None`` leaves are skipped).
-        src: the global rank whose values win.
-        group: the process group (default: the world).
-
-    Returns:
-        ``tree`` itself, its leaves overwritten.
-
-    Example::
-
-        params = fdp.broadcast_params(params)  # after init_process_group
-    """
-    call = "fdp.broadcast_params"
-    _agreement.require_member(call, group)
-    leaves, _spec, tensors = _tensor_leaves(tree, call=call, arg="tree", float_only=False)
-    described = _agreement.signature(tree, leaves, "tree", requires_grad=False)
-    _agreement.check(described, group=group, call=call, arg="tree")
-    buckets = _bucket.plan(tensors, cap_bytes=_BROADCAST_CAP_BYTES)
-    with torch.no_grad():
-        flats = [b.pack([tensors[i] for i in b.indices]) for b in buckets]
-        works = [dist.broadcast(f, src=src, group=group, async_op=True) for f in flats]
-        for bucket, flat, work in zip(buckets, flats, works, strict=True):
-            work.wait()
-            for i, view in zip(bucket.indices, bucket.views(flat), strict=True):
-                target = tensors[i]
-                if target is not None:
-                    target.copy_(view)
-    return tree
-
-
-def all_reduce_grads(
-    grads: T,
-    *,
-    group: ProcessGroup | None = None,
-    bucket_cap_mb: float = 25.0,
-    average: bool = True,
-) -> T:
-    """All-reduces a tree of gradients in buckets of about ``bucket_cap_mb``.
-
-    Tensor leaves are packed into flat buffers by device and dtype, in reverse
-    leaf order; every bucket's all-reduce is launched before the first is
-    waited for. ``None`` leaves stay ``None``. The input tensors are left as
-    they are. Every call checks, with one tiny all-reduce hidden behind
-    packing the first bucket, that all ranks pass the same tree (paths,
-    shapes, dtypes); if not, every rank raises the same ``ValueError``
-    naming the first differing leaf (rather than reducing unrelated leaves
-    together, or aborting in the backend). Plans and buffers are cached per
-    tree signature and process group (up to 8), safely across threads;
-    :func:`fdp.clear_caches` releases them.
-
-    Args:
-        grads: a pytree of floating-point tensors and ``None``.
-        group: the process group (default: the world).
-        bucket_cap_mb: the size of a bucket in MiB.
-        average: divide the sum by the group size.
-
-    Returns:
-        A tree of ``grads``' structure whose tensor leaves are views into the
-        reduced flat buffers (no copy back).
-
-    Example::
-
-        grads = torch.func.grad(loss)(params, batch)
-        grads = fdp.all_reduce_grads(grads)
-        params = optree.tree_map(lambda p, g: p - lr * g, params, grads)
-    """
-    call = "fdp.all_reduce_grads"
-    cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
-    _agreement.require_member(call, group)
-    leaves, spec, tensors = _tensor_leaves(grads, call=call, arg="grads", float_only=False)
-    for i, t in enumerate(tensors):
-        if t is not None and not (t.is_floating_point() or t.is_complex()):
-            raise TypeError(
-                f"{call}: `grads` leaf {_tree.path(grads, i, 'grads')} expected a floating-point "
-                f"tensor; got {_tree.describe(t)}"
-            )
-    world = dist.get_world_size(group)
-    if torch.compiler.is_compiling():
-        scale = 1.0 / world if average else 1.0
-        out = _all_reduce_traceable(leaves, tensors, group, cap, scale)
-        return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
-    plan = _cached_plan(grads, spec, leaves, tensors, cap, group)
-    out = list(leaves)
-    with torch.no_grad():
-        checking = plan.fingerprint.start(group)
-        flats = plan.claim()
-        works = []
-        for k, bucket in enumerate(plan.buckets):  # pack bucket k+1 while bucket k travels
-            bucket.pack([tensors[i] for i in bucket.indices], out=flats[k])
-            if k == 0:  # the check's latency hides behind the first pack
-                plan.fingerprint.finish(checking, group=group, call=call, arg="grads")
-            works.append(dist.all_reduce(flats[k], group=group, async_op=True))
-        if not plan.buckets:
-            plan.fingerprint.finish(checking, group=group, call=call, arg="grads")
-        for bucket, flat, work in zip(plan.buckets, flats, works, strict=True):
-            work.wait()
-            if average:  # overlaps the next bucket's all-reduce
-                flat.div_(world)
-            for i, view in zip(bucket.indices, bucket.views(flat), strict=True):
-                out[i] = view
-    return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
-
-
-def _all_reduce_traceable(
-    leaves: list[Any],
-    tensors: list[torch.Tensor | None],
-    group: ProcessGroup | None,
-    cap: int,
-    scale: float,
-) -> list[Any]:
-    """all_reduce_grads while compiling: functional collectives, which dynamo traces.
-
-    Every bucket's all-reduce is issued before any result is used, so the
-    waits inserted at first use let them overlap.
-    """
-    out = list(leaves)
-    buckets = _bucket.plan(tensors, cap_bytes=cap)
-    pg = dist.group.WORLD if group is None else group
-    reduced = [
-        funcol.all_reduce(b.pack([tensors[i] for i in b.indices]), "sum", pg)  # type: ignore[arg-type]
-        for b in buckets
-    ]
-    for bucket, flat in zip(buckets, reduced, strict=True):
-        total: torch.Tensor = funcol.wait_tensor(flat)  # type: ignore[no-untyped-call]
-        for i, view in zip(bucket.indices, bucket.views(total * scale), strict=True):
-            out[i] = view
-    return out
-
-
-class _Plan:
-    """The bucket layout of one tree signature and its fingerprint."""
-
-    def __init__(self, layout: _bucket.Layout, fingerprint: _agreement.Fingerprint) -> None:
-        self.layout = layout
-        self.buckets = layout.buckets
-        self.fingerprint = fingerprint
-
-    def claim(self) -> list[torch.Tensor]:
-        """A flat buffer per bucket that no one else uses, reused when possible."""
-        return [self.layout.buffer(k) for k in range(len(self.buckets))]
-
-
-_PlanKey = tuple[Any, ...]
-_plans: collections.OrderedDict[_PlanKey, _Plan] = collections.OrderedDict()
-_plans_lock = threading.Lock()
-
-
-def _cached_plan(
-    tree: Any,
-    spec: _tree.Spec,
-    leaves: list[Any],
-    tensors: list[torch.Tensor | None],
-    cap_bytes: int,
-    group: ProcessGroup | None,
-) -> _Plan:
-    """The plan for this tree signature, group and cap: planned once, then reused.
-
-    A training loop reduces the same tree every step: planning once and
-    reusing the flat buffers (when the caller has dropped the last result)
-    saves the planning and the page faults of fresh tens-of-MB buffers.
-    Keyed by group too: two groups never share buffers.
-    """
-    metas = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
-    key = (cap_bytes, group, spec, metas)
-    with _plans_lock:
-        plan = _plans.get(key)
-        if plan is not None:
-            _plans.move_to_end(key)
-            return plan
-    described = _agreement.signature(tree, leaves, "grads", requires_grad=False)
-    plan = _Plan(_bucket.Layout(tensors, cap_bytes=cap_bytes), _agreement.Fingerprint(described))
-    with _plans_lock:
-        plan = _plans.setdefault(key, plan)
-        _plans.move_to_end(key)
-        while len(_plans) > 8:
-            _plans.popitem(last=False)
-    return plan
-
-
-def clear_plans() -> None:
-    """Drops every cached plan and its buffers (see :func:`fdp.clear_caches`)."""
-    with _plans_lock:
-        _plans.clear()
 
 
 class DistributedDataParallel:
