@@ -9,6 +9,7 @@ rather than fail. All are present from torch 2.4 (fdp's lower bound) to
 
 from __future__ import annotations
 
+import datetime
 import threading
 from typing import Any
 
@@ -274,3 +275,22 @@ def wait(t: torch.Tensor) -> torch.Tensor:
         return t
     out: torch.Tensor = ops.wait_tensor(t)
     return out
+
+
+def group_timeout(group: Any) -> datetime.timedelta | None:
+    """The collective timeout of ``group`` (the default group for None), or None if unknown.
+
+    A subgroup made with ``dist.new_group`` gets torch's default timeout
+    (30 minutes for gloo), not its parent's. If backends stop exposing
+    ``options._timeout``: None, and subgroups wait torch's default.
+    """
+    import torch.distributed as dist
+
+    pg: Any = group if group is not None else dist.group.WORLD
+    try:
+        for device in pg._device_types:
+            timeout = pg._get_backend(device).options._timeout
+            return timeout if isinstance(timeout, datetime.timedelta) else None
+    except (AttributeError, RuntimeError):
+        return None
+    return None

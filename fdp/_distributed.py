@@ -198,7 +198,9 @@ class DistributedDataParallel:
         training. Buffers come from the first rank still training. An
         exception inside the block propagates without mirroring; the other
         ranks then fail at the process group's timeout instead of hanging.
-        Eager only, with the default reduction (``fdp/_join.py``).
+        ``fdp.sync_batch_norm`` inside the block takes its statistics over
+        the ranks still training. Eager only, with the default reduction
+        (``fdp/_join.py``).
 
         Example::
 
@@ -223,8 +225,9 @@ class DistributedDataParallel:
             divide_by_initial_world_size=divide_by_initial_world_size,
         )
         try:
-            yield
-            self._joiner.shadow()
+            with self._joiner.active():
+                yield
+                self._joiner.shadow()
         finally:
             self._joiner = None
 

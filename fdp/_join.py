@@ -12,21 +12,81 @@ the all-reduce of usage counts. When every flag is 0, all ranks have left
 and the block ends everywhere.
 
 Only the default reduction is mirrored (a comm hook's collectives are its
-own); ``fdp.sync_batch_norm`` inside the block would need mirroring too and
-is not supported yet.
+own). ``fdp.sync_batch_norm`` is not mirrored: its collectives (one per
+layer in forward, one in backward, interleaved with the buckets'
+all-reduces) are known only to the model. Instead, while some rank has
+left, it runs among the ranks still training, in a group made for them
+when the flags change (``dist.new_group``, which every process calls, so
+this needs ``ddp``'s group to hold every process; with one rank left it
+communicates nothing). Statistics over the ranks still training are what
+zeros from the others would give.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-from fdp import _bucket
+from fdp import _bucket, _compat
 from fdp._buffers import Buffers
 
 ProcessGroup = dist.ProcessGroup
+
+
+class Alone:
+    """The group of this rank alone: a collective over it is the identity."""
+
+
+ALONE = Alone()
+Group = ProcessGroup | None | Alone
+
+
+@dataclasses.dataclass
+class _Training:
+    """The ranks of ``group`` still training, and a process group of them (None: none made)."""
+
+    group: ProcessGroup | None
+    ranks: tuple[int, ...]
+    sub: Group
+
+
+_TRAINING: contextvars.ContextVar[_Training | None] = contextvars.ContextVar(
+    "fdp_join_training", default=None
+)
+
+
+def _same(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:
+    world = dist.group.WORLD
+    return (a if a is not None else world) is (b if b is not None else world)
+
+
+def training_group(group: ProcessGroup | None) -> Group:
+    """The group ``fdp.sync_batch_norm`` over ``group`` runs in: the ranks still training."""
+    if torch.compiler.is_compiling():  # join is eager; dynamo cannot read a ContextVar
+        return group
+    training = _TRAINING.get()
+    if training is None:
+        return group
+    if len(training.ranks) == dist.get_world_size(training.group):
+        return group
+    if not _same(group, training.group):
+        raise NotImplementedError(
+            "fdp.sync_batch_norm: inside DistributedDataParallel.join, after a rank has left, "
+            "`group` must be ddp's group (the one the ranks still training are taken from); "
+            f"got {group}, expected {training.group}"
+        )
+    if training.sub is None:
+        raise NotImplementedError(
+            "fdp.sync_batch_norm: inside DistributedDataParallel.join, after a rank has left, "
+            "the ranks still training need a group of their own, which fdp makes only when "
+            "ddp's group holds every process; got a smaller group"
+        )
+    return training.sub
 
 
 class Joiner:
@@ -48,6 +108,35 @@ class Joiner:
         self.counted = counted  # the length of a step's usage-count all-reduce
         self.buffers = buffers
         self.by_initial = divide_by_initial_world_size
+        self.training = _Training(group, tuple(range(self.world)), group)
+        self.made: list[ProcessGroup] = []
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """The block: ``fdp.sync_batch_norm`` inside it runs among the ranks still training."""
+        token = _TRAINING.set(self.training)
+        try:
+            yield
+        finally:
+            _TRAINING.reset(token)
+            for pg in self.made:
+                dist.destroy_process_group(pg)
+
+    def _regroup(self, ranks: tuple[int, ...]) -> None:
+        """Every process's call when the ranks still training change (new_group is collective)."""
+        sub: Group = None
+        if len(ranks) == self.world:
+            sub = self.group
+        elif len(ranks) == 1:
+            sub = ALONE
+        elif self.world == dist.get_world_size():
+            parent = self.group if self.group is not None else dist.group.WORLD
+            members = [dist.get_global_rank(parent, r) for r in ranks]  # type: ignore[arg-type]
+            made = dist.new_group(members, timeout=_compat.group_timeout(self.group))
+            if self.rank in ranks:
+                self.made.append(made)
+                sub = made
+        self.training.ranks, self.training.sub = ranks, sub
 
     def _exchange(self, *, training: bool, synchronised: bool) -> tuple[int, int, bool]:
         """(ranks still training, the first of them, whether this step reduces)."""
@@ -56,8 +145,10 @@ class Joiner:
             flags[self.rank] = 1.0
             flags[self.world] = 1.0 if synchronised else 0.0
         dist.all_reduce(flags, group=self.group)
-        active = flags[: self.world].nonzero()
-        first = int(active[0]) if len(active) else 0
+        active = tuple(int(r) for r in flags[: self.world].nonzero())
+        if active and active != self.training.ranks:
+            self._regroup(active)
+        first = active[0] if active else 0
         return len(active), first, bool(flags[self.world] > 0)
 
     def step(self, *, synchronised: bool) -> tuple[int, float | None]:

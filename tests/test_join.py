@@ -100,3 +100,73 @@ def test_an_exception_inside_join_reaches_the_other_ranks_as_an_error() -> None:
     assert "rank 1 fails inside join" in message
     # The others fail at the process group's timeout instead of hanging.
     assert message.count("--- rank") == 3
+
+
+def bn_params() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    p = {
+        "w1": torch.randn(6, 8, generator=g) / 6**0.5,
+        "gamma": 1 + 0.1 * torch.randn(8, generator=g),
+        "beta": 0.1 * torch.randn(8, generator=g),
+        "w2": torch.randn(8, 3, generator=g) / 8**0.5,
+    }
+    return {k: v.requires_grad_() for k, v in p.items()} | {
+        "mean": torch.zeros(8),
+        "var": torch.ones(8),
+    }
+
+
+def bn_model(p: dict[str, Any], x: torch.Tensor, norm: Any) -> torch.Tensor:
+    h = norm(x @ p["w1"], p["mean"], p["var"], p["gamma"], p["beta"])
+    out: torch.Tensor = torch.tanh(h) @ p["w2"]
+    return out
+
+
+def _join_bn(rank: int, size: int) -> list[dict[str, torch.Tensor]]:
+    p = bn_params()
+    ddp = fdp.DistributedDataParallel(p)
+    out = []
+    with ddp.join():
+        for step in range(BATCHES[rank]):
+            x, y = data(step, rank)
+            pred = bn_model(ddp(p), x, fdp.sync_batch_norm)
+            torch.autograd.backward(torch.nn.functional.mse_loss(pred, y))
+            out.append({k: v.grad.clone() for k, v in p.items() if v.grad is not None})
+            out[-1] |= {"mean": p["mean"].clone(), "var": p["var"].clone()}
+            for t in p.values():
+                t.grad = None
+    return out
+
+
+def expected_bn(steps: int) -> list[dict[str, torch.Tensor]]:
+    """Batch norm over the concatenated batches of the ranks still training."""
+    p = bn_params()
+    out = []
+    for step in range(steps):
+        training = [r for r in range(3) if BATCHES[r] > step]
+        xs, ys = zip(*(data(step, r) for r in training), strict=True)
+        h = torch.cat(xs) @ p["w1"]
+        h = torch.nn.functional.batch_norm(
+            h, p["mean"], p["var"], p["gamma"], p["beta"], training=True
+        )
+        pred = torch.tanh(h) @ p["w2"]
+        losses = [
+            torch.nn.functional.mse_loss(part, y)
+            for part, y in zip(pred.split(PER_RANK), ys, strict=True)
+        ]
+        torch.autograd.backward(torch.stack(losses).sum() / 3)
+        out.append({k: v.grad.clone() for k, v in p.items() if v.grad is not None})
+        out[-1] |= {"mean": p["mean"].clone(), "var": p["var"].clone()}
+        for t in p.values():
+            t.grad = None
+    return out
+
+
+def test_sync_batch_norm_inside_join_takes_statistics_over_the_ranks_still_training() -> None:
+    results = ranks.world(3).run(_join_bn)
+    reference = expected_bn(max(BATCHES))
+    for rank, steps in enumerate(results):
+        assert len(steps) == BATCHES[rank]
+        for step, got in enumerate(steps):
+            for key, value in reference[step].items():
+                torch.testing.assert_close(got[key], value, **TOL, msg=f"rank {rank} {key}")

@@ -24,10 +24,15 @@ SPATIAL = {"1d": (), "1d_length": (3,), "2d": (2, 3), "3d": (2, 2, 2)}
 SIZES = {2: [5, 3], 3: [4, 0, 3]}
 
 
-def problem(spatial: tuple[int, ...], total: int) -> dict[str, torch.Tensor]:
+# (spread, centre) of x: "far" channels have a mean a thousand times their spread.
+KINDS = {"near": (2.0, 1.0), "far": (1.0, 1000.0)}
+
+
+def problem(spatial: tuple[int, ...], total: int, kind: str = "near") -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
+    spread, centre = KINDS[kind]
     return {
-        "x": torch.randn(total, C, *spatial, generator=g) * 2 + 1,
+        "x": torch.randn(total, C, *spatial, generator=g) * spread + centre,
         "dy": torch.randn(total, C, *spatial, generator=g),
         "w": torch.randn(C, generator=g),
         "b": torch.randn(C, generator=g),
@@ -40,9 +45,9 @@ def my_slice(rank: int, size: int) -> slice:
     return slice(start, start + sizes[rank])
 
 
-def _sync_bn(rank: int, size: int, spatial: tuple[int, ...], how: str) -> dict[str, Any]:
+def _sync_bn(rank: int, size: int, spatial: tuple[int, ...], how: str, kind: str) -> dict[str, Any]:
     torch._dynamo.reset()
-    p = problem(spatial, sum(SIZES[size]))
+    p = problem(spatial, sum(SIZES[size]), kind)
     x, dy = p["x"][my_slice(rank, size)].clone(), p["dy"][my_slice(rank, size)]
     w, b = p["w"].clone().requires_grad_(), p["b"].clone().requires_grad_()
     rm, rv = torch.zeros(C), torch.ones(C)
@@ -65,8 +70,8 @@ def _sync_bn(rank: int, size: int, spatial: tuple[int, ...], how: str) -> dict[s
     return {k: v.detach() for k, v in out.items()}
 
 
-def reference(spatial: tuple[int, ...], size: int) -> dict[str, torch.Tensor]:
-    p = problem(spatial, sum(SIZES[size]))
+def reference(spatial: tuple[int, ...], size: int, kind: str) -> dict[str, torch.Tensor]:
+    p = problem(spatial, sum(SIZES[size]), kind)
     x = p["x"].clone().requires_grad_()
     w, b = p["w"].clone().requires_grad_(), p["b"].clone().requires_grad_()
     rm, rv = torch.zeros(C), torch.ones(C)
@@ -89,17 +94,66 @@ def test_under_func_grad_and_compile(how: str) -> None:
     check(SPATIAL["2d"], 3, how)
 
 
-def check(spatial: tuple[int, ...], size: int, how: str) -> None:
-    ref = reference(spatial, size)
-    results = ranks.world(size).run(_sync_bn, spatial, how)
+@pytest.mark.parametrize("size", [2, 3])
+def test_channels_far_from_zero_keep_their_variance(size: int) -> None:
+    # x is stored to 6e-5 here: the two sides' means differ by about 1e-4
+    # of the spread, and the weight gradient (a sum of 36) by 7e-4. Summing
+    # x and x^2 instead loses the variance itself (errors of 0.1 and more).
+    check(SPATIAL["2d"], size, "backward", kind="far", tol={"rtol": 1e-3, "atol": 1e-3})
+
+
+def _low_precision(rank: int, size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    p = {k: v.to(dtype) for k, v in problem((2, 3), sum(SIZES[size])).items()}
+    x = p["x"][my_slice(rank, size)].clone().requires_grad_()
+    w, b = p["w"].requires_grad_(), p["b"].requires_grad_()
+    rm, rv = torch.zeros(C), torch.ones(C)  # float32 running statistics, as AMP keeps them
+    y = fdp.sync_batch_norm(x, rm, rv, w, b)
+    torch.autograd.backward((y * p["dy"][my_slice(rank, size)]).sum())
+    assert x.grad is not None
+    assert w.grad is not None
+    assert b.grad is not None
+    assert (y.dtype, x.grad.dtype, w.grad.dtype) == (dtype, dtype, dtype)
+    return {"y": y.detach(), "dx": x.grad, "dw": w.grad, "db": b.grad, "rm": rm, "rv": rv}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_inputs_take_float32_statistics(dtype: torch.dtype) -> None:
+    results = ranks.world(3).run(_low_precision, dtype)
+    # The reference: float32 batch norm of the same (rounded) numbers.
+    p = {k: v.to(dtype).float() for k, v in problem((2, 3), sum(SIZES[3])).items()}
+    x, w, b = (p[k].requires_grad_() for k in ("x", "w", "b"))
+    rm, rv = torch.zeros(C), torch.ones(C)
+    y = F.batch_norm(x, rm, rv, w, b, training=True)
+    torch.autograd.backward((y * p["dy"]).sum())
+    tol: dict[str, Any] = {"rtol": 2e-2, "atol": 2e-2}
+    for rank, r in enumerate(results):
+        part = my_slice(rank, 3)
+        torch.testing.assert_close(r["y"].float(), y.detach()[part], **tol)
+        torch.testing.assert_close(r["dx"].float(), x.grad[part], **tol)  # type: ignore[index]
+        torch.testing.assert_close(r["rm"], rm, **TOL)
+        torch.testing.assert_close(r["rv"], rv, **TOL)
+    torch.testing.assert_close(sum(r["dw"].float() for r in results), w.grad, **tol)
+    torch.testing.assert_close(sum(r["db"].float() for r in results), b.grad, **tol)
+
+
+def check(
+    spatial: tuple[int, ...],
+    size: int,
+    how: str,
+    *,
+    kind: str = "near",
+    tol: dict[str, Any] = TOL,
+) -> None:
+    ref = reference(spatial, size, kind)
+    results = ranks.world(size).run(_sync_bn, spatial, how, kind)
     for rank, r in enumerate(results):
         part = my_slice(rank, size)
-        torch.testing.assert_close(r["y"], ref["y"][part], **TOL)
-        torch.testing.assert_close(r["dx"], ref["dx"][part], **TOL)
-        torch.testing.assert_close(r["rm"], ref["rm"], **TOL)
-        torch.testing.assert_close(r["rv"], ref["rv"], **TOL)
-    torch.testing.assert_close(sum(r["dw"] for r in results), ref["dw"], **TOL)
-    torch.testing.assert_close(sum(r["db"] for r in results), ref["db"], **TOL)
+        torch.testing.assert_close(r["y"], ref["y"][part], **tol)
+        torch.testing.assert_close(r["dx"], ref["dx"][part], **tol)
+        torch.testing.assert_close(r["rm"], ref["rm"], **tol)
+        torch.testing.assert_close(r["rv"], ref["rv"], **tol)
+    torch.testing.assert_close(sum(r["dw"] for r in results), ref["dw"], **tol)
+    torch.testing.assert_close(sum(r["db"] for r in results), ref["db"], **tol)
 
 
 def test_bad_shapes_are_refused() -> None:
