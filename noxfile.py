@@ -62,6 +62,13 @@ def train_ddp(session: nox.Session) -> None:
 
 
 @nox.session
+def train_cnn_ddp(session: nox.Session) -> None:
+    """A conv net with sync batch norm on 2 processes with uneven shards, inside join."""
+    install(session, "examples")
+    session.run(*TORCHRUN, "examples/train_cnn_ddp.py", *session.posargs)
+
+
+@nox.session
 def examples(session: nox.Session) -> None:
     """Runs every example briefly."""
     install(session, "examples")
@@ -69,6 +76,8 @@ def examples(session: nox.Session) -> None:
     session.run(*TORCHRUN, "examples/train_digits_ddp.py", "--epochs", "2", "--min-accuracy", "0")
     # torch's PowerSGD hook, unmodified, trains to the accuracy of the plain average.
     session.run(*TORCHRUN, "examples/train_digits_ddp.py", "--powersgd", "--min-accuracy", "0.95")
+    # BatchNorm over both ranks, buffers broadcast, shards of 70% and 30% inside join.
+    session.run(*TORCHRUN, "examples/train_cnn_ddp.py", "--min-accuracy", "0.95")
     for script in ("train_digits.py", "train_digits_ddp.py"):
         launch = ("python",) if script == "train_digits.py" else TORCHRUN
         session.run(

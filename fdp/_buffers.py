@@ -49,8 +49,19 @@ class Buffers:
     broadcast of the buffers on the calls torch would skip.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor | None], group: ProcessGroup | None) -> None:
-        self.indices = [i for i, t in enumerate(tensors) if t is not None and not t.requires_grad]
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor | None],
+        group: ProcessGroup | None,
+        *,
+        with_params: bool = False,
+    ) -> None:
+        # with_params: every tensor leaf (join's final synchronisation).
+        self.indices = [
+            i
+            for i, t in enumerate(tensors)
+            if t is not None and (with_params or not t.requires_grad)
+        ]
         self.buckets = _bucket.plan([tensors[i] for i in self.indices], cap_bytes=_CAP_BYTES)
         self.group = group
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from fdp import _agreement, _bucket, _buffers, _comm_hooks, _compat, _traced, _tree
+from fdp import _agreement, _bucket, _buffers, _comm_hooks, _compat, _join, _traced, _tree
 from fdp._collectives import _tensor_leaves
 from fdp._comm_hooks import CommHook
 from fdp._join import Joiner
@@ -126,6 +126,8 @@ class DistributedDataParallel:
         every = [t if isinstance(t, torch.Tensor) else None for t in leaves]
         self._meta = [None if t is None else (t.shape, t.dtype, t.device) for t in every]
         self._buffers = _buffers.Buffers(every, group) if broadcast_buffers else None
+        self._every = _buffers.Buffers(every, group, with_params=True)  # join's final sync
+        self._refs = _join.weak(leaves)  # the tensors join synchronises if none come later
         self._layout = _bucket.Layout(tensors, cap_bytes=cap, first_cap_bytes=first_cap)
         paths = _tree.paths(params, "params")
         # Without a hook the division by the world size is folded into
@@ -198,8 +200,13 @@ class DistributedDataParallel:
         training. Buffers come from the first rank still training. An
         exception inside the block propagates without mirroring; the other
         ranks then fail at the process group's timeout instead of hanging.
-        ``fdp.sync_batch_norm`` inside the block takes its statistics over
-        the ranks still training. Eager only, with the default reduction
+        On leaving the block every rank takes the parameters and buffers of
+        the last rank to leave (torch's final model sync: the others skipped
+        its last optimizer steps); these are the tensors of each rank's
+        latest ``ddp(params)``, so parameters updated in place (``torch.optim``)
+        agree. An optimizer's own state (Adam's moments) is not synchronised,
+        as in torch. ``fdp.sync_batch_norm`` inside the block takes its
+        statistics over the ranks still training. Eager only, with the default reduction
         (``fdp/_join.py``).
 
         Example::
@@ -222,6 +229,9 @@ class DistributedDataParallel:
             buckets=self._layout.buckets,
             counted=self._counted,
             buffers=self._buffers,
+            final=self._every,
+            meta=self._meta,
+            refs=self._refs,
             divide_by_initial_world_size=divide_by_initial_world_size,
         )
         try:
@@ -255,7 +265,7 @@ class DistributedDataParallel:
                     "fdp.DistributedDataParallel.join: ddp(params) inside torch.compile is not "
                     "supported in a join block; call ddp(params) outside the compiled function"
                 )
-            src, prescale = self._joiner.step(synchronised=synchronised)
+            src, prescale = self._joiner.step(leaves, synchronised=synchronised)
         if self._buffers is not None:
             self._buffers.sync(leaves, src=src)
         if not synchronised:

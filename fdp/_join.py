@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,6 +91,14 @@ def training_group(group: ProcessGroup | None) -> Group:
     return training.sub
 
 
+def weak(leaves: Sequence[Any]) -> list[weakref.ref[torch.Tensor] | None]:
+    """Weak references to the tensors among ``leaves`` (under functorch's wrappers)."""
+    return [
+        weakref.ref(_compat.unwrap_functorch(t)) if isinstance(t, torch.Tensor) else None
+        for t in leaves
+    ]
+
+
 class Joiner:
     """One ``join`` block's state: this rank's flag vector and how to mirror a step."""
 
@@ -99,6 +109,9 @@ class Joiner:
         buckets: Sequence[_bucket.Bucket],
         counted: int,
         buffers: Buffers | None,
+        final: Buffers,
+        meta: Sequence[tuple[torch.Size, torch.dtype, torch.device] | None],
+        refs: list[weakref.ref[torch.Tensor] | None],
         divide_by_initial_world_size: bool,
     ) -> None:
         self.group = group
@@ -110,6 +123,12 @@ class Joiner:
         self.by_initial = divide_by_initial_world_size
         self.training = _Training(group, tuple(range(self.world)), group)
         self.made: list[ProcessGroup] = []
+        self.final, self.meta, self.refs = final, list(meta), refs
+        self.last = self.training.ranks  # the last ranks seen training
+
+    def remember(self, leaves: Sequence[Any]) -> None:
+        """The tensors of this rank's latest ``ddp(params)``, for the final synchronisation."""
+        self.refs = weak(leaves)
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -148,11 +167,14 @@ class Joiner:
         active = tuple(int(r) for r in flags[: self.world].nonzero())
         if active and active != self.training.ranks:
             self._regroup(active)
+        if active:
+            self.last = active
         first = active[0] if active else 0
         return len(active), first, bool(flags[self.world] > 0)
 
-    def step(self, *, synchronised: bool) -> tuple[int, float | None]:
+    def step(self, leaves: Sequence[Any], *, synchronised: bool) -> tuple[int, float | None]:
         """A training rank's call: (the source rank for buffers, the gradient scale or None)."""
+        self.remember(leaves)
         active, first, _ = self._exchange(training=True, synchronised=synchronised)
         return first, None if self.by_initial else 1.0 / active
 
@@ -162,6 +184,7 @@ class Joiner:
             while True:
                 active, first, reduces = self._exchange(training=False, synchronised=False)
                 if active == 0:
+                    self._sync_final()
                     return
                 if self.buffers is not None:
                     self.buffers.shadow(src=first)
@@ -169,3 +192,25 @@ class Joiner:
                     for bucket in self.buckets:
                         dist.all_reduce(torch.zeros_like(bucket.empty()), group=self.group)
                     dist.all_reduce(torch.zeros(self.counted), group=self.group)
+
+    def _sync_final(self) -> None:
+        """Every rank takes the tensors of the last rank to leave (torch's final model sync).
+
+        A rank that left early skipped the optimizer steps of the others, so
+        its parameters are stale; torch's DDP join ends the same way. The
+        tensors are those of each rank's latest ``ddp(params)`` (or of the
+        tree given at construction), held weakly: if the last rank's are
+        gone (new tensors every step), nothing is synchronised.
+        """
+        src = max(self.last)
+        targets: list[Any] = [None if ref is None else ref() for ref in self.refs]
+        held = torch.tensor([float(all(targets[i] is not None for i in self.final.indices))])
+        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        dist.broadcast(held, src=global_src, group=self.group)
+        if not held.item():
+            return
+        for i in self.final.indices:
+            meta = self.meta[i]
+            if targets[i] is None and meta is not None:  # received, then dropped
+                targets[i] = torch.empty(meta[0], dtype=meta[1], device=meta[2])
+        self.final.sync(targets, src=src)

@@ -15,7 +15,7 @@ import torch
 
 import fdp
 from tests import ranks
-from tests.helpers import PER_RANK, TOL, batch, mlp, mlp_params, shard
+from tests.helpers import PER_RANK, TOL, batch, mlp, mlp_params, shard, tensor_leaves
 
 BATCHES = [3, 5, 0]
 
@@ -170,3 +170,52 @@ def test_sync_batch_norm_inside_join_takes_statistics_over_the_ranks_still_train
         for step, got in enumerate(steps):
             for key, value in reference[step].items():
                 torch.testing.assert_close(got[key], value, **TOL, msg=f"rank {rank} {key}")
+
+
+def _final_sync(rank: int, size: int, new_tensors: bool) -> dict[str, torch.Tensor]:
+    """SGD steps inside join; rank 1 trains longest and the others take its result."""
+    params = mlp_params(depth=2)
+    params["count"] = torch.tensor(0)  # a buffer each rank bumps at its own steps
+    ddp = fdp.DistributedDataParallel(params)
+    with ddp.join():
+        for step in range(BATCHES[rank]):
+            torch.autograd.backward(loss(ddp(params), *data(step, rank)))
+            with torch.no_grad():
+                params["count"] += 1
+                if new_tensors:  # a functional update: the tensors ddp saw are dropped
+                    params = optree.tree_map(  # type: ignore[assignment]
+                        lambda t: t if not t.requires_grad else (t - 0.1 * t.grad).requires_grad_(),
+                        params,  # type: ignore[arg-type]
+                    )
+                else:
+                    for t in optree.tree_leaves(params):  # type: ignore[var-annotated,arg-type]
+                        if t is not None and t.requires_grad:
+                            t -= 0.1 * t.grad
+                            t.grad = None
+    return {"flat": torch.cat([t.detach().reshape(-1).float() for t in tensor_leaves(params)])}
+
+
+def sgd_reference() -> torch.Tensor:
+    params = mlp_params(depth=2)
+    for step in range(max(BATCHES)):
+        for r in (r for r in range(3) if BATCHES[r] > step):
+            torch.autograd.backward(loss(params, *data(step, r)) / 3)
+        with torch.no_grad():
+            for t in tensor_leaves(params):
+                assert t.grad is not None
+                t -= 0.1 * t.grad
+                t.grad = None
+    params["count"] = torch.tensor(max(BATCHES))
+    return torch.cat([t.detach().reshape(-1).float() for t in tensor_leaves(params)])
+
+
+@pytest.mark.parametrize("new_tensors", [False, True], ids=["in_place", "new_tensors"])
+def test_leaving_join_every_rank_takes_the_last_ranks_parameters(new_tensors: bool) -> None:
+    results = ranks.world(3).run(_final_sync, new_tensors)
+    reference = sgd_reference()
+    torch.testing.assert_close(results[1]["flat"], reference, **TOL)  # rank 1 trained last
+    for rank in (0, 2):
+        if new_tensors:  # nothing to synchronise: ddp never saw the final tensors
+            assert not torch.equal(results[rank]["flat"], reference)
+        else:
+            torch.testing.assert_close(results[rank]["flat"], results[1]["flat"], rtol=0, atol=0)
