@@ -581,21 +581,46 @@ def replicated_tree(rank: int) -> dict[str, Any]:
     return {"net": mlp_params(), "scale": torch.full((3,), 1.0 + rank)}
 
 
-def _several_devices_per_rank(rank: int, size: int) -> tuple[list[Any], torch.Tensor]:
-    """Two micro-batches under no_sync, then a synchronised one; 2 CPU replicas per rank."""
-    tree = replicated_tree(rank)
+def rank_devices(rank: int, kind: str) -> list[str]:
+    """Two replicas per rank: CPU ones, or two GPUs of the machine's (shared when few)."""
+    if kind == "cpu":
+        return ["cpu", "cpu"]
+    n = torch.cuda.device_count()
+    return [f"cuda:{(2 * rank) % n}", f"cuda:{(2 * rank + 1) % n}"]
+
+
+def _several_devices_per_rank(rank: int, size: int, kind: str) -> tuple[list[Any], torch.Tensor]:
+    """Two micro-batches under no_sync, then a synchronised one; 2 replicas per rank."""
+    devices = rank_devices(rank, kind)
+    tree = optree.tree_map(
+        lambda t: t.detach().to(devices[0]).requires_grad_(t.requires_grad),
+        replicated_tree(rank),  # type: ignore[arg-type]
+    )
     ddp = fdp.DistributedDataParallel(tree)
     for step in range(3):
         x, y = batch(size * PER_RANK, seed=step)
-        x, y = shard(x, rank), shard(y, rank)
+        x, y = shard(x, rank).to(devices[0]), shard(y, rank).to(devices[0])
         with ddp.no_sync() if step < 2 else contextlib.nullcontext():
-            out = fdp.data_parallel(replicated_model, ddp(tree), x, devices=["cpu", "cpu"])
+            out = fdp.data_parallel(replicated_model, ddp(tree), x, devices=devices)
             torch.autograd.backward(torch.nn.functional.mse_loss(out, y))
-    leaves = [t.grad for t in optree.tree_leaves(tree["net"]) if t is not None]
-    return leaves, out.detach()
+    leaves = [t.grad.cpu() for t in optree.tree_leaves(tree["net"]) if t is not None]
+    return leaves, out.detach().cpu()
 
 
-def test_data_parallel_inside_each_rank_matches_the_full_batch_reference() -> None:
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+            ],
+        ),
+    ],
+)
+def test_data_parallel_inside_each_rank_matches_the_full_batch_reference(kind: str) -> None:
     # What torch's DDP did with several device_ids: replicas within a rank,
     # all-reduce across ranks. Buffers come from rank 0 (broadcast_buffers).
     size = 2
@@ -606,7 +631,8 @@ def test_data_parallel_inside_each_rank_matches_the_full_batch_reference() -> No
             out = replicated_model(ref, shard(x, r))
             torch.autograd.backward(torch.nn.functional.mse_loss(out, shard(y, r)) / size)
     expected = [t.grad for t in optree.tree_leaves(ref["net"]) if t is not None]
-    for r, (got, out) in enumerate(ranks.world(size).run(_several_devices_per_rank)):
+    tol = TOL if kind == "cpu" else {"rtol": 1e-4, "atol": 1e-5}
+    for r, (got, out) in enumerate(ranks.world(size).run(_several_devices_per_rank, kind)):
         for g, e in zip(got, expected, strict=True):
-            torch.testing.assert_close(g, e, **TOL)
-        torch.testing.assert_close(out, replicated_model(ref, shard(x, r)), **TOL)
+            torch.testing.assert_close(g, e, **tol)
+        torch.testing.assert_close(out, replicated_model(ref, shard(x, r)), **tol)
