@@ -92,3 +92,4 @@ def bench(session: nox.Session) -> None:
     install(session, "examples")
     session.run("python", "benchmarks/bench_data_parallel.py", *session.posargs)
     session.run("python", "benchmarks/bench_distributed.py", *session.posargs)
+    session.run("python", "benchmarks/bench_optim.py", *session.posargs, env=COMPILE_CACHE)

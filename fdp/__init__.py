@@ -1,5 +1,6 @@
 """fdp: functional data parallelism for PyTorch."""
 
+from fdp import optim as optim
 from fdp._caches import clear_caches as clear_caches
 from fdp._collectives import all_reduce_grads as all_reduce_grads
 from fdp._collectives import broadcast_params as broadcast_params
@@ -34,6 +35,7 @@ __all__ = [
     "fp16_compress_hook",
     "gather",
     "make_functional",
+    "optim",
     "overlap_options",
     "parallel_apply",
     "replicate",

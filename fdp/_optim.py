@@ -1,0 +1,331 @@
+"""``fdp.optim``: functional optimizers over parameter pytrees (SGD, Adam, AdamW).
+
+An optimizer is two pure functions: ``init(params) -> state`` and
+``update(grads, state, params) -> (params, state)``. Nothing the caller
+passes is changed; the new parameters and state are new tensors. They
+follow torch.optim's multi-tensor (``foreach``) implementations op for op,
+so ten steps agree with ``torch.optim.SGD/Adam/AdamW`` to about 1e-7.
+
+The state is a dict of trees shaped like ``params``: ``"step"`` (a 0-d
+float64 tensor per leaf, on the leaf's device, as torch keeps one step per
+parameter) and the optimizer's slots (``"momentum_buffer"``, ``"exp_avg"``,
+``"exp_avg_sq"``, ``"max_exp_avg_sq"``). A ``None`` gradient leaves its
+parameter, step and slots untouched, as torch skips parameters without
+``.grad``. Steps are tensors and ``lr`` may be a 0-d tensor, so a compiled
+update (``fullgraph=True``) is traced once for every step and schedule.
+
+Eagerly, a new parameter requires grad when the old one did, so a loop
+that calls ``loss.backward()`` keeps working. Inside ``torch.compile``
+that flag cannot be set without a graph break, and the new parameters do
+not require grad: compile the update in ``torch.func.grad`` loops, or set
+``requires_grad_()`` on its results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch
+
+from fdp import _tree
+
+T = TypeVar("T")
+Lists = tuple[torch.Tensor, ...] | list[torch.Tensor]
+
+
+class Optimizer:
+    """``init(params) -> state`` and ``update(grads, state, params) -> (params, state)``."""
+
+    name = "optimizer"
+    slots: tuple[str, ...] = ()
+
+    def __init__(self, lr: float | torch.Tensor) -> None:
+        _check(self.name, "lr", lr, lambda v: v >= 0, ">= 0")
+        self.lr = lr
+
+    def __repr__(self) -> str:
+        hyper = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"fdp.optim.{self.name}({hyper})"
+
+    def init(self, params: Any) -> dict[str, Any]:
+        """The state before the first step: zero steps and zero slots."""
+        leaves, spec = _tree.flatten(params)
+        state: dict[str, Any] = {
+            "step": _tree.unflatten(
+                spec,
+                [
+                    torch.zeros((), dtype=torch.float64, device=t.device) if _is_param(t) else None
+                    for t in leaves
+                ],
+            )
+        }
+        for slot in self.slots:
+            zeros = [
+                torch.zeros_like(t, memory_format=torch.preserve_format) if _is_param(t) else None
+                for t in leaves
+            ]
+            state[slot] = _tree.unflatten(spec, zeros)
+        return state
+
+    def update(self, grads: Any, state: dict[str, Any], params: T) -> tuple[T, dict[str, Any]]:
+        """One step: the new parameters and state (``grads`` are this step's gradients)."""
+        call = f"fdp.optim.{self.name}.update"
+        p, spec = _tree.flatten(params)
+        g = _matching(call, "grads", grads, spec, params)
+        s = {k: _matching(call, f"state[{k!r}]", state.get(k), spec, params) for k in self._keys()}
+        live = [
+            i
+            for i, (pi, gi) in enumerate(zip(p, g, strict=True))
+            if _is_param(pi) and gi is not None
+        ]
+        for i in live:
+            _check_grad(call, params, i, p[i], g[i])
+        with torch.no_grad():
+            steps = torch._foreach_add([s["step"][i] for i in live], 1)
+            slots = {k: [s[k][i] for i in live] for k in self.slots}
+            new_p, new_slots = self._apply([p[i] for i in live], [g[i] for i in live], slots, steps)
+        out_p, out = list(p), {k: list(v) for k, v in s.items()}
+        for j, i in enumerate(live):
+            out_p[i], out["step"][i] = _like(new_p[j], p[i]), steps[j]
+            for k in self.slots:
+                out[k][i] = new_slots[k][j]
+        return _tree.unflatten(spec, out_p), {k: _tree.unflatten(spec, v) for k, v in out.items()}
+
+    def _keys(self) -> tuple[str, ...]:
+        return ("step", *self.slots)
+
+    def _apply(
+        self, params: Lists, grads: Lists, slots: Mapping[str, Lists], steps: Lists
+    ) -> tuple[Lists, Mapping[str, Lists]]:
+        raise NotImplementedError
+
+    def _scaled_add(self, params: Lists, direction: Lists, scale: float | torch.Tensor) -> Lists:
+        """``params + scale * direction``, as torch adds (``alpha`` for a float)."""
+        if isinstance(scale, torch.Tensor):
+            return torch._foreach_add(params, torch._foreach_mul(direction, scale))
+        return torch._foreach_add(params, direction, alpha=scale)
+
+
+class SGD(Optimizer):
+    """``torch.optim.SGD`` (``foreach=True``) as a pure function; see :func:`sgd`."""
+
+    name = "sgd"
+
+    def __init__(
+        self,
+        lr: float | torch.Tensor,
+        *,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(lr)
+        _check(self.name, "momentum", momentum, lambda v: v >= 0, ">= 0")
+        _check(self.name, "weight_decay", weight_decay, lambda v: v >= 0, ">= 0")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError(
+                f"fdp.optim.sgd: `nesterov=True` expected momentum > 0 and dampening 0; "
+                f"got momentum={momentum}, dampening={dampening}"
+            )
+        self.momentum, self.dampening = momentum, dampening
+        self.nesterov, self.weight_decay = nesterov, weight_decay
+        self.slots = ("momentum_buffer",) if momentum else ()
+
+    def _apply(
+        self, params: Lists, grads: Lists, slots: Mapping[str, Lists], steps: Lists
+    ) -> tuple[Lists, Mapping[str, Lists]]:
+        if self.weight_decay:
+            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
+        new_slots: dict[str, Lists] = {}
+        if self.momentum:
+            # torch starts the buffer at the first gradient itself; from
+            # zeros, "momentum * 0 + c * g" gives it with c = 1 at step 1.
+            bufs = torch._foreach_mul(slots["momentum_buffer"], self.momentum)
+            if self.dampening:
+                scales = [torch.where(s > 1, 1 - self.dampening, 1.0) for s in steps]
+                bufs = torch._foreach_add(bufs, torch._foreach_mul(grads, scales))
+            else:
+                bufs = torch._foreach_add(bufs, grads)
+            new_slots["momentum_buffer"] = bufs
+            grads = torch._foreach_add(grads, bufs, alpha=self.momentum) if self.nesterov else bufs
+        return self._scaled_add(params, grads, -self.lr), new_slots
+
+
+class Adam(Optimizer):
+    """``torch.optim.Adam``/``AdamW`` (``foreach=True``) as pure functions; see :func:`adam`."""
+
+    name = "adam"
+
+    def __init__(
+        self,
+        lr: float | torch.Tensor,
+        *,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        decoupled: bool = False,
+    ) -> None:
+        super().__init__(lr)
+        for i, beta in enumerate(betas):
+            _check(self.name, f"betas[{i}]", beta, lambda v: 0 <= v < 1, "in [0, 1)")
+        _check(self.name, "eps", eps, lambda v: v >= 0, ">= 0")
+        _check(self.name, "weight_decay", weight_decay, lambda v: v >= 0, ">= 0")
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.amsgrad, self.decoupled = amsgrad, decoupled
+        if decoupled:
+            self.name = "adamw"
+        self.slots = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+
+    def _apply(
+        self, params: Lists, grads: Lists, slots: Mapping[str, Lists], steps: Lists
+    ) -> tuple[Lists, Mapping[str, Lists]]:
+        beta1, beta2 = self.betas
+        if self.weight_decay and self.decoupled:
+            params = torch._foreach_mul(params, 1 - self.lr * self.weight_decay)
+        elif self.weight_decay:
+            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
+        exp_avg = torch._foreach_lerp(slots["exp_avg"], grads, 1 - beta1)
+        exp_avg_sq = torch._foreach_mul(slots["exp_avg_sq"], beta2)
+        torch._foreach_addcmul_(exp_avg_sq, grads, grads, 1 - beta2)
+        new_slots: dict[str, Lists] = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        second = exp_avg_sq
+        if self.amsgrad:
+            second = torch._foreach_maximum(slots["max_exp_avg_sq"], exp_avg_sq)
+            new_slots["max_exp_avg_sq"] = second
+        if not torch.compiler.is_compiling():
+            # Eagerly, Python floats as torch's foreach Adam uses: the
+            # scalar-list kernels, and one addcdiv for the update.
+            lr = float(self.lr)
+            counts = [float(s) for s in steps]
+            denom = torch._foreach_sqrt(second)
+            torch._foreach_div_(denom, [(1 - beta2**c) ** 0.5 for c in counts])
+            torch._foreach_add_(denom, self.eps)
+            sizes = [-lr / (1 - beta1**c) for c in counts]
+            return torch._foreach_addcdiv(params, exp_avg, denom, sizes), new_slots
+        # Bias corrections per leaf, in float64 like torch's Python floats.
+        correction1 = _one_minus(torch._foreach_pow(beta1, steps))
+        correction2 = _one_minus(torch._foreach_pow(beta2, steps))
+        denom = torch._foreach_sqrt(second)
+        torch._foreach_div_(denom, torch._foreach_sqrt(correction2))
+        torch._foreach_add_(denom, self.eps)
+        step_size = torch._foreach_reciprocal(correction1)
+        torch._foreach_mul_(step_size, -self.lr)
+        direction = torch._foreach_div(exp_avg, denom)
+        torch._foreach_mul_(direction, step_size)
+        return torch._foreach_add(params, direction), new_slots
+
+
+def _like(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` as a leaf that requires grad if ``old`` did (eagerly: see the module doc)."""
+    if old.requires_grad and not torch.compiler.is_compiling():
+        return new.requires_grad_()
+    return new
+
+
+def _one_minus(xs: Lists) -> Lists:
+    out = torch._foreach_neg(xs)
+    torch._foreach_add_(out, 1.0)
+    return out
+
+
+def _is_param(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _check(name: str, arg: str, value: Any, ok: Callable[[Any], bool], expected: str) -> None:
+    scalar = float(value) if isinstance(value, torch.Tensor) and value.dim() == 0 else value
+    if isinstance(value, torch.Tensor) and value.dim() != 0:
+        raise ValueError(
+            f"fdp.optim.{name}: `{arg}` expected a float or a 0-d tensor; "
+            f"got a tensor of shape {tuple(value.shape)}"
+        )
+    if not isinstance(scalar, int | float) or not ok(scalar):
+        raise ValueError(f"fdp.optim.{name}: `{arg}` expected {expected}; got {value!r}")
+
+
+def _matching(call: str, arg: str, tree: Any, spec: Any, params: Any) -> list[Any]:
+    """``tree``'s leaves, checked to have ``params``' structure."""
+    if tree is None:
+        raise ValueError(f"{call}: `{arg}` expected a tree shaped like `params`; got None")
+    leaves, got = _tree.flatten(tree)
+    if got != spec:
+        raise ValueError(f"{call}: `{arg}` expected the structure of `params` ({spec}); got {got}")
+    return leaves
+
+
+def _check_grad(call: str, params: Any, i: int, p: torch.Tensor, g: Any) -> None:
+    if not isinstance(g, torch.Tensor) or g.shape != p.shape or g.dtype != p.dtype:
+        raise ValueError(
+            f"{call}: `grads` leaf {_tree.path(params, i, 'grads')} expected a tensor of shape "
+            f"{tuple(p.shape)} and dtype {p.dtype}; got {_tree.describe(g)}"
+        )
+
+
+def sgd(
+    lr: float | torch.Tensor,
+    *,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> SGD:
+    """``torch.optim.SGD`` as a pure ``init``/``update`` pair over a parameter tree.
+
+    Example:
+        >>> import torch, fdp
+        >>> params = {"w": torch.ones(2)}
+        >>> opt = fdp.optim.sgd(0.1, momentum=0.9)
+        >>> state = opt.init(params)
+        >>> params, state = opt.update({"w": torch.ones(2)}, state, params)
+        >>> params["w"]
+        tensor([0.9000, 0.9000])
+    """
+    return SGD(
+        lr, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay
+    )
+
+
+def adam(
+    lr: float | torch.Tensor = 1e-3,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+) -> Adam:
+    """``torch.optim.Adam`` as a pure ``init``/``update`` pair over a parameter tree.
+
+    Example:
+        >>> import torch, fdp
+        >>> params = {"w": torch.ones(2)}
+        >>> opt = fdp.optim.adam(0.1)
+        >>> params, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+        >>> params["w"]
+        tensor([0.9000, 0.9000])
+    """
+    return Adam(lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+
+
+def adamw(
+    lr: float | torch.Tensor = 1e-3,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    amsgrad: bool = False,
+) -> Adam:
+    """``torch.optim.AdamW`` (decoupled weight decay) as a pure ``init``/``update`` pair.
+
+    Example:
+        >>> import torch, fdp
+        >>> opt = fdp.optim.adamw(1e-3)
+        >>> state = opt.init({"w": torch.ones(2)})
+        >>> sorted(state)
+        ['exp_avg', 'exp_avg_sq', 'step']
+    """
+    return Adam(
+        lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, decoupled=True
+    )

@@ -1,0 +1,177 @@
+"""fdp.optim against torch.optim (foreach=True) on the same trees and gradients (fdp._optim).
+
+Each step's gradient is a fixed function of the step and the current
+parameters, so the two trajectories only agree if every update does. One
+leaf has no gradient on odd steps (torch skips it and keeps its step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import pytest
+import torch
+
+import fdp
+from tests.helpers import detached_copy, params_corpus, tensor_leaves
+
+STEPS = 10
+SKIPPED = 1  # the index (in tensor_leaves order) of the leaf without grad on odd steps
+
+CONFIGS: dict[str, tuple[Callable[..., Any], type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "sgd": (fdp.optim.sgd, torch.optim.SGD, {"lr": 0.1}),
+    "sgd_momentum": (
+        fdp.optim.sgd,
+        torch.optim.SGD,
+        {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "nesterov": True},
+    ),
+    "sgd_dampening": (
+        fdp.optim.sgd,
+        torch.optim.SGD,
+        {"lr": 0.05, "momentum": 0.8, "dampening": 0.3},
+    ),
+    "adam": (fdp.optim.adam, torch.optim.Adam, {"lr": 0.01}),
+    "adam_amsgrad": (
+        fdp.optim.adam,
+        torch.optim.Adam,
+        {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True, "betas": (0.8, 0.99)},
+    ),
+    "adamw": (fdp.optim.adamw, torch.optim.AdamW, {"lr": 0.01}),
+}
+
+
+def grad_for(step: int, i: int, p: torch.Tensor) -> torch.Tensor | None:
+    if i == SKIPPED and step % 2 == 1:
+        return None
+    return torch.sin(p.detach() * (step + 1)) + 0.1 * (i + 1)
+
+
+def tolerance(t: torch.Tensor) -> dict[str, Any]:
+    # float16 rounds each op to 1e-3; the two sides round in different places.
+    return (
+        {"rtol": 2e-3, "atol": 2e-3} if t.dtype == torch.float16 else {"rtol": 1e-6, "atol": 1e-7}
+    )
+
+
+def torch_steps(name: str, tree: Any) -> list[torch.Tensor]:
+    _, torch_cls, hyper = CONFIGS[name]
+    leaves = tensor_leaves(tree)
+    opt = torch_cls(leaves, foreach=True, **hyper)  # type: ignore[call-arg]
+    for step in range(STEPS):
+        for i, p in enumerate(leaves):
+            p.grad = grad_for(step, i, p)
+        opt.step()
+    return leaves
+
+
+def fdp_steps(
+    name: str,
+    tree: Any,
+    *,
+    opt: Any = None,
+    compile_with: Any = None,
+    lr: torch.Tensor | None = None,
+) -> Any:
+    """Ten updates; with ``lr``, it is halved in place after step 5 (a schedule)."""
+    make, _, hyper = CONFIGS[name]
+    opt = opt or make(**hyper)
+    state = opt.init(tree)
+    update = opt.update if compile_with is None else compile_with(opt.update)
+    for step in range(STEPS):
+        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+        index = {id(t): i for i, t in enumerate(tensor_leaves(tree))}
+        grads = optree.tree_unflatten(
+            spec, [None if t is None else grad_for(step, index[id(t)], t) for t in leaves]
+        )
+        tree, state = update(grads, state, tree)
+        if lr is not None and step == STEPS // 2:
+            lr.mul_(0.5)
+    return tree
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_ten_steps_equal_torch_optim_over_the_tree_corpus(name: str) -> None:
+    expected = torch_steps(name, params_corpus())
+    got = tensor_leaves(fdp_steps(name, detached_copy(params_corpus())))
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == e.dtype
+        torch.testing.assert_close(g, e.detach(), **tolerance(e))
+
+
+def test_update_is_pure_and_skips_none_grads() -> None:
+    opt = fdp.optim.adam(0.1)
+    params = {"w": torch.ones(3), "b": torch.zeros(2), "n": None}
+    state = opt.init(params)
+    inputs: Any = (params, state)
+    before = optree.tree_map(torch.clone, inputs)
+    new, new_state = opt.update({"w": torch.ones(3), "b": None, "n": None}, state, params)
+    assert optree.tree_all(  # the inputs are untouched
+        optree.tree_map(torch.equal, inputs, before)
+    )
+    assert new["b"] is params["b"]
+    assert new_state["exp_avg"]["b"] is state["exp_avg"]["b"]
+    assert int(new_state["step"]["b"]) == 0
+    assert int(new_state["step"]["w"]) == 1
+    torch.testing.assert_close(new["w"], torch.full((3,), 0.9))
+
+
+@pytest.mark.compile
+def test_compiled_update_matches_eager_and_compiles_once() -> None:
+    torch._dynamo.reset()
+    frames = []
+
+    def backend(gm: torch.fx.GraphModule, example: Any) -> Any:
+        frames.append(gm)
+        return gm.forward
+
+    def run(compile_with: Any) -> list[torch.Tensor]:
+        lr = torch.tensor(0.01)
+        # Functional-style parameters (torch.func.grad loops): no requires_grad.
+        tree = optree.tree_map(torch.Tensor.detach, params_corpus())  # type: ignore[arg-type]
+        opt = fdp.optim.adamw(lr, amsgrad=True)
+        return tensor_leaves(fdp_steps("adamw", tree, opt=opt, compile_with=compile_with, lr=lr))
+
+    got = run(lambda f: torch.compile(f, backend=backend, fullgraph=True))
+    expected = run(None)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, **tolerance(e))
+    # One graph for all ten steps and both learning rates, per pattern of
+    # None gradients (the skipped leaf's two).
+    assert len(frames) == 2
+
+
+def test_a_tensor_learning_rate_changed_in_place_takes_effect() -> None:
+    lr = torch.tensor(0.5)
+    opt = fdp.optim.sgd(lr)
+    params = {"w": torch.ones(2, requires_grad=True)}
+    state = opt.init(params)
+    params, state = opt.update({"w": torch.ones(2)}, state, params)
+    lr.fill_(0.25)
+    params, state = opt.update({"w": torch.ones(2)}, state, params)
+    torch.testing.assert_close(params["w"].detach(), torch.full((2,), 0.25))
+    # Eagerly the new parameter is a leaf that requires grad, like the old one.
+    assert params["w"].requires_grad
+    assert params["w"].is_leaf
+
+
+def test_bad_input_is_refused_with_the_leaf_path() -> None:
+    opt = fdp.optim.sgd(0.1)
+    params = {"a": torch.ones(2), "b": [torch.ones(3)]}
+    state = opt.init(params)
+    with pytest.raises(
+        ValueError, match=r"`grads` leaf grads\['b'\]\[0\] expected a tensor of shape \(3,\)"
+    ):
+        opt.update({"a": torch.ones(2), "b": [torch.ones(4)]}, state, params)
+    with pytest.raises(ValueError, match=r"`grads` expected the structure of `params`"):
+        opt.update({"a": torch.ones(2)}, state, params)
+    with pytest.raises(
+        ValueError, match=r"fdp.optim.adam: `betas\[1\]` expected in \[0, 1\); got 1.0"
+    ):
+        fdp.optim.adam(0.1, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match=r"fdp.optim.sgd: `lr` expected >= 0; got -1"):
+        fdp.optim.sgd(-1)
+    with pytest.raises(ValueError, match=r"`nesterov=True` expected momentum > 0"):
+        fdp.optim.sgd(0.1, nesterov=True)
