@@ -17,8 +17,10 @@ from fdp._replicate import replicate as replicate
 from fdp._scatter_gather import gather as gather
 from fdp._scatter_gather import scatter as scatter
 from fdp._scatter_gather import scatter_kwargs as scatter_kwargs
+from fdp._shards import ZeroState as ZeroState
 from fdp._sync_batch_norm import sync_batch_norm as sync_batch_norm
 from fdp._traced import overlap_options as overlap_options
+from fdp._zero import ZeroRedundancy as ZeroRedundancy
 
 __version__ = "0.1.0"
 
@@ -26,6 +28,8 @@ __all__ = [
     "CommHook",
     "DistributedDataParallel",
     "GradBucket",
+    "ZeroRedundancy",
+    "ZeroState",
     "all_reduce_grads",
     "allreduce_hook",
     "bf16_compress_hook",

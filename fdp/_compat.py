@@ -294,3 +294,73 @@ def group_timeout(group: Any) -> datetime.timedelta | None:
     except (AttributeError, RuntimeError):
         return None
     return None
+
+
+def reduce_scatter_single(out: torch.Tensor, flat: torch.Tensor, group: Any) -> Any:
+    """Starts a sum reduce-scatter of ``flat`` into ``out`` (this rank's part); returns the work.
+
+    torch 2.13 renamed ``reduce_scatter_tensor`` to ``reduce_scatter_single``
+    and deprecates the old name; before 2.13 only the old one exists.
+    """
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, flat, group=group, async_op=True)
+
+
+def all_gather_single(out: torch.Tensor, part: torch.Tensor, group: Any) -> Any:
+    """Starts an all-gather of every rank's ``part`` into ``out``; returns the work.
+
+    The 2.13 name of ``all_gather_into_tensor`` (deprecated there).
+    """
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, part, group=group, async_op=True)
+
+
+def sharded_tensor(
+    local: list[tuple[torch.Tensor, int]],
+    placements: list[tuple[int, int, int]],
+    numel: int,
+    dtype: torch.dtype,
+    group: Any,
+) -> torch.Tensor:
+    """A 1-D ``ShardedTensor`` of ``numel`` elements, for ``torch.distributed.checkpoint``.
+
+    ``placements`` lists every rank's pieces as ``(group rank, start, length)``;
+    ``local`` this rank's tensors with their starts. DCP writes and reads a
+    ShardedTensor's pieces on the ranks that hold them and reshards on load
+    (any pieces on any world size), which DTensor's even chunks cannot
+    describe. Built from global metadata known on every rank, so no
+    collective. ShardedTensor is torch's older sharded type (experimental,
+    kept for DCP); if it goes, a DCP planner with the same chunk metadata.
+    """
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
+    from torch.distributed._shard.sharded_tensor.shard import Shard
+
+    device = local[0][0].device if local else torch.device("cpu")
+    metas = [
+        ShardMetadata([start], [length], f"rank:{rank}/{device}")
+        for rank, start, length in placements
+    ]
+    shards = [
+        Shard(t, ShardMetadata([start], [t.numel()], f"rank:{_group_rank(group)}/{t.device}"))
+        for t, start in local
+    ]
+    meta = ShardedTensorMetadata(metas, torch.Size([numel]), TensorProperties(dtype=dtype))
+    st: torch.Tensor = ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, meta, process_group=group
+    )
+    return st
+
+
+def _group_rank(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group)

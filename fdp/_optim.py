@@ -81,6 +81,8 @@ class Optimizer:
         ]
         for i in live:
             _check_grad(call, params, i, p[i], g[i])
+        if not live:  # nothing to step (foreach ops refuse empty lists)
+            return params, {k: state[k] for k in self._keys()}
         with torch.no_grad():
             steps = torch._foreach_add([s["step"][i] for i in live], 1)
             slots = {k: [s[k][i] for i in live] for k in self.slots}

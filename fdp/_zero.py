@@ -1,0 +1,347 @@
+"""``fdp.ZeroRedundancy``: ZeRO stages 1 and 2 for a functional optimizer.
+
+The layout (buckets cut into one slice per rank, segments of leaves) is
+``fdp/_shards.py``. A step packs each bucket's local gradients, starts
+every bucket's reduce-scatter (stage 1: all-reduce), then per bucket waits
+for it, updates this rank's segments with the wrapped optimizer and starts
+the all-gather of the new slice, so that bucket k's all-gather travels
+while bucket k+1 is updated. Eagerly the collectives are
+``torch.distributed``'s asynchronous ones; inside ``torch.compile`` the
+functional collectives, which dynamo traces and whose waits the compiler
+places at first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from fdp import _agreement, _compat, _shards, _tree
+from fdp._collectives import _tensor_leaves
+from fdp._optim import _check_grad
+from fdp._shards import Part, Shards, ZeroState
+
+T = TypeVar("T")
+ProcessGroup = dist.ProcessGroup
+
+
+class ZeroRedundancy:
+    """Shards a functional optimizer's state (and, at stage 2, the reduced gradients).
+
+    Each rank keeps the optimizer state of one slice of every bucket of
+    parameters, ``1/world`` of the whole: slices split leaves, and only the
+    last rank's slice of a bucket is shorter, by the bucket's padding (fewer
+    than ``world`` elements). A step takes
+    this rank's *local* gradients (not reduced: do not wrap the loss in
+    :class:`fdp.DistributedDataParallel`), reduce-scatters them (stage 2;
+    stage 1 all-reduces and keeps a slice), averages, updates this rank's
+    slice, and all-gathers the new parameters. Ten steps equal DDP plus the
+    same optimizer; ``None`` gradients (on every rank) leave their leaf,
+    its step and its slots untouched, as torch does.
+
+    Args:
+        optimizer: an ``fdp.optim`` optimizer (``init``/``update``); it
+            must act element by element, as SGD and Adam(W) do.
+        params: the parameter tree the steps will receive (structure,
+            shapes, dtypes, devices, memory layouts); the same on every rank.
+        group: the process group (default: the world).
+        stage: 2 (reduce-scatter) or 1 (all-reduce, then slice).
+        bucket_cap_mb: the size of a bucket in MiB.
+
+    Example::
+
+        zero = fdp.ZeroRedundancy(fdp.optim.adamw(1e-3), params)
+        state = zero.init(params)
+        for batch in loader:
+            grads = torch.func.grad(loss)(params, batch)
+            params, state = zero.step(grads, state, params)
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        params: Any,
+        *,
+        group: ProcessGroup | None = None,
+        stage: int = 2,
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        call = "fdp.ZeroRedundancy"
+        if not (
+            callable(getattr(optimizer, "init", None))
+            and callable(getattr(optimizer, "update", None))
+        ):
+            raise TypeError(
+                f"{call}: `optimizer` expected an fdp.optim optimizer (init and update); "
+                f"got {_tree.describe(optimizer)}"
+            )
+        if isinstance(stage, bool) or stage not in (1, 2):
+            raise ValueError(f"{call}: `stage` expected 1 or 2; got {stage!r}")
+        cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
+        _agreement.require_member(call, group)
+        leaves, self._spec, tensors = _tensor_leaves(
+            params, call=call, arg="params", float_only=True
+        )
+        trained = [t if t is not None and t.numel() > 0 else None for t in tensors]
+        described = _agreement.signature(params, leaves, "params", requires_grad=False)
+        _agreement.check(described, group=group, call=call, arg="params")
+        self.optimizer, self.group, self.stage = optimizer, group, stage
+        self._metas = [_meta(t) for t in leaves]
+        # The structure as flatten() gives it while compiling (None: custom nodes).
+        self._traced_spec = _tree.traced_spec(params)
+        self._trained = [i for i, t in enumerate(trained) if t is not None]
+        self.shards: Shards = _shards.plan(params, trained, cap=cap, group=group)
+        self._keys = tuple(optimizer.init([]))
+        self._fingerprints: dict[tuple[bool, ...], _agreement.Fingerprint] = {}
+
+    def __repr__(self) -> str:
+        s = self.shards
+        return (
+            f"fdp.ZeroRedundancy({self.optimizer!r}, stage={self.stage}, rank {s.rank} of "
+            f"{s.world}, {len(s.parts)} buckets)"
+        )
+
+    def init(self, params: Any) -> ZeroState:
+        """The optimizer state of this rank's slices, before the first step."""
+        leaves = self._checked_params("fdp.ZeroRedundancy.init", params)
+        per_part = []
+        with torch.no_grad():
+            for part in self.shards.parts:
+                segs = [_segment(part, leaves, s).clone() for s in part.segments]
+                per_part.append(self.optimizer.init(segs))
+        slots = {k: [st[k] for st in per_part] for k in self._keys}
+        return ZeroState(slots, self.shards)
+
+    def step(self, grads: Any, state: ZeroState, params: T) -> tuple[T, ZeroState]:
+        """One step from this rank's local ``grads``: the new parameters and state.
+
+        Nothing passed in is changed. Eagerly, the new parameter leaves are
+        views of the gathered buckets and require grad where the old ones
+        did; every call checks (one tiny all-reduce, hidden behind packing)
+        that all ranks pass gradients of the same structure, ``None``
+        included.
+        """
+        call = "fdp.ZeroRedundancy.step"
+        p = self._checked_params(call, params)
+        g = self._checked_grads(call, grads, params, p)
+        if not isinstance(state, ZeroState) or state.shards is not self.shards:
+            raise ValueError(
+                f"{call}: `state` expected the ZeroState this ZeroRedundancy's init returned; "
+                f"got {_tree.describe(state)}"
+            )
+        comm = _Traced(self) if torch.compiler.is_compiling() else _Eager(self)
+        with torch.no_grad():
+            checking = None if comm.traced else self._fingerprint(grads, g).start(self.group)
+            started = [comm.reduce(_pack(part, g, self.shards.world)) for part in self.shards.parts]
+            if checking is not None:
+                self._fingerprint(grads, g).finish(
+                    checking, group=self.group, call=call, arg="grads"
+                )
+            gathers, slots = [], {k: list(v) for k, v in state.slots.items()}
+            for k, part in enumerate(self.shards.parts):
+                gsl = comm.reduced(started[k])
+                new = self._update(part, k, p, g, gsl, state, slots)
+                gathers.append(comm.gather(new))
+            out = list(p)
+            for part, handle in zip(self.shards.parts, gathers, strict=True):
+                _unpack(part, comm.gathered(handle), p, out, traced=comm.traced)
+        spec = self._expected_spec(call)
+        return _tree.unflatten(spec, out), ZeroState(slots, self.shards)
+
+    def _update(
+        self,
+        part: Part,
+        k: int,
+        p: list[Any],
+        g: list[torch.Tensor | None],
+        reduced: torch.Tensor,
+        state: ZeroState,
+        slots: dict[str, list[Any]],
+    ) -> torch.Tensor:
+        """Updates bucket ``k``'s segments; returns this rank's new slice."""
+        segs = part.segments
+        grads = [None if g[s.leaf] is None else reduced[s.at : s.at + s.hi - s.lo] for s in segs]
+        params = [_segment(part, p, s) for s in segs]
+        mine = {key: state.slots[key][k] for key in self._keys}
+        new, st = self.optimizer.update(grads, mine, params)
+        for key in self._keys:
+            slots[key][k] = st[key]
+        pieces, pos = [], 0
+        for s, t in zip(segs, new, strict=True):
+            if s.at > pos:
+                pieces.append(reduced.new_zeros(s.at - pos))
+            pieces.append(t)
+            pos = s.at + s.hi - s.lo
+        if part.size > pos:
+            pieces.append(reduced.new_zeros(part.size - pos))
+        return torch.cat(pieces)
+
+    def _expected_spec(self, call: str) -> Any:
+        if not torch.compiler.is_compiling():
+            return self._spec
+        if self._traced_spec is None:
+            raise TypeError(
+                f"{call}: inside torch.compile `params` must be built from dicts, lists, "
+                "tuples and namedtuples (a custom pytree node is a leaf there); step eagerly"
+            )
+        return self._traced_spec
+
+    def _checked_params(self, call: str, params: Any) -> list[Any]:
+        leaves, spec = _tree.flatten(params)
+        if spec != self._expected_spec(call):
+            raise ValueError(
+                f"{call}: `params` expected the structure ZeroRedundancy was built with "
+                f"({self._spec}); got {spec}"
+            )
+        for i, leaf in enumerate(leaves):
+            if _meta(leaf) != self._metas[i]:
+                raise ValueError(
+                    f"{call}: `params` leaf {_tree.path(params, i, 'params')} expected "
+                    f"{_describe_meta(self._metas[i])}; got {_tree.describe(leaf)}"
+                )
+        return leaves
+
+    def _checked_grads(
+        self, call: str, grads: Any, params: Any, p: list[Any]
+    ) -> list[torch.Tensor | None]:
+        leaves, spec = _tree.flatten(grads)
+        if spec != self._expected_spec(call):
+            raise ValueError(
+                f"{call}: `grads` expected the structure of `params` ({self._spec}); got {spec}"
+            )
+        out: list[torch.Tensor | None] = [None] * len(leaves)
+        for i in self._trained:
+            if leaves[i] is not None:
+                _check_grad(call, params, i, p[i], leaves[i])
+                out[i] = leaves[i]
+        return out
+
+    def _fingerprint(self, grads: Any, g: Sequence[torch.Tensor | None]) -> _agreement.Fingerprint:
+        """The fingerprint of this pattern of ``None`` gradients (computed once per pattern)."""
+        missing = tuple(g[i] is None for i in self._trained)
+        found = self._fingerprints.get(missing)
+        if found is None:
+            leaves = _tree.flatten(grads)[0]
+            described = _agreement.signature(grads, leaves, "grads", requires_grad=False)
+            found = self._fingerprints[missing] = _agreement.Fingerprint(described)
+        return found
+
+
+def _meta(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", leaf.shape, leaf.dtype, leaf.device)
+    return ("other", type(leaf))
+
+
+def _describe_meta(meta: Any) -> str:
+    if meta[0] == "tensor":
+        return f"a tensor of shape {tuple(meta[1])}, dtype {meta[2]} on {meta[3]}"
+    return f"a {meta[1].__name__}"
+
+
+def _segment(part: Part, leaves: Sequence[Any], s: _shards.Segment) -> torch.Tensor:
+    return _shards.flat(leaves[s.leaf].detach(), part.orders[s.j])[s.lo : s.hi]
+
+
+def _pack(part: Part, g: Sequence[torch.Tensor | None], world: int) -> torch.Tensor:
+    """Bucket ``part``'s local gradients in slice order, zero-padded to ``world`` slices."""
+    bucket = part.bucket
+    pieces: list[torch.Tensor] = []
+    pos = 0
+    for j, i in enumerate(bucket.indices):
+        start = bucket.offsets[j]
+        n = bucket.shapes[j].numel() * (2 if bucket.complex_[j] else 1)
+        if start > pos:
+            pieces.append(torch.zeros(start - pos, dtype=bucket.dtype, device=bucket.device))
+        t = g[i]
+        if t is None:
+            pieces.append(torch.zeros(n, dtype=bucket.dtype, device=bucket.device))
+        else:
+            pieces.append(_shards.flat(t, part.orders[j]))
+        pos = start + n
+    total = part.size * world
+    if total > pos:
+        pieces.append(torch.zeros(total - pos, dtype=bucket.dtype, device=bucket.device))
+    return torch.cat(pieces)
+
+
+def _unpack(
+    part: Part, full: torch.Tensor, p: Sequence[Any], out: list[Any], *, traced: bool
+) -> None:
+    """Leaves of the gathered bucket ``full`` into ``out``: views, with the old leaves' strides."""
+    bucket = part.bucket
+    for j, i in enumerate(bucket.indices):
+        n = bucket.shapes[j].numel() * (2 if bucket.complex_[j] else 1)
+        piece = full[bucket.offsets[j] : bucket.offsets[j] + n]
+        leaf = _shards.unflat(piece, bucket.shapes[j], part.orders[j], complex_=bucket.complex_[j])
+        if not traced and p[i].requires_grad:
+            leaf.requires_grad_()
+        out[i] = leaf
+
+
+class _Eager:
+    """``torch.distributed``'s asynchronous collectives."""
+
+    traced = False
+
+    def __init__(self, zero: ZeroRedundancy) -> None:
+        self.group, self.stage = zero.group, zero.stage
+        self.rank, self.world = zero.shards.rank, zero.shards.world
+
+    def reduce(self, flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if self.stage == 1:
+            return flat, dist.all_reduce(flat, group=self.group, async_op=True)
+        size = flat.numel() // self.world
+        out = flat.new_empty(size)
+        return out, _compat.reduce_scatter_single(out, flat, self.group)
+
+    def reduced(self, started: Any) -> torch.Tensor:
+        flat: torch.Tensor = started[0]
+        started[1].wait()
+        if self.stage == 1:
+            size = flat.numel() // self.world
+            flat = flat[self.rank * size : (self.rank + 1) * size]
+        return flat.div_(self.world)
+
+    def gather(self, part: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        out = part.new_empty(part.numel() * self.world)
+        return out, _compat.all_gather_single(out, part, self.group)
+
+    def gathered(self, started: Any) -> torch.Tensor:
+        out: torch.Tensor = started[0]
+        started[1].wait()
+        return out
+
+
+class _Traced:
+    """Functional collectives, for ``torch.compile``."""
+
+    traced = True
+
+    def __init__(self, zero: ZeroRedundancy) -> None:
+        self.stage = zero.stage
+        self.rank, self.world = zero.shards.rank, zero.shards.world
+        self.pg: Any = dist.group.WORLD if zero.group is None else zero.group
+
+    def reduce(self, flat: torch.Tensor) -> Any:
+        if self.stage == 1:
+            return funcol.all_reduce(flat, "sum", self.pg)
+        return funcol.reduce_scatter_tensor(flat, "sum", 0, self.pg)
+
+    def reduced(self, started: Any) -> torch.Tensor:
+        flat: torch.Tensor = started
+        if self.stage == 1:
+            size = flat.numel() // self.world
+            flat = flat[self.rank * size : (self.rank + 1) * size]
+        return flat / self.world
+
+    def gather(self, part: torch.Tensor) -> Any:
+        return funcol.all_gather_tensor(part, 0, self.pg)
+
+    def gathered(self, started: Any) -> torch.Tensor:
+        out: torch.Tensor = started
+        return out

@@ -1,0 +1,255 @@
+"""fdp.ZeroRedundancy on 2-4 gloo ranks against one process running torch.optim (fdp._zero).
+
+Each rank's local gradient is a fixed function of the step, the rank and
+the current parameters; the reference averages the ranks' gradients in one
+process and steps ``torch.optim`` (foreach), which is DDP plus the same
+optimizer. Leaf sizes do not divide by the world size; the tree mixes
+dtypes, a complex leaf, a ``channels_last`` leaf, a ``None`` leaf and a
+leaf without gradient on odd steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import pytest
+import torch
+
+import fdp
+from tests import ranks
+from tests.helpers import PER_RANK, batch, mlp, mlp_params, shard, tensor_leaves
+
+STEPS = 10
+SKIPPED = 1  # leaf index (tensor_leaves order) without gradient on odd steps
+SMALL_CAP = 200 / 2**20  # 200 bytes: several buckets, slices that cut leaves
+
+OPTIMIZERS: dict[str, tuple[Callable[..., Any], type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adamw": (fdp.optim.adamw, torch.optim.AdamW, {"lr": 0.01}),
+    "adam_amsgrad": (
+        fdp.optim.adam,
+        torch.optim.Adam,
+        {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True},
+    ),
+    "sgd": (fdp.optim.sgd, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+}
+
+
+def tree() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+
+    def p(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    return {
+        "w": p(7, 5),
+        "b": p(3),
+        "h": p(11, dtype=torch.float64),
+        "z": p(5, dtype=torch.complex64),
+        "conv": p(2, 3, 2, 2).contiguous(memory_format=torch.channels_last),
+        "none": None,
+        "list": [p(1), p(13)],
+    }
+
+
+def local_grad(step: int, rank: int, i: int, p: torch.Tensor) -> torch.Tensor | None:
+    if i == SKIPPED and step % 2 == 1:
+        return None
+    g = torch.sin(p * (step + 1)) + 0.1 * (i + 1) + 0.05 * rank * torch.cos(p)
+    # Multiples of 2**-10: any order of summing the ranks' gradients is exact,
+    # so both sides see the same average and differ only in the update.
+    if g.is_complex():
+        return torch.complex(torch.round(g.real * 1024), torch.round(g.imag * 1024)) / 1024
+    return torch.round(g * 1024) / 1024
+
+
+def grads_tree(params: Any, step: int, rank: int) -> Any:
+    leaves, spec = optree.tree_flatten(params, none_is_leaf=True)
+    out: list[torch.Tensor | None] = []
+    i = 0
+    for t in leaves:
+        if t is None:
+            out.append(None)
+        else:
+            out.append(local_grad(step, rank, i, t.detach()))
+            i += 1
+    return optree.tree_unflatten(spec, out)
+
+
+def reference(name: str, world: int) -> list[torch.Tensor]:
+    """One process: torch.optim on the ranks' averaged gradients."""
+    _, torch_cls, hyper = OPTIMIZERS[name]
+    params = tensor_leaves(tree())
+    opt = torch_cls(params, foreach=True, **hyper)  # type: ignore[call-arg]
+    for step in range(STEPS):
+        for i, p in enumerate(params):
+            local = [local_grad(step, r, i, p.detach()) for r in range(world)]
+            p.grad = None if local[0] is None else sum(local) / world  # type: ignore[assignment,arg-type]
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def _zero_steps(rank: int, size: int, name: str, stage: int, cap: float) -> list[torch.Tensor]:
+    make, _, hyper = OPTIMIZERS[name]
+    params = tree()
+    zero = fdp.ZeroRedundancy(make(**hyper), params, stage=stage, bucket_cap_mb=cap)
+    state = zero.init(params)
+    for step in range(STEPS):
+        params, state = zero.step(grads_tree(params, step, rank), state, params)
+    return tensor_leaves(params)
+
+
+@pytest.mark.parametrize(
+    ("world", "name", "stage", "cap"),
+    [
+        (2, "adamw", 2, SMALL_CAP),
+        (2, "adamw", 1, 25.0),
+        (3, "adam_amsgrad", 2, SMALL_CAP),
+        (3, "sgd", 1, SMALL_CAP),
+        (4, "adamw", 2, 25.0),
+        (4, "sgd", 2, SMALL_CAP),
+    ],
+)
+def test_ten_steps_equal_one_process_with_averaged_grads(
+    world: int, name: str, stage: int, cap: float
+) -> None:
+    expected = reference(name, world)
+    results = ranks.world(world).run(_zero_steps, name, stage, cap)
+    for got in results:  # every rank holds the same, full parameters
+        for g, e in zip(got, expected, strict=True):
+            assert g.dtype == e.dtype
+            assert g.stride() == e.stride()
+            torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
+
+
+def _state_bytes(rank: int, size: int, cap: float) -> tuple[int, int, int]:
+    params = mlp_params(inputs=37, depth=3)  # 37x8 + 8 + 8x8 + ... : nothing divides evenly
+    zero = fdp.ZeroRedundancy(fdp.optim.adamw(1e-3), params, bucket_cap_mb=cap)
+    state = zero.init(params)
+    slots = [t for k in ("exp_avg", "exp_avg_sq") for ts in state.slots[k] for t in ts]
+    mine = sum(t.numel() * t.element_size() for t in slots)
+    total = sum(2 * t.numel() * t.element_size() for t in tensor_leaves(params))
+    return mine, total, len(zero.shards.parts)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("cap", [25.0, SMALL_CAP])
+def test_optimizer_state_per_rank_is_a_world_th(world: int, cap: float) -> None:
+    results = ranks.world(world).run(_state_bytes, cap)
+    total, buckets = results[0][1], results[0][2]
+    assert sum(mine for mine, _, _ in results) == total  # every element once, no copies
+    # Off by at most each bucket's padding: fewer than `world` float32 elements, 2 slots.
+    for mine, _, _ in results:
+        assert abs(mine - total / world) <= (world - 1) * 2 * 4 * buckets
+
+
+def _mlp_steps(rank: int, size: int, compiled: bool) -> list[torch.Tensor]:
+    x, y = batch(PER_RANK * size)
+    params = optree.tree_map(torch.Tensor.detach, mlp_params(head_bias=True))  # type: ignore[arg-type]
+    zero = fdp.ZeroRedundancy(fdp.optim.adamw(0.05), params, bucket_cap_mb=SMALL_CAP)
+
+    def loss(p: Any, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(mlp(p, xb), yb)
+
+    def train_step(p: Any, state: Any) -> tuple[Any, Any]:
+        grads = torch.func.grad(loss)(p, shard(x, rank), shard(y, rank))
+        return zero.step(grads, state, p)
+
+    step = (
+        torch.compile(train_step, backend="aot_eager", fullgraph=True) if compiled else train_step
+    )
+    state = zero.init(params)
+    for _ in range(5):
+        params, state = step(params, state)
+    return tensor_leaves(params)
+
+
+def mlp_reference(world: int) -> list[torch.Tensor]:
+    """One process, the full batch (the mean of equal shards' means), torch.optim.AdamW."""
+    x, y = batch(PER_RANK * world)
+    params = mlp_params(head_bias=True)
+    opt = torch.optim.AdamW(tensor_leaves(params), lr=0.05, foreach=True)
+    for _ in range(5):
+        opt.zero_grad()
+        torch.autograd.backward(torch.nn.functional.mse_loss(mlp(params, x), y))
+        opt.step()
+    return [p.detach() for p in tensor_leaves(params)]
+
+
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=pytest.mark.compile)], ids=["eager", "compiled"]
+)
+def test_func_grad_training_equals_full_batch_adamw(compiled: bool) -> None:
+    expected = mlp_reference(2)
+    for got in ranks.world(2).run(_mlp_steps, compiled):
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def _backward_steps(rank: int, size: int) -> tuple[list[torch.Tensor], bool]:
+    x, y = batch(PER_RANK * size)
+    params = mlp_params()
+    zero = fdp.ZeroRedundancy(fdp.optim.sgd(0.1, momentum=0.9), params, stage=1)
+    state = zero.init(params)
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(mlp(params, shard(x, rank)), shard(y, rank))
+        torch.autograd.backward(loss)
+        grads = optree.tree_map(lambda p: p if p is None else p.grad, params, none_is_leaf=True)  # type: ignore[arg-type]
+        params, state = zero.step(grads, state, params)
+    leaves = tensor_leaves(params)
+    return [p.detach() for p in leaves], all(p.is_leaf and p.requires_grad for p in leaves)
+
+
+def test_backward_loop_gets_leaves_that_require_grad() -> None:
+    x, y = batch(PER_RANK * 2)
+    params = mlp_params()
+    opt = torch.optim.SGD(tensor_leaves(params), lr=0.1, momentum=0.9, foreach=True)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.autograd.backward(torch.nn.functional.mse_loss(mlp(params, x), y))
+        opt.step()
+    for got, leaves_ok in ranks.world(2).run(_backward_steps):
+        assert leaves_ok
+        for g, e in zip(got, tensor_leaves(params), strict=True):
+            torch.testing.assert_close(g, e.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _disagreeing_none(rank: int, size: int) -> str:
+    params = {"a": torch.ones(3), "b": torch.ones(2)}
+    zero = fdp.ZeroRedundancy(fdp.optim.sgd(0.1), params)
+    state = zero.init(params)
+    grads = {"a": torch.ones(3), "b": None if rank == 1 else torch.ones(2)}
+    try:
+        zero.step(grads, state, params)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_disagreeing_on_none_grads_all_raise() -> None:
+    for message in ranks.world(2).run(_disagreeing_none):
+        assert "fdp.ZeroRedundancy.step: `grads` differs across ranks" in message
+        assert "grads['b']" in message
+
+
+def _bad_input(rank: int, size: int) -> None:
+    params = {"a": torch.ones(3), "b": [torch.ones(2, 2)]}
+    zero = fdp.ZeroRedundancy(fdp.optim.adam(0.1), params)
+    state = zero.init(params)
+    with pytest.raises(ValueError, match=r"`stage` expected 1 or 2; got 3"):
+        fdp.ZeroRedundancy(fdp.optim.adam(0.1), params, stage=3)
+    with pytest.raises(TypeError, match=r"`optimizer` expected an fdp.optim optimizer"):
+        fdp.ZeroRedundancy(torch.optim.SGD, params)
+    with pytest.raises(
+        ValueError, match=r"`grads` leaf grads\['b'\]\[0\] expected a tensor of shape \(2, 2\)"
+    ):
+        zero.step({"a": torch.ones(3), "b": [torch.ones(4)]}, state, params)
+    with pytest.raises(ValueError, match=r"`params` leaf params\['a'\] expected a tensor of shape"):
+        zero.step(params, state, {"a": torch.ones(4), "b": [torch.ones(2, 2)]})
+    with pytest.raises(ValueError, match=r"`state` expected the ZeroState this ZeroRedundancy"):
+        zero.step(params, fdp.optim.adam(0.1).init(params), params)  # type: ignore[arg-type]
+
+
+def test_bad_input_is_refused_with_the_argument_and_leaf_path() -> None:
+    ranks.world(2).run(_bad_input)
