@@ -2,6 +2,8 @@
 
 from fdp import optim as optim
 from fdp._caches import clear_caches as clear_caches
+from fdp._checkpoint import load_checkpoint as load_checkpoint
+from fdp._checkpoint import save_checkpoint as save_checkpoint
 from fdp._collectives import all_reduce_grads as all_reduce_grads
 from fdp._collectives import broadcast_params as broadcast_params
 from fdp._comm_hooks import CommHook as CommHook
@@ -38,11 +40,13 @@ __all__ = [
     "data_parallel",
     "fp16_compress_hook",
     "gather",
+    "load_checkpoint",
     "make_functional",
     "optim",
     "overlap_options",
     "parallel_apply",
     "replicate",
+    "save_checkpoint",
     "scatter",
     "scatter_kwargs",
     "sync_batch_norm",

@@ -1,0 +1,279 @@
+"""``save_checkpoint`` / ``load_checkpoint``: training states in DCP's format.
+
+A state is any pytree (optree's rules, ``None`` a leaf) of tensors,
+:class:`fdp.ZeroState` shards and plain Python values. Each leaf is one DCP
+entry named by its path (``['params']['w']``), so the checkpoint is DCP's
+own format, written by every rank in parallel: a tensor is held by every
+rank and written once; a ``ZeroState`` slot becomes, per parameter leaf, a
+1-D sharded entry of the leaf's elements (in the layout's element order)
+that each rank writes its pieces of, under the key the same slot of an
+unsharded ``fdp.optim`` state would have (``['opt']['exp_avg']['w']``);
+Python values are DCP's bytes entries. Loading reads every entry into new
+tensors laid out like ``like``, so a ``ZeroState`` of another world size
+takes the pieces its own slices need (resharding).
+
+Each rank's RNG states (CPU, and the current CUDA device's once CUDA is
+initialised) are saved under ``_fdp/rng/<rank>`` and restored on load when
+the world size is the one that saved them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import optree
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from fdp import _compat
+from fdp._shards import Shards, ZeroState
+
+T = TypeVar("T")
+ProcessGroup = dist.ProcessGroup
+_RNG = "_fdp/rng/"
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    state: Any,
+    *,
+    group: ProcessGroup | None = None,
+    rng: bool = True,
+) -> None:
+    """Saves a training state with ``torch.distributed.checkpoint``; every rank calls it.
+
+    Tensor leaves must hold the same values on every rank (parameters, an
+    unsharded optimizer state): one copy is written. A ``ZeroState`` is
+    written in pieces by the ranks that hold them. The directory is
+    complete once ``path/.metadata`` exists (DCP writes it last).
+
+    Args:
+        path: a directory (created if needed).
+        state: a pytree of tensors, ``ZeroState``s and Python values.
+        group: the process group that saves (default: the world; without
+            ``torch.distributed``, this process alone).
+        rng: also save this rank's random number generator states.
+
+    Example::
+
+        fdp.save_checkpoint(f"ckpt/{step}", {"params": params, "opt": state, "step": step})
+    """
+    call = "fdp.save_checkpoint"
+    with _quietly():
+        _, leaves = _leaves(call, "state", state, fresh=False)
+    entries = {k: v for leaf in leaves for k, v in leaf.entries.items()}
+    if rng:
+        entries[_RNG + str(_rank(group))] = _rng_state()
+    with _quietly():
+        dcp_save(entries, checkpoint_id=path, process_group=group, no_dist=not _distributed())
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    like: T,
+    *,
+    group: ProcessGroup | None = None,
+    rng: bool = True,
+) -> T:
+    """Loads a state saved by :func:`save_checkpoint` into new tensors shaped like ``like``.
+
+    ``like`` gives the structure, shapes, dtypes, devices and sharding:
+    for a ``ZeroState`` leaf pass ``zero.init(params)`` of this run's
+    ``ZeroRedundancy``, which may have another world size than the run that
+    saved. ``like`` itself is not changed.
+
+    Args:
+        path: a directory written by :func:`save_checkpoint`.
+        like: a state of the expected structure (its values are ignored).
+        group: the process group that loads (default: the world).
+        rng: restore this rank's random number generator states, when the
+            checkpoint was saved by as many ranks as load it.
+
+    Returns:
+        The saved state, structured like ``like``.
+
+    Example::
+
+        like = {"params": params, "opt": zero.init(params), "step": 0}
+        state = fdp.load_checkpoint(latest, like)
+    """
+    call = "fdp.load_checkpoint"
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    with _quietly():
+        spec, leaves = _leaves(call, "like", like, fresh=True)
+    entries = {k: v for leaf in leaves for k, v in leaf.entries.items()}
+    with _quietly():
+        _check_present(call, entries, metadata)
+    key = _RNG + str(_rank(group))
+    saved_world = sum(k.startswith(_RNG) for k in metadata)
+    restore = rng and saved_world == _world(group) and key in metadata
+    if restore:
+        entries[key] = None
+    with _quietly():
+        dcp_load(entries, checkpoint_id=path, process_group=group, no_dist=not _distributed())
+    if restore:
+        _set_rng_state(entries[key])
+    out: Any = optree.tree_unflatten(spec, [leaf.result(entries) for leaf in leaves])
+    return out  # type: ignore[no-any-return]
+
+
+class _Leaf:
+    """One leaf of the state: its DCP entries, and the leaf rebuilt from loaded entries."""
+
+    def __init__(self, key: str, value: Any) -> None:
+        self.key = key
+        self.entries: dict[str, Any] = {key: value}
+
+    def result(self, entries: dict[str, Any]) -> Any:
+        return entries[self.key]
+
+
+class _Tensor(_Leaf):
+    def __init__(self, key: str, t: torch.Tensor, *, fresh: bool) -> None:
+        super().__init__(key, torch.empty_like(t) if fresh else t.detach())
+        self.tensor = self.entries[key]
+
+    def result(self, entries: dict[str, Any]) -> Any:
+        return self.tensor  # loaded in place
+
+
+class _Zero(_Leaf):
+    """A ``ZeroState``: per slot and parameter leaf, one sharded entry (or a scalar)."""
+
+    def __init__(self, key: str, state: ZeroState, *, fresh: bool) -> None:
+        self.key, self.entries = key, {}
+        slots = {
+            name: [[_fresh(t) if fresh else t for t in seg] for seg in per_bucket]
+            for name, per_bucket in state.slots.items()
+        }
+        self.state = ZeroState(slots, state.shards)
+        shards = state.shards
+        for name, per_bucket in slots.items():
+            for part, values in zip(shards.parts, per_bucket, strict=True):
+                for seg, t in zip(part.segments, values, strict=True):
+                    if isinstance(t, torch.Tensor):
+                        entry = f"{key}[{name!r}]{shards.paths[seg.leaf]}"
+                        self.entries[entry] = _piece(shards, seg, t)
+
+    def result(self, entries: dict[str, Any]) -> Any:
+        return self.state
+
+
+def _fresh(t: Any) -> Any:
+    return torch.empty_like(t) if isinstance(t, torch.Tensor) else t
+
+
+def _piece(shards: Shards, seg: Any, t: torch.Tensor) -> torch.Tensor:
+    """Segment ``seg``'s tensor ``t`` as DCP should see it.
+
+    A tensor of the segment's length is this rank's piece of the leaf's
+    elements; any other (a 0-d step) is the same on every rank holding the
+    leaf, and is written once.
+    """
+    if t.dim() != 1 or t.numel() != seg.hi - seg.lo:
+        return t.detach()
+    return _compat.sharded_tensor(
+        [(t.detach(), seg.lo)],
+        list(shards.placements[seg.leaf]),
+        shards.numel[seg.leaf],
+        t.dtype,
+        shards.group,
+    )
+
+
+def _leaves(call: str, arg: str, tree: Any, *, fresh: bool) -> tuple[Any, list[_Leaf]]:
+    flat, spec = optree.tree_flatten(
+        tree, is_leaf=lambda x: isinstance(x, ZeroState), none_is_leaf=True
+    )
+    paths = [
+        a.codify("")
+        for a in optree.tree_accessors(
+            tree, is_leaf=lambda x: isinstance(x, ZeroState), none_is_leaf=True
+        )
+    ]
+    out: list[_Leaf] = []
+    for key, value in zip(paths, flat, strict=True):
+        if key.startswith(_RNG):
+            raise ValueError(f"{call}: `{arg}` leaf {arg}{key}: the prefix {_RNG} is fdp's")
+        if isinstance(value, ZeroState):
+            out.append(_Zero(key, value, fresh=fresh))
+        elif isinstance(value, torch.Tensor):
+            if value.layout != torch.strided:
+                raise TypeError(
+                    f"{call}: `{arg}` leaf {arg}{key} expected a dense tensor; got layout "
+                    f"{value.layout}"
+                )
+            out.append(_Tensor(key, value, fresh=fresh))
+        else:
+            out.append(_Leaf(key, value))
+    return spec, out
+
+
+def _check_present(call: str, entries: dict[str, Any], metadata: dict[str, Any]) -> None:
+    """Each entry is in the checkpoint, a tensor of the same global shape where expected."""
+    for key, value in entries.items():
+        saved = metadata.get(key)
+        if saved is None:
+            raise ValueError(
+                f"{call}: `like` leaf like{key} is not in the checkpoint; it holds "
+                f"{sorted(k for k in metadata if not k.startswith(_RNG))[:20]}"
+            )
+        if isinstance(value, torch.Tensor):
+            if not isinstance(saved, TensorStorageMetadata):
+                raise ValueError(
+                    f"{call}: `like` leaf like{key} expected a tensor; the checkpoint holds "
+                    "a Python value there"
+                )
+            if tuple(saved.size) != tuple(value.size()):
+                raise ValueError(
+                    f"{call}: `like` leaf like{key} expected shape {tuple(value.size())}; "
+                    f"the checkpoint holds shape {tuple(saved.size)}"
+                )
+
+
+@contextlib.contextmanager
+def _quietly() -> Iterator[None]:
+    """Silences two DCP warnings that say nothing to fdp's users.
+
+    DCP warns that it assumes one process whenever torch.distributed is off
+    (fdp means it), and every ShardedTensor access warns that the type is
+    deprecated (fdp's use is confined to ``_compat.sharded_tensor``).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings(
+            "ignore", message=".*deprecating ShardedTensor", category=FutureWarning
+        )
+        yield
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank(group: ProcessGroup | None) -> int:
+    return dist.get_rank(group) if _distributed() else 0
+
+
+def _world(group: ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if _distributed() else 1
+
+
+def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)

@@ -1,0 +1,160 @@
+"""fdp.save_checkpoint / fdp.load_checkpoint (fdp._checkpoint) against uninterrupted runs.
+
+Round trips in one process; ZeRO states saved on 4 gloo ranks and resumed on
+2 and 3 against one process that never stopped; and a fault drill under
+torchrun that SIGKILLs a rank and must end bitwise where an uninterrupted
+run ends.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import optree
+import pytest
+import torch
+
+import fdp
+from tests import ranks, restart_drill
+from tests.helpers import detached_copy, params_corpus, tensor_leaves, tree_allclose
+
+STEPS = 3  # before and after the checkpoint
+
+
+def test_round_trip_in_one_process_restores_values_and_rng(tmp_path: Path) -> None:
+    params = optree.tree_map(torch.Tensor.detach, params_corpus())  # type: ignore[arg-type]
+    opt = fdp.optim.adam(0.1)
+    state = {"params": params, "opt": opt.init(params), "step": 7, "note": "x", "none": None}
+    torch.manual_seed(3)
+    fdp.save_checkpoint(tmp_path / "c", state)
+    expected_draw = torch.rand(4)
+    like = {
+        "params": optree.tree_map(torch.zeros_like, params),
+        "opt": opt.init(params),
+        "step": 0,
+        "note": "",
+        "none": None,
+    }
+    before = detached_copy(like)
+    loaded = fdp.load_checkpoint(tmp_path / "c", like)
+    tree_allclose(loaded, state, rtol=0, atol=0)
+    tree_allclose(like, before, rtol=0, atol=0)  # like is untouched
+    torch.testing.assert_close(torch.rand(4), expected_draw, rtol=0, atol=0)
+    # Layouts follow like: a channels_last like loads channels_last.
+    conv = {"w": torch.randn(2, 3, 2, 2)}
+    fdp.save_checkpoint(tmp_path / "d", conv, rng=False)
+    cl = {"w": torch.empty(2, 3, 2, 2).contiguous(memory_format=torch.channels_last)}
+    got = fdp.load_checkpoint(tmp_path / "d", cl)["w"]
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(got, conv["w"], rtol=0, atol=0)
+
+
+def test_missing_or_misshapen_leaves_are_named(tmp_path: Path) -> None:
+    fdp.save_checkpoint(tmp_path / "c", {"w": torch.ones(3), "n": 1})
+    with pytest.raises(ValueError, match=r"`like` leaf like\['b'\] is not in the checkpoint"):
+        fdp.load_checkpoint(tmp_path / "c", {"w": torch.ones(3), "b": torch.ones(1), "n": 1})
+    with pytest.raises(ValueError, match=r"like\['w'\] expected shape \(4,\); .* shape \(3,\)"):
+        fdp.load_checkpoint(tmp_path / "c", {"w": torch.ones(4), "n": 1})
+    with pytest.raises(ValueError, match=r"like\['n'\] expected a tensor; .* a Python value"):
+        fdp.load_checkpoint(tmp_path / "c", {"w": torch.ones(3), "n": torch.ones(1)})
+
+
+# ---------------------------------------------------------------------------
+# ZeRO: save on 4 ranks, resume on 2 and on 3.
+
+
+def tree() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(7, 5, generator=g),
+        "z": torch.randn(5, generator=g, dtype=torch.complex64),
+        "h": [torch.randn(11, generator=g, dtype=torch.float64), None],
+    }
+
+
+def grad(step: int, p: torch.Tensor) -> torch.Tensor:
+    """The same on every rank (so any world averages to it), a multiple of 2**-10."""
+    g = torch.view_as_real(p) if p.is_complex() else p
+    q = torch.round((torch.sin(g * (step + 1)) + 0.1) * 1024) / 1024
+    return torch.view_as_complex(q) if p.is_complex() else q
+
+
+def grads(params: Any, step: int) -> Any:
+    return optree.tree_map(lambda p: grad(step, p), params)
+
+
+def _train(
+    rank: int, size: int, path: str, first: int, load: bool, cap: float
+) -> list[torch.Tensor]:
+    params = tree()
+    zero = fdp.ZeroRedundancy(fdp.optim.adamw(0.05), params, bucket_cap_mb=cap)
+    state = zero.init(params)
+    if load:
+        like: dict[str, Any] = {"params": params, "opt": state, "step": 0}
+        loaded = fdp.load_checkpoint(path, like)
+        params, state, first = loaded["params"], loaded["opt"], loaded["step"]
+    for step in range(first, first + STEPS):
+        params, state = zero.step(grads(params, step), state, params)
+    if not load:
+        fdp.save_checkpoint(path, {"params": params, "opt": state, "step": first + STEPS})
+    return tensor_leaves(params)
+
+
+def reference() -> list[torch.Tensor]:
+    params = tensor_leaves(tree())
+    opt = torch.optim.AdamW(params, lr=0.05, foreach=True)
+    for step in range(2 * STEPS):
+        for p in params:
+            p.grad = grad(step, p)
+        opt.step()
+    return params
+
+
+@pytest.mark.parametrize("resume_on", [2, 3])
+def test_zero_state_saved_on_4_ranks_resumes_on_fewer(tmp_path: Path, resume_on: int) -> None:
+    path = str(tmp_path / "c")
+    cap = 64 / 2**20  # 64-byte buckets: slices cut leaves differently at each world size
+    ranks.world(4).run(_train, path, 0, False, cap)
+    results = ranks.world(resume_on).run(_train, path, 0, True, cap)
+    expected = reference()
+    for got in results:
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------
+# The fault drill: torchrun restarts the group after a SIGKILL.
+
+DRILL = Path(__file__).with_name("restart_drill.py")
+
+
+def torchrun(tmp: Path, out: str, *args: str) -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{ranks.free_port()}",
+        "--monitor-interval=0.1", str(DRILL), "--dir", str(tmp / out), *args,
+    ]  # fmt: skip
+    # torch 2.13 shares the rendezvous TCPStore with the workers' process group
+    # and keeps it across restarts: restarted gloo ranks read the dead ranks'
+    # addresses from it and fail to connect (pytorch/pytorch#135712).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_killed_rank_resumes_from_the_last_checkpoint_bitwise(tmp_path: Path) -> None:
+    torchrun(tmp_path, "killed", "--kill-at", "7")
+    torchrun(tmp_path, "whole")
+    # The killed run restarted once, from the checkpoint of step 6.
+    assert (tmp_path / "killed" / "resumed_from_6").exists()
+    assert not (tmp_path / "whole" / "resumed_from_6").exists()
+    like = {"params": restart_drill.tree(), "step": 0}
+    killed = fdp.load_checkpoint(tmp_path / "killed" / "final", like, rng=False)
+    whole = fdp.load_checkpoint(tmp_path / "whole" / "final", like, rng=False)
+    assert killed["step"] == whole["step"] == 12
+    for a, b in zip(tensor_leaves(killed), tensor_leaves(whole), strict=True):
+        assert torch.equal(a, b)
