@@ -18,9 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
-from fdp import _agreement, _compat, _shards, _tree
+from fdp import _agreement, _shards, _tree, _zero_comm
 from fdp._collectives import _tensor_leaves
 from fdp._optim import _check_grad
 from fdp._shards import Part, Shards, ZeroState
@@ -97,6 +96,7 @@ class ZeroRedundancy:
         self.shards: Shards = _shards.plan(params, trained, cap=cap, group=group)
         self._keys = tuple(optimizer.init([]))
         self._fingerprints: dict[tuple[bool, ...], _agreement.Fingerprint] = {}
+        self._pool = _zero_comm.Pool()
 
     def __repr__(self) -> str:
         s = self.shards
@@ -133,24 +133,34 @@ class ZeroRedundancy:
                 f"{call}: `state` expected the ZeroState this ZeroRedundancy's init returned; "
                 f"got {_tree.describe(state)}"
             )
-        comm = _Traced(self) if torch.compiler.is_compiling() else _Eager(self)
+        comm = self._comm()
+        parts, world = self.shards.parts, self.shards.world
         with torch.no_grad():
             checking = None if comm.traced else self._fingerprint(grads, g).start(self.group)
-            started = [comm.reduce(_pack(part, g, self.shards.world)) for part in self.shards.parts]
+            started = [comm.reduce(k, _pack(part, g, world)) for k, part in enumerate(parts)]
             if checking is not None:
                 self._fingerprint(grads, g).finish(
                     checking, group=self.group, call=call, arg="grads"
                 )
             gathers, slots = [], {k: list(v) for k, v in state.slots.items()}
-            for k, part in enumerate(self.shards.parts):
-                gsl = comm.reduced(started[k])
-                new = self._update(part, k, p, g, gsl, state, slots)
-                gathers.append(comm.gather(new))
+            for k, part in enumerate(parts):
+                pieces = self._update(part, k, p, g, comm.reduced(started[k]), state, slots)
+                gathers.append(comm.gather(k, pieces))
             out = list(p)
-            for part, handle in zip(self.shards.parts, gathers, strict=True):
+            for part, handle in zip(parts, gathers, strict=True):
                 _unpack(part, comm.gathered(handle), p, out, traced=comm.traced)
         spec = self._expected_spec(call)
         return _tree.unflatten(spec, out), ZeroState(slots, self.shards)
+
+    def _comm(self) -> Any:
+        s = self.shards
+        if torch.compiler.is_compiling():
+            return _zero_comm.Traced(self.group, self.stage, s.rank, s.world)
+        return _zero_comm.Eager(self.group, self.stage, s.rank, s.world, self._pool)
+
+    def release(self) -> None:
+        """Drops the flat buffers kept for reuse (freed once no result views them)."""
+        self._pool.clear()
 
     def _update(
         self,
@@ -161,8 +171,8 @@ class ZeroRedundancy:
         reduced: torch.Tensor,
         state: ZeroState,
         slots: dict[str, list[Any]],
-    ) -> torch.Tensor:
-        """Updates bucket ``k``'s segments; returns this rank's new slice."""
+    ) -> list[torch.Tensor]:
+        """Updates bucket ``k``'s segments; returns the pieces of this rank's new slice."""
         segs = part.segments
         grads = [None if g[s.leaf] is None else reduced[s.at : s.at + s.hi - s.lo] for s in segs]
         params = [_segment(part, p, s) for s in segs]
@@ -176,9 +186,9 @@ class ZeroRedundancy:
                 pieces.append(reduced.new_zeros(s.at - pos))
             pieces.append(t)
             pos = s.at + s.hi - s.lo
-        if part.size > pos:
+        if part.size > pos or not pieces:
             pieces.append(reduced.new_zeros(part.size - pos))
-        return torch.cat(pieces)
+        return pieces
 
     def _expected_spec(self, call: str) -> Any:
         if not torch.compiler.is_compiling():
@@ -247,8 +257,8 @@ def _segment(part: Part, leaves: Sequence[Any], s: _shards.Segment) -> torch.Ten
     return _shards.flat(leaves[s.leaf].detach(), part.orders[s.j])[s.lo : s.hi]
 
 
-def _pack(part: Part, g: Sequence[torch.Tensor | None], world: int) -> torch.Tensor:
-    """Bucket ``part``'s local gradients in slice order, zero-padded to ``world`` slices."""
+def _pack(part: Part, g: Sequence[torch.Tensor | None], world: int) -> list[torch.Tensor]:
+    """Bucket ``part``'s local gradients in slice order, padded to ``world`` slices, in pieces."""
     bucket = part.bucket
     pieces: list[torch.Tensor] = []
     pos = 0
@@ -266,7 +276,7 @@ def _pack(part: Part, g: Sequence[torch.Tensor | None], world: int) -> torch.Ten
     total = part.size * world
     if total > pos:
         pieces.append(torch.zeros(total - pos, dtype=bucket.dtype, device=bucket.device))
-    return torch.cat(pieces)
+    return pieces
 
 
 def _unpack(
@@ -281,67 +291,3 @@ def _unpack(
         if not traced and p[i].requires_grad:
             leaf.requires_grad_()
         out[i] = leaf
-
-
-class _Eager:
-    """``torch.distributed``'s asynchronous collectives."""
-
-    traced = False
-
-    def __init__(self, zero: ZeroRedundancy) -> None:
-        self.group, self.stage = zero.group, zero.stage
-        self.rank, self.world = zero.shards.rank, zero.shards.world
-
-    def reduce(self, flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        if self.stage == 1:
-            return flat, dist.all_reduce(flat, group=self.group, async_op=True)
-        size = flat.numel() // self.world
-        out = flat.new_empty(size)
-        return out, _compat.reduce_scatter_single(out, flat, self.group)
-
-    def reduced(self, started: Any) -> torch.Tensor:
-        flat: torch.Tensor = started[0]
-        started[1].wait()
-        if self.stage == 1:
-            size = flat.numel() // self.world
-            flat = flat[self.rank * size : (self.rank + 1) * size]
-        return flat.div_(self.world)
-
-    def gather(self, part: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        out = part.new_empty(part.numel() * self.world)
-        return out, _compat.all_gather_single(out, part, self.group)
-
-    def gathered(self, started: Any) -> torch.Tensor:
-        out: torch.Tensor = started[0]
-        started[1].wait()
-        return out
-
-
-class _Traced:
-    """Functional collectives, for ``torch.compile``."""
-
-    traced = True
-
-    def __init__(self, zero: ZeroRedundancy) -> None:
-        self.stage = zero.stage
-        self.rank, self.world = zero.shards.rank, zero.shards.world
-        self.pg: Any = dist.group.WORLD if zero.group is None else zero.group
-
-    def reduce(self, flat: torch.Tensor) -> Any:
-        if self.stage == 1:
-            return funcol.all_reduce(flat, "sum", self.pg)
-        return funcol.reduce_scatter_tensor(flat, "sum", 0, self.pg)
-
-    def reduced(self, started: Any) -> torch.Tensor:
-        flat: torch.Tensor = started
-        if self.stage == 1:
-            size = flat.numel() // self.world
-            flat = flat[self.rank * size : (self.rank + 1) * size]
-        return flat / self.world
-
-    def gather(self, part: torch.Tensor) -> Any:
-        return funcol.all_gather_tensor(part, 0, self.pg)
-
-    def gathered(self, started: Any) -> torch.Tensor:
-        out: torch.Tensor = started
-        return out

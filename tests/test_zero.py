@@ -10,6 +10,7 @@ leaf without gradient on odd steps.
 
 from __future__ import annotations
 
+import unittest.mock
 from collections.abc import Callable
 from typing import Any
 
@@ -90,7 +91,12 @@ def reference(name: str, world: int) -> list[torch.Tensor]:
     return [p.detach() for p in params]
 
 
-def _zero_steps(rank: int, size: int, name: str, stage: int, cap: float) -> list[torch.Tensor]:
+def _zero_steps(
+    rank: int, size: int, name: str, stage: int, cap: float, nccl_path: bool = False
+) -> list[torch.Tensor]:
+    if nccl_path:  # the collectives fdp uses on NCCL (reduce-scatter, all-gather), on gloo
+        with unittest.mock.patch.object(fdp._zero_comm, "is_gloo", return_value=False):
+            return _zero_steps(rank, size, name, stage, cap)
     make, _, hyper = OPTIMIZERS[name]
     params = tree()
     zero = fdp.ZeroRedundancy(make(**hyper), params, stage=stage, bucket_cap_mb=cap)
@@ -101,21 +107,23 @@ def _zero_steps(rank: int, size: int, name: str, stage: int, cap: float) -> list
 
 
 @pytest.mark.parametrize(
-    ("world", "name", "stage", "cap"),
+    ("world", "name", "stage", "cap", "nccl_path"),
     [
-        (2, "adamw", 2, SMALL_CAP),
-        (2, "adamw", 1, 25.0),
-        (3, "adam_amsgrad", 2, SMALL_CAP),
-        (3, "sgd", 1, SMALL_CAP),
-        (4, "adamw", 2, 25.0),
-        (4, "sgd", 2, SMALL_CAP),
+        (2, "adamw", 2, SMALL_CAP, False),
+        (2, "adamw", 1, 25.0, False),
+        (2, "adamw", 2, SMALL_CAP, True),
+        (3, "adam_amsgrad", 2, SMALL_CAP, False),
+        (3, "sgd", 1, SMALL_CAP, True),
+        (3, "sgd", 2, SMALL_CAP, True),
+        (4, "adamw", 2, 25.0, False),
+        (4, "sgd", 2, SMALL_CAP, False),
     ],
 )
 def test_ten_steps_equal_one_process_with_averaged_grads(
-    world: int, name: str, stage: int, cap: float
+    world: int, name: str, stage: int, cap: float, nccl_path: bool
 ) -> None:
     expected = reference(name, world)
-    results = ranks.world(world).run(_zero_steps, name, stage, cap)
+    results = ranks.world(world).run(_zero_steps, name, stage, cap, nccl_path)
     for got in results:  # every rank holds the same, full parameters
         for g, e in zip(got, expected, strict=True):
             assert g.dtype == e.dtype
@@ -253,3 +261,29 @@ def _bad_input(rank: int, size: int) -> None:
 
 def test_bad_input_is_refused_with_the_argument_and_leaf_path() -> None:
     ranks.world(2).run(_bad_input)
+
+
+def _kept_results(rank: int, size: int, stage: int) -> tuple[bool, int]:
+    """Keeps every third step's results and drops the others, so buffers get reused."""
+    params = tree()
+    zero = fdp.ZeroRedundancy(fdp.optim.sgd(0.1, momentum=0.9), params, stage=stage)
+    state = zero.init(params)
+    kept, storages = [], set()
+    for step in range(9):
+        params, state = zero.step(grads_tree(params, step, rank), state, params)
+        storages.add(tensor_leaves(params)[0].untyped_storage().data_ptr())
+        if step % 3 == 0:
+            snapshot = optree.tree_map(torch.clone, (params, state.slots))  # type: ignore[arg-type]
+            kept.append((params, state, snapshot))
+    same = all(
+        optree.tree_all(optree.tree_map(torch.equal, (p, s.slots), snapshot))  # type: ignore[arg-type]
+        for p, s, snapshot in kept
+    )
+    return same, len(storages)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reused_buffers_never_change_results_the_caller_holds(stage: int) -> None:
+    for same, buffers in ranks.world(2).run(_kept_results, stage):
+        assert same
+        assert buffers < 9  # some step reused a buffer
