@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import nox
 
@@ -69,6 +70,13 @@ def train_cnn_ddp(session: nox.Session) -> None:
 
 
 @nox.session
+def train_zero(session: nox.Session) -> None:
+    """AdamW sharded over 2 processes (fdp.ZeroRedundancy), checkpointed; -- --resume continues."""
+    install(session, "examples")
+    session.run(*TORCHRUN, "examples/train_digits_zero.py", *session.posargs)
+
+
+@nox.session
 def examples(session: nox.Session) -> None:
     """Runs every example briefly."""
     install(session, "examples")
@@ -78,6 +86,13 @@ def examples(session: nox.Session) -> None:
     session.run(*TORCHRUN, "examples/train_digits_ddp.py", "--powersgd", "--min-accuracy", "0.95")
     # BatchNorm over both ranks, buffers broadcast, shards of 70% and 30% inside join.
     session.run(*TORCHRUN, "examples/train_cnn_ddp.py", "--min-accuracy", "0.95")
+    # ZeRO with checkpoints: 3 epochs, then resumed from step 30 to epoch 40.
+    directory = os.path.join(session.create_tmp(), "zero")
+    shutil.rmtree(directory, ignore_errors=True)  # no checkpoint of an earlier run
+    ckpt = ("--checkpoint-dir", directory, "--checkpoint-every")
+    zero = (*TORCHRUN, "examples/train_digits_zero.py", *ckpt, "30")
+    session.run(*zero, "--epochs", "3", "--min-accuracy", "0")
+    session.run(*zero, "--resume", "--min-accuracy", "0.95")
     for script in ("train_digits.py", "train_digits_ddp.py"):
         launch = ("python",) if script == "train_digits.py" else TORCHRUN
         session.run(
