@@ -5,19 +5,18 @@ rank's averaged slice from :meth:`reduced`, hands the updated slice to
 :meth:`gather`, and finally reads the whole bucket from :meth:`gathered`.
 
 Eagerly, which collectives depends on the backend. With NCCL (and any
-backend but gloo): a reduce-scatter (stage 1: an all-reduce) and an
-all-gather, the bandwidth-optimal pair. gloo's reduce-scatter and
+backend but gloo): stage 2 reduce-scatters the packed buffer in place (this
+rank's part of it receives the reduced slice), stage 1 all-reduces it in
+place, and the new slices are all-gathered. gloo's reduce-scatter and
 all-gather are slow on CPU tensors; measured on 2 ranks, 34 MB: all-reduce
 30 ms, reduce-scatter 64 ms, all-gather 53 ms, one broadcast per rank's
-slice 12-14 ms. So on gloo the packed buffer is all-reduced in place (no
-more memory than a reduce-scatter, whose input it is) and each rank's new
-slice is broadcast by its owner. Flat buffers are reused from step to step
-once nothing else views them: a fresh 34 MB buffer costs 15 ms of page
-faults here.
+slice 12-14 ms. So on gloo both stages all-reduce in place (the same
+memory) and each rank's new slice is broadcast by its owner. Flat buffers
+are reused from step to step once nothing else views them: a fresh 34 MB
+buffer costs 15 ms of page faults here.
 
 Traced (``torch.compile``), the functional reduce-scatter (stage 1:
-all-reduce) and all-gather, whatever the backend.
-"""
+all-reduce) and all-gather, whatever the backend."""
 
 from __future__ import annotations
 
@@ -73,16 +72,16 @@ class Eager:
         flat = torch.cat(pieces, out=self.pool.take(("grads", k), total, pieces[0]))
         if self.stage == 1 or self.gloo:
             return flat, dist.all_reduce(flat, group=self.group, async_op=True)
-        out = self.pool.take(("slice", k), total // self.world, flat)
-        return out, _compat.reduce_scatter_single(out, flat, self.group)
+        # In place: this rank's part of the packed buffer receives its reduced slice.
+        size = total // self.world
+        mine = flat[self.rank * size : (self.rank + 1) * size]
+        return flat, _compat.reduce_scatter_single(mine, flat, self.group)
 
     def reduced(self, started: Any) -> torch.Tensor:
         flat: torch.Tensor = started[0]
         started[1].wait()
-        size = flat.numel() // self.world if self.stage == 1 or self.gloo else flat.numel()
-        if size != flat.numel():
-            flat = flat[self.rank * size : (self.rank + 1) * size]
-        return flat.div_(self.world)
+        size = flat.numel() // self.world
+        return flat[self.rank * size : (self.rank + 1) * size].div_(self.world)
 
     def gather(self, k: int, pieces: list[torch.Tensor]) -> Any:
         size = sum(p.numel() for p in pieces)
