@@ -41,7 +41,7 @@ MB = 2**20
 
 def storage_bytes(tree: Any) -> int:
     seen: dict[int, int] = {}
-    for t in optree.tree_leaves(tree, none_is_leaf=False):  # type: ignore[arg-type]
+    for t in optree.tree_leaves(tree, none_is_leaf=False):
         if isinstance(t, torch.Tensor):
             s = t.untyped_storage()
             seen[s.data_ptr()] = s.nbytes()
