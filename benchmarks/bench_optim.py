@@ -2,7 +2,8 @@
 
 Every figure is a ratio of timings interleaved round by round in one run
 (this machine is shared and noisy). Targets (issue 12): eager fdp <= 1.1x
-torch's foreach step; compiled fdp (inductor, fullgraph) < 1x.
+torch's foreach step; compiled fdp (inductor, fullgraph) < 1x. Also eager
+with ``donate=True`` (written in place, as torch does).
 
     python benchmarks/bench_optim.py
     python benchmarks/bench_optim.py --quick
@@ -52,10 +53,17 @@ def bench(name: str, rounds: int) -> dict[str, float]:
     def traced() -> None:
         cbox["params"], cbox["state"] = compiled(grads, cbox["state"], cbox["params"])
 
+    dbox: dict[str, Any] = {"params": tree()}
+    dbox["state"] = opt.init(dbox["params"])
+
+    def donated() -> None:
+        dbox["params"], dbox["state"] = opt.update(
+            grads, dbox["state"], dbox["params"], donate=True
+        )
+
     traced()  # compile outside the timing
-    return interleaved(
-        {"torch": reference.step, "fdp": eager, "fdp_compiled": traced}, rounds=rounds, repeats=5
-    )
+    fns = {"torch": reference.step, "fdp": eager, "fdp_donated": donated, "fdp_compiled": traced}
+    return interleaved(fns, rounds=rounds, repeats=5)
 
 
 def main() -> None:
@@ -71,6 +79,7 @@ def main() -> None:
         print(
             f"{name}: torch.optim foreach {t['torch'] * 1e3:.2f} ms; fdp eager "
             f"{t['fdp'] * 1e3:.2f} ms -> {t['fdp'] / t['torch']:.2f}x (target <= 1.1x); "
+            f"donated {t['fdp_donated'] / t['torch']:.2f}x; "
             f"fdp compiled {t['fdp_compiled'] * 1e3:.2f} ms -> "
             f"{t['fdp_compiled'] / t['torch']:.2f}x (target < 1x)"
         )

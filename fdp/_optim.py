@@ -68,8 +68,17 @@ class Optimizer:
             state[slot] = _tree.unflatten(spec, zeros)
         return state
 
-    def update(self, grads: Any, state: dict[str, Any], params: T) -> tuple[T, dict[str, Any]]:
-        """One step: the new parameters and state (``grads`` are this step's gradients)."""
+    def update(
+        self, grads: Any, state: dict[str, Any], params: T, *, donate: bool = False
+    ) -> tuple[T, dict[str, Any]]:
+        """One step: the new parameters and state (``grads`` are this step's gradients).
+
+        With ``donate=True`` the step writes into ``params`` and ``state``'s
+        tensors, as torch's optimizers do, and returns them: the caller
+        gives them up (as with JAX's donated buffers). That saves the
+        allocations and the memory traffic of pure results (eagerly 1.3x
+        torch's step otherwise); the values are the same.
+        """
         call = f"fdp.optim.{self.name}.update"
         p, spec = _tree.flatten(params)
         g = _matching(call, "grads", grads, spec, params)
@@ -84,9 +93,14 @@ class Optimizer:
         if not live:  # nothing to step (foreach ops refuse empty lists)
             return params, {k: state[k] for k in self._keys()}
         with torch.no_grad():
-            steps = torch._foreach_add([s["step"][i] for i in live], 1)
+            old_steps = [s["step"][i] for i in live]
+            if donate:
+                torch._foreach_add_(old_steps, 1)
+            steps = old_steps if donate else torch._foreach_add(old_steps, 1)
             slots = {k: [s[k][i] for i in live] for k in self.slots}
-            new_p, new_slots = self._apply([p[i] for i in live], [g[i] for i in live], slots, steps)
+            new_p, new_slots = self._apply(
+                [p[i] for i in live], [g[i] for i in live], slots, steps, donate
+            )
         out_p, out = list(p), {k: list(v) for k, v in s.items()}
         for j, i in enumerate(live):
             out_p[i], out["step"][i] = _like(new_p[j], p[i]), steps[j]
@@ -98,15 +112,17 @@ class Optimizer:
         return ("step", *self.slots)
 
     def _apply(
-        self, params: Lists, grads: Lists, slots: Mapping[str, Lists], steps: Lists
+        self, params: Lists, grads: Lists, slots: Mapping[str, Lists], steps: Lists, donate: bool
     ) -> tuple[Lists, Mapping[str, Lists]]:
         raise NotImplementedError
 
-    def _scaled_add(self, params: Lists, direction: Lists, scale: float | torch.Tensor) -> Lists:
+    def _scaled_add(
+        self, params: Lists, direction: Lists, scale: float | torch.Tensor, donate: bool
+    ) -> Lists:
         """``params + scale * direction``, as torch adds (``alpha`` for a float)."""
         if isinstance(scale, torch.Tensor):
-            return torch._foreach_add(params, torch._foreach_mul(direction, scale))
-        return torch._foreach_add(params, direction, alpha=scale)
+            return _op(donate, "add", params, torch._foreach_mul(direction, scale))
+        return _op(donate, "add", params, direction, alpha=scale)
 
 
 class SGD(Optimizer):
@@ -136,7 +152,7 @@ class SGD(Optimizer):
         self.slots = ("momentum_buffer",) if momentum else ()
 
     def _apply(
-        self, params: Lists, grads: Lists, slots: Mapping[str, Lists], steps: Lists
+        self, params: Lists, grads: Lists, slots: Mapping[str, Lists], steps: Lists, donate: bool
     ) -> tuple[Lists, Mapping[str, Lists]]:
         if self.weight_decay:
             grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
@@ -144,15 +160,15 @@ class SGD(Optimizer):
         if self.momentum:
             # torch starts the buffer at the first gradient itself; from
             # zeros, "momentum * 0 + c * g" gives it with c = 1 at step 1.
-            bufs = torch._foreach_mul(slots["momentum_buffer"], self.momentum)
+            bufs = _op(donate, "mul", slots["momentum_buffer"], self.momentum)
             if self.dampening:
                 scales = [torch.where(s > 1, 1 - self.dampening, 1.0) for s in steps]
-                bufs = torch._foreach_add(bufs, torch._foreach_mul(grads, scales))
+                torch._foreach_add_(bufs, torch._foreach_mul(grads, scales))
             else:
-                bufs = torch._foreach_add(bufs, grads)
+                torch._foreach_add_(bufs, grads)
             new_slots["momentum_buffer"] = bufs
             grads = torch._foreach_add(grads, bufs, alpha=self.momentum) if self.nesterov else bufs
-        return self._scaled_add(params, grads, -self.lr), new_slots
+        return self._scaled_add(params, grads, -self.lr, donate), new_slots
 
 
 class Adam(Optimizer):
@@ -182,20 +198,20 @@ class Adam(Optimizer):
         self.slots = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
 
     def _apply(
-        self, params: Lists, grads: Lists, slots: Mapping[str, Lists], steps: Lists
+        self, params: Lists, grads: Lists, slots: Mapping[str, Lists], steps: Lists, donate: bool
     ) -> tuple[Lists, Mapping[str, Lists]]:
         beta1, beta2 = self.betas
         if self.weight_decay and self.decoupled:
-            params = torch._foreach_mul(params, 1 - self.lr * self.weight_decay)
+            params = _op(donate, "mul", params, 1 - self.lr * self.weight_decay)
         elif self.weight_decay:
             grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
-        exp_avg = torch._foreach_lerp(slots["exp_avg"], grads, 1 - beta1)
-        exp_avg_sq = torch._foreach_mul(slots["exp_avg_sq"], beta2)
+        exp_avg = _op(donate, "lerp", slots["exp_avg"], grads, 1 - beta1)
+        exp_avg_sq = _op(donate, "mul", slots["exp_avg_sq"], beta2)
         torch._foreach_addcmul_(exp_avg_sq, grads, grads, 1 - beta2)
         new_slots: dict[str, Lists] = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         second = exp_avg_sq
         if self.amsgrad:
-            second = torch._foreach_maximum(slots["max_exp_avg_sq"], exp_avg_sq)
+            second = _op(donate, "maximum", slots["max_exp_avg_sq"], exp_avg_sq)
             new_slots["max_exp_avg_sq"] = second
         if not torch.compiler.is_compiling():
             # Eagerly, Python floats as torch's foreach Adam uses: the
@@ -206,7 +222,7 @@ class Adam(Optimizer):
             torch._foreach_div_(denom, [(1 - beta2**c) ** 0.5 for c in counts])
             torch._foreach_add_(denom, self.eps)
             sizes = [-lr / (1 - beta1**c) for c in counts]
-            return torch._foreach_addcdiv(params, exp_avg, denom, sizes), new_slots
+            return _op(donate, "addcdiv", params, exp_avg, denom, sizes), new_slots
         # Bias corrections per leaf, in float64 like torch's Python floats.
         correction1 = _one_minus(torch._foreach_pow(beta1, steps))
         correction2 = _one_minus(torch._foreach_pow(beta2, steps))
@@ -217,7 +233,7 @@ class Adam(Optimizer):
         torch._foreach_mul_(step_size, -self.lr)
         direction = torch._foreach_div(exp_avg, denom)
         torch._foreach_mul_(direction, step_size)
-        return torch._foreach_add(params, direction), new_slots
+        return _op(donate, "add", params, direction), new_slots
 
 
 def _like(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -225,6 +241,15 @@ def _like(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     if old.requires_grad and not torch.compiler.is_compiling():
         return new.requires_grad_()
     return new
+
+
+def _op(donate: bool, name: str, first: Lists, *args: Any, **kwargs: Any) -> Lists:
+    """``torch._foreach_<name>``: in place on ``first`` when donated, else a new list."""
+    if donate:
+        getattr(torch, f"_foreach_{name}_")(first, *args, **kwargs)
+        return first
+    out: Lists = getattr(torch, f"_foreach_{name}")(first, *args, **kwargs)
+    return out
 
 
 def _one_minus(xs: Lists) -> Lists:

@@ -7,6 +7,7 @@ leaf has no gradient on odd steps (torch skips it and keeps its step).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import fdp
-from tests.helpers import detached_copy, params_corpus, tensor_leaves
+from tests.helpers import detached_copy, params_corpus, tensor_leaves, tree_allclose
 
 STEPS = 10
 SKIPPED = 1  # the index (in tensor_leaves order) of the leaf without grad on odd steps
@@ -73,12 +74,14 @@ def fdp_steps(
     opt: Any = None,
     compile_with: Any = None,
     lr: torch.Tensor | None = None,
+    donate: bool = False,
 ) -> Any:
     """Ten updates; with ``lr``, it is halved in place after step 5 (a schedule)."""
     make, _, hyper = CONFIGS[name]
     opt = opt or make(**hyper)
     state = opt.init(tree)
-    update = opt.update if compile_with is None else compile_with(opt.update)
+    update = functools.partial(opt.update, donate=donate)
+    update = update if compile_with is None else compile_with(update)
     for step in range(STEPS):
         leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
         index = {id(t): i for i, t in enumerate(tensor_leaves(tree))}
@@ -91,10 +94,11 @@ def fdp_steps(
     return tree
 
 
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_ten_steps_equal_torch_optim_over_the_tree_corpus(name: str) -> None:
+def test_ten_steps_equal_torch_optim_over_the_tree_corpus(name: str, donate: bool) -> None:
     expected = torch_steps(name, params_corpus())
-    got = tensor_leaves(fdp_steps(name, detached_copy(params_corpus())))
+    got = tensor_leaves(fdp_steps(name, detached_copy(params_corpus()), donate=donate))
     assert len(got) == len(expected)
     for g, e in zip(got, expected, strict=True):
         assert g.dtype == e.dtype
@@ -141,6 +145,19 @@ def test_compiled_update_matches_eager_and_compiles_once() -> None:
     # One graph for all ten steps and both learning rates, per pattern of
     # None gradients (the skipped leaf's two).
     assert len(frames) == 2
+
+
+def test_donated_update_writes_into_the_inputs_and_returns_them() -> None:
+    opt = fdp.optim.adamw(0.1, amsgrad=True)
+    params = {"w": torch.ones(3, requires_grad=True), "skip": torch.ones(2)}
+    state = opt.init(params)
+    expected = opt.update({"w": torch.ones(3), "skip": None}, state, params)
+    got = opt.update({"w": torch.ones(3), "skip": None}, state, params, donate=True)
+    tree_allclose(got, expected, rtol=0, atol=0)
+    assert got[0]["w"] is params["w"]  # the same leaf, still requiring grad
+    assert got[0]["w"].requires_grad
+    assert got[1]["exp_avg"]["w"] is state["exp_avg"]["w"]
+    assert got[1]["step"]["w"] is state["step"]["w"]
 
 
 def test_a_tensor_learning_rate_changed_in_place_takes_effect() -> None:
