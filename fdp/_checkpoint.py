@@ -139,10 +139,12 @@ class _Leaf:
 class _Tensor(_Leaf):
     def __init__(self, key: str, t: torch.Tensor, *, fresh: bool) -> None:
         super().__init__(key, torch.empty_like(t) if fresh else t.detach())
-        self.tensor = self.entries[key]
+        self.tensor, self.requires_grad = self.entries[key], t.requires_grad
 
     def result(self, entries: dict[str, Any]) -> Any:
-        return self.tensor  # loaded in place
+        # Loaded in place; a leaf of `like` that requires grad gives one that does.
+        out: torch.Tensor = self.tensor
+        return out.requires_grad_() if self.requires_grad else out
 
 
 class _Zero(_Leaf):

@@ -44,6 +44,13 @@ def test_round_trip_in_one_process_restores_values_and_rng(tmp_path: Path) -> No
     tree_allclose(loaded, state, rtol=0, atol=0)
     tree_allclose(like, before, rtol=0, atol=0)  # like is untouched
     torch.testing.assert_close(torch.rand(4), expected_draw, rtol=0, atol=0)
+    # A leaf of like that requires grad loads as one (a .backward() loop resumes).
+    grad_like = {"w": torch.zeros(3, 4, requires_grad=True), "b": torch.zeros(4)}
+    fdp.save_checkpoint(tmp_path / "g", {"w": torch.ones(3, 4), "b": torch.ones(4)}, rng=False)
+    got_grad = fdp.load_checkpoint(tmp_path / "g", grad_like)
+    assert got_grad["w"].requires_grad
+    assert got_grad["w"].is_leaf
+    assert not got_grad["b"].requires_grad
     # Layouts follow like: a channels_last like loads channels_last.
     conv = {"w": torch.randn(2, 3, 2, 2)}
     fdp.save_checkpoint(tmp_path / "d", conv, rng=False)
