@@ -328,7 +328,7 @@ def sharded_tensor(
 ) -> torch.Tensor:
     """A 1-D ``ShardedTensor`` of ``numel`` elements, for ``torch.distributed.checkpoint``.
 
-    ``placements`` lists every rank's pieces as ``(group rank, start, length)``;
+    ``placements`` lists every rank's pieces as ``(rank in group, start, length)``;
     ``local`` this rank's tensors with their starts. DCP writes and reads a
     ShardedTensor's pieces on the ranks that hold them and reshards on load
     (any pieces on any world size), which DTensor's even chunks cannot
@@ -336,6 +336,7 @@ def sharded_tensor(
     collective. ShardedTensor is torch's older sharded type (experimental,
     kept for DCP); if it goes, a DCP planner with the same chunk metadata.
     """
+    import torch.distributed as dist
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor.api import ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import (
@@ -345,13 +346,14 @@ def sharded_tensor(
     from torch.distributed._shard.sharded_tensor.shard import Shard
 
     device = local[0][0].device if local else torch.device("cpu")
+    # Placements name global ranks, whatever the group.
     metas = [
-        ShardMetadata([start], [length], f"rank:{rank}/{device}")
+        ShardMetadata([start], [length], f"rank:{_global(group, rank)}/{device}")
         for rank, start, length in placements
     ]
+    me = _global(group, dist.get_rank(group))
     shards = [
-        Shard(t, ShardMetadata([start], [t.numel()], f"rank:{_group_rank(group)}/{t.device}"))
-        for t, start in local
+        Shard(t, ShardMetadata([start], [t.numel()], f"rank:{me}/{t.device}")) for t, start in local
     ]
     meta = ShardedTensorMetadata(metas, torch.Size([numel]), TensorProperties(dtype=dtype))
     st: torch.Tensor = ShardedTensor._init_from_local_shards_and_global_metadata(
@@ -360,7 +362,7 @@ def sharded_tensor(
     return st
 
 
-def _group_rank(group: Any) -> int:
+def _global(group: Any, rank: int) -> int:
     import torch.distributed as dist
 
-    return dist.get_rank(group)
+    return rank if group is None else dist.get_global_rank(group, rank)

@@ -287,3 +287,33 @@ def test_reused_buffers_never_change_results_the_caller_holds(stage: int) -> Non
     for same, buffers in ranks.world(2).run(_kept_results, stage):
         assert same
         assert buffers < 9  # some step reused a buffer
+
+
+def _subgroup_steps(rank: int, size: int, path: str) -> list[torch.Tensor] | None:
+    """ZeRO on ranks 0 and 2 of 3 (group ranks 0 and 1), with a checkpoint round trip."""
+    pair = torch.distributed.new_group([0, 2])  # every rank calls new_group
+    if rank == 1:
+        return None
+    params = tree()
+    make, _, hyper = OPTIMIZERS["adamw"]
+    zero = fdp.ZeroRedundancy(make(**hyper), params, group=pair, bucket_cap_mb=SMALL_CAP)
+    state = zero.init(params)
+    mine = 0 if rank == 0 else 1  # the rank within the pair: the gradients of a 2-rank world
+    for step in range(STEPS):
+        params, state = zero.step(grads_tree(params, step, mine), state, params)
+        if step == STEPS // 2:
+            fdp.save_checkpoint(path, {"params": params, "opt": state}, group=pair)
+            like = {"params": params, "opt": zero.init(params)}
+            loaded = fdp.load_checkpoint(path, like, group=pair)
+            params, state = loaded["params"], loaded["opt"]
+    return tensor_leaves(params)
+
+
+def test_a_subgroup_trains_and_checkpoints_like_a_world_of_its_size(tmp_path: Any) -> None:
+    expected = reference("adamw", 2)
+    results = ranks.world(3).run(_subgroup_steps, str(tmp_path / "c"))
+    assert results[1] is None
+    for got in (results[0], results[2]):
+        assert got is not None
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
