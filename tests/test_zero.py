@@ -303,7 +303,7 @@ def _subgroup_steps(rank: int, size: int, path: str) -> list[torch.Tensor] | Non
         params, state = zero.step(grads_tree(params, step, mine), state, params)
         if step == STEPS // 2:
             fdp.save_checkpoint(path, {"params": params, "opt": state}, group=pair)
-            like = {"params": params, "opt": zero.init(params)}
+            like: dict[str, Any] = {"params": params, "opt": zero.init(params)}
             loaded = fdp.load_checkpoint(path, like, group=pair)
             params, state = loaded["params"], loaded["opt"]
     return tensor_leaves(params)
