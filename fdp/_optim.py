@@ -97,15 +97,21 @@ class Optimizer:
             if donate:
                 torch._foreach_add_(old_steps, 1)
             steps = old_steps if donate else torch._foreach_add(old_steps, 1)
-            slots = {k: [s[k][i] for i in live] for k in self.slots}
+            # Complex leaves as real pairs, as torch's foreach implementations
+            # do: Adam's second moment is per component, not g * g.
+            slots = {k: [_real(s[k][i]) for i in live] for k in self.slots}
             new_p, new_slots = self._apply(
-                [p[i] for i in live], [g[i] for i in live], slots, steps, donate
+                [_real(p[i]) for i in live], [_real(g[i]) for i in live], slots, steps, donate
             )
         out_p, out = list(p), {k: list(v) for k, v in s.items()}
         for j, i in enumerate(live):
-            out_p[i], out["step"][i] = _like(new_p[j], p[i]), steps[j]
+            out["step"][i] = steps[j]
+            if donate:  # written in place (through the real views): the inputs themselves
+                continue
+            back = p[i].is_complex()
+            out_p[i] = _like(_complex(new_p[j], back), p[i])
             for k in self.slots:
-                out[k][i] = new_slots[k][j]
+                out[k][i] = _complex(new_slots[k][j], back)
         return _tree.unflatten(spec, out_p), {k: _tree.unflatten(spec, v) for k, v in out.items()}
 
     def _keys(self) -> tuple[str, ...]:
@@ -241,6 +247,14 @@ def _like(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     if old.requires_grad and not torch.compiler.is_compiling():
         return new.requires_grad_()
     return new
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _complex(t: torch.Tensor, back: bool) -> torch.Tensor:
+    return torch.view_as_complex(t) if back else t
 
 
 def _op(donate: bool, name: str, first: Lists, *args: Any, **kwargs: Any) -> Lists:
