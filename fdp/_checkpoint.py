@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import optree
@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from fdp import _compat
+from fdp import _compat, _shards
 from fdp._shards import Shards, ZeroState
 
 T = TypeVar("T")
@@ -111,7 +111,7 @@ def load_checkpoint(
         spec, leaves = _leaves(call, "like", like, fresh=True)
     entries = {k: v for leaf in leaves for k, v in leaf.entries.items()}
     with _quietly():
-        _check_present(call, entries, metadata)
+        after = _match(call, entries, metadata, leaves)
     key = _RNG + str(_rank(group))
     saved_world = sum(k.startswith(_RNG) for k in metadata)
     restore = rng and saved_world == _world(group) and key in metadata
@@ -119,6 +119,8 @@ def load_checkpoint(
         entries[key] = None
     with _quietly():
         dcp_load(entries, checkpoint_id=path, process_group=group, no_dist=not _distributed())
+    for fill in after:
+        fill()
     if restore:
         _set_rng_state(entries[key])
     out: Any = optree.tree_unflatten(spec, [leaf.result(entries) for leaf in leaves])
@@ -133,7 +135,15 @@ class _Leaf:
         self.entries: dict[str, Any] = {key: value}
 
     def result(self, entries: dict[str, Any]) -> Any:
-        return entries[self.key]
+        return entries.get(self.key)
+
+    def reshaped(self, key: str, saved: TensorStorageMetadata) -> Reshaped | None:
+        """What to load entry ``key`` through when the checkpoint holds another shape."""
+        return None
+
+
+# A tensor for DCP to load into, and what to do with it after the load.
+Reshaped = tuple[torch.Tensor, Callable[[], None]]
 
 
 class _Tensor(_Leaf):
@@ -145,6 +155,16 @@ class _Tensor(_Leaf):
         # Loaded in place; a leaf of `like` that requires grad gives one that does.
         out: torch.Tensor = self.tensor
         return out.requires_grad_() if self.requires_grad else out
+
+    def reshaped(self, key: str, saved: TensorStorageMetadata) -> Reshaped | None:
+        """A ``ZeroState`` entry (the leaf's elements, 1-D) loaded into an unsharded leaf."""
+        t = self.tensor
+        if len(saved.size) != 1 or saved.size[0] != t.numel() * (2 if t.is_complex() else 1):
+            return None
+        view = _shards.flat(t, _shards.order(t))
+        if view.data_ptr() != t.data_ptr() or not view.is_contiguous():
+            return None  # not a view: loading into it would not reach t
+        return view, lambda: None
 
 
 class _Zero(_Leaf):
@@ -158,15 +178,34 @@ class _Zero(_Leaf):
         }
         self.state = ZeroState(slots, state.shards)
         shards = state.shards
+        self.pieces: dict[str, tuple[Any, torch.Tensor, tuple[int, ...]]] = {}
         for name, per_bucket in slots.items():
             for part, values in zip(shards.parts, per_bucket, strict=True):
                 for seg, t in zip(part.segments, values, strict=True):
                     if isinstance(t, torch.Tensor):
                         entry = f"{key}[{name!r}]{shards.paths[seg.leaf]}"
                         self.entries[entry] = _piece(shards, seg, t)
+                        self.pieces[entry] = (seg, t, part.orders[seg.j])
 
     def result(self, entries: dict[str, Any]) -> Any:
         return self.state
+
+    def reshaped(self, key: str, saved: TensorStorageMetadata) -> Reshaped | None:
+        """An unsharded entry (the whole leaf) read whole, then this rank's pieces copied."""
+        found = self.pieces.get(key)
+        if found is None or found[1].dim() != 1:
+            return None
+        seg, piece, order = found
+        dtype = saved.properties.dtype
+        width = 2 if dtype is not None and dtype.is_complex else 1
+        if saved.size.numel() * width != self.state.shards.numel[seg.leaf]:
+            return None
+        whole = torch.empty(saved.size, dtype=dtype, device=piece.device)
+
+        def fill() -> None:
+            piece.copy_(_shards.flat(whole, order)[seg.lo : seg.hi])
+
+        return whole, fill
 
 
 def _fresh(t: Any) -> Any:
@@ -217,6 +256,34 @@ def _leaves(call: str, arg: str, tree: Any, *, fresh: bool) -> tuple[Any, list[_
         else:
             out.append(_Leaf(key, value))
     return spec, out
+
+
+def _match(
+    call: str, entries: dict[str, Any], metadata: dict[str, Any], leaves: list[_Leaf]
+) -> list[Callable[[], None]]:
+    """Checks each entry against the checkpoint; reshapes ZeRO <-> unsharded entries.
+
+    A ``ZeroState`` slot is saved as the leaf's elements, 1-D; an unsharded
+    optimizer state's as the leaf. Either loads into the other (a DDP run
+    resumed with ZeRO, or ZeRO consolidated into one process); returns what
+    to run after the load.
+    """
+    owners = {key: leaf for leaf in leaves for key in leaf.entries}
+    after = []
+    for key in [k for k, v in entries.items() if v is None and k not in metadata]:
+        del entries[key]  # a None leaf: nothing to read (a ZeroState saves none)
+    for key, value in list(entries.items()):
+        saved = metadata.get(key)
+        if not (isinstance(value, torch.Tensor) and isinstance(saved, TensorStorageMetadata)):
+            continue
+        reshaped = None
+        if tuple(saved.size) != tuple(value.size()):
+            reshaped = owners[key].reshaped(key, saved)
+        if reshaped is not None:
+            entries[key], fill = reshaped
+            after.append(fill)
+    _check_present(call, entries, metadata)
+    return after
 
 
 def _check_present(call: str, entries: dict[str, Any], metadata: dict[str, Any]) -> None:

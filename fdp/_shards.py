@@ -120,7 +120,7 @@ def _inverse(order: tuple[int, ...]) -> list[int]:
     return out
 
 
-def _order(t: torch.Tensor) -> tuple[int, ...]:
+def order(t: torch.Tensor) -> tuple[int, ...]:
     """``t``'s dims from the largest planned stride down (ties keep logical order)."""
     strides = list(_bucket.dense_strides(t))
     if t.is_complex():
@@ -150,7 +150,7 @@ def plan(
     placements: dict[int, list[tuple[int, int, int]]] = {}
     for bucket in _bucket.plan(tensors, cap_bytes=cap):
         size = -(-bucket.numel // world)
-        orders = tuple(_order(tensors[i]) for i in bucket.indices)  # type: ignore[arg-type]
+        orders = tuple(order(tensors[i]) for i in bucket.indices)  # type: ignore[arg-type]
         parts.append(Part(bucket, size, orders, _segments(bucket, size, rank)))
         for r in range(world):
             for s in _segments(bucket, size, r):

@@ -165,3 +165,44 @@ def test_killed_rank_resumes_from_the_last_checkpoint_bitwise(tmp_path: Path) ->
     assert killed["step"] == whole["step"] == 12
     for a, b in zip(tensor_leaves(killed), tensor_leaves(whole), strict=True):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------
+# ZeRO <-> unsharded: a ZeroState loads into an fdp.optim state and back.
+
+
+def _zero_then_save(rank: int, size: int, path: str) -> None:
+    _train(rank, size, path, 0, False, 64 / 2**20)
+
+
+def test_zero_state_consolidates_into_one_process(tmp_path: Path) -> None:
+    path = str(tmp_path / "c")
+    ranks.world(2).run(_zero_then_save, path)
+    opt = fdp.optim.adamw(0.05)
+    params = tree()
+    like: dict[str, Any] = {"params": params, "opt": opt.init(params), "step": 0}
+    loaded = fdp.load_checkpoint(path, like)  # no process group: this process alone
+    params, state = loaded["params"], loaded["opt"]
+    assert loaded["step"] == STEPS
+    for step in range(STEPS, 2 * STEPS):
+        params, state = opt.update(grads(params, step), state, params)
+    for g, e in zip(tensor_leaves(params), reference(), strict=True):
+        torch.testing.assert_close(g, e.detach(), rtol=1e-6, atol=1e-7)
+
+
+def _resume_unsharded(rank: int, size: int, path: str) -> list[torch.Tensor]:
+    return _train(rank, size, path, 0, True, 64 / 2**20)
+
+
+def test_an_unsharded_state_resumes_under_zero(tmp_path: Path) -> None:
+    opt = fdp.optim.adamw(0.05)
+    params = tree()
+    state = opt.init(params)
+    for step in range(STEPS):
+        params, state = opt.update(grads(params, step), state, params)
+    path = str(tmp_path / "c")
+    fdp.save_checkpoint(path, {"params": params, "opt": state, "step": STEPS}, rng=False)
+    expected = reference()
+    for got in ranks.world(3).run(_resume_unsharded, path):
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e.detach(), rtol=1e-6, atol=1e-7)
