@@ -4,7 +4,8 @@ The training step of ``bench_distributed.py`` (8-layer 1024-wide tanh MLP,
 10-way head, batch 64 per rank) with AdamW, every variant interleaved round
 by round (median over rounds):
 
-- fdp ZeRO-2 and ZeRO-1: ``torch.func.grad``, then ``zero.step``;
+- fdp ZeRO-2 (also with ``donate=True``) and ZeRO-1: ``torch.func.grad``,
+  then ``zero.step``;
 - fdp DDP + AdamW: ``torch.func.grad``, ``fdp.all_reduce_grads``, then
   ``fdp.optim.adamw``'s ``update``;
 - torch DDP + ``ZeroRedundancyOptimizer(AdamW)``, and torch DDP + AdamW
@@ -57,16 +58,17 @@ def functional_steps(rank: int) -> tuple[dict[str, Any], dict[str, int]]:
     grad = torch.func.grad(loss)
     fns: dict[str, Any] = {}
     memory: dict[str, int] = {}
-    for stage in (2, 1):
+    for stage, donate in ((2, False), (2, True), (1, False)):
         params = optree.tree_map(torch.Tensor.detach, make_params(0))  # type: ignore[arg-type]
         zero = fdp.ZeroRedundancy(fdp.optim.adamw(LR), params, stage=stage)
         box = [params, zero.init(params)]
-        memory[f"fdp ZeRO-{stage}"] = state_bytes(box[1])
+        name = f"fdp ZeRO-{stage}" + (", donate=True" if donate else "")
+        memory[name] = state_bytes(box[1])
 
-        def zero_step(box: list[Any] = box, zero: Any = zero) -> None:
-            box[0], box[1] = zero.step(grad(box[0]), box[1], box[0])
+        def zero_step(box: list[Any] = box, zero: Any = zero, donate: bool = donate) -> None:
+            box[0], box[1] = zero.step(grad(box[0]), box[1], box[0], donate=donate)
 
-        fns[f"fdp ZeRO-{stage}"] = zero_step
+        fns[name] = zero_step
     params = optree.tree_map(torch.Tensor.detach, make_params(0))  # type: ignore[arg-type]
     opt = fdp.optim.adamw(LR)
     ddp_box: list[Any] = [params, opt.init(params)]

@@ -116,14 +116,18 @@ class ZeroRedundancy:
         slots = {k: [st[k] for st in per_part] for k in self._keys}
         return ZeroState(slots, self.shards)
 
-    def step(self, grads: Any, state: ZeroState, params: T) -> tuple[T, ZeroState]:
+    def step(
+        self, grads: Any, state: ZeroState, params: T, *, donate: bool = False
+    ) -> tuple[T, ZeroState]:
         """One step from this rank's local ``grads``: the new parameters and state.
 
-        Nothing passed in is changed. Eagerly, the new parameter leaves are
-        views of the gathered buckets and require grad where the old ones
-        did; every call checks (one tiny all-reduce, hidden behind packing)
-        that all ranks pass gradients of the same structure, ``None``
-        included.
+        Nothing passed in is changed, unless ``donate=True``: then the
+        optimizer writes into ``state``'s tensors and this rank's slices of
+        ``params`` (see ``fdp.optim``'s ``update``), which the caller gives
+        up. Eagerly, the new parameter leaves are views of the gathered
+        buckets and require grad where the old ones did; every call checks
+        (one tiny all-reduce, hidden behind packing) that all ranks pass
+        gradients of the same structure, ``None`` included.
         """
         call = "fdp.ZeroRedundancy.step"
         p = self._checked_params(call, params)
@@ -144,7 +148,8 @@ class ZeroRedundancy:
                 )
             gathers, slots = [], {k: list(v) for k, v in state.slots.items()}
             for k, part in enumerate(parts):
-                pieces = self._update(part, k, p, g, comm.reduced(started[k]), state, slots)
+                reduced = comm.reduced(started[k])
+                pieces = self._update(part, k, p, g, reduced, slots, donate=donate)
                 gathers.append(comm.gather(k, pieces))
             out = list(p)
             for part, handle in zip(parts, gathers, strict=True):
@@ -169,15 +174,17 @@ class ZeroRedundancy:
         p: list[Any],
         g: list[torch.Tensor | None],
         reduced: torch.Tensor,
-        state: ZeroState,
         slots: dict[str, list[Any]],
+        *,
+        donate: bool,
     ) -> list[torch.Tensor]:
         """Updates bucket ``k``'s segments; returns the pieces of this rank's new slice."""
         segs = part.segments
         grads = [None if g[s.leaf] is None else reduced[s.at : s.at + s.hi - s.lo] for s in segs]
         params = [_segment(part, p, s) for s in segs]
-        mine = {key: state.slots[key][k] for key in self._keys}
-        new, st = self.optimizer.update(grads, mine, params)
+        mine = {key: slots[key][k] for key in self._keys}
+        extra = {"donate": True} if donate else {}  # an optimizer of the user's may lack it
+        new, st = self.optimizer.update(grads, mine, params, **extra)
         for key in self._keys:
             slots[key][k] = st[key]
         pieces, pos = [], 0

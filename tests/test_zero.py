@@ -317,3 +317,21 @@ def test_a_subgroup_trains_and_checkpoints_like_a_world_of_its_size(tmp_path: An
         assert got is not None
         for g, e in zip(got, expected, strict=True):
             torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
+
+
+def _donated_vs_pure(rank: int, size: int, stage: int) -> bool:
+    runs = []
+    for donate in (False, True):
+        params = tree()
+        zero = fdp.ZeroRedundancy(fdp.optim.adamw(0.01, amsgrad=True), params, stage=stage)
+        state = zero.init(params)
+        for step in range(4):
+            grads = grads_tree(params, step, rank)
+            params, state = zero.step(grads, state, params, donate=donate)
+        runs.append(tensor_leaves(params) + [t for v in state.slots.values() for b in v for t in b])
+    return all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_donated_step_gives_the_pure_steps_results(stage: int) -> None:
+    assert all(ranks.world(2).run(_donated_vs_pure, stage))
