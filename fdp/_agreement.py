@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fdp import _bucket, _tree
+from fdp import _bucket, _compat, _tree
 
 ProcessGroup = dist.ProcessGroup
 
@@ -80,7 +80,8 @@ def signature(
 def check(mine: list[tuple[str, str]], *, group: ProcessGroup | None, call: str, arg: str) -> None:
     """Raises the same ValueError on every rank unless all ranks gave the same signature."""
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
+    with _compat.functorch_disabled():  # plain tensors, also under a torch.func transform
+        dist.all_gather_object(gathered, mine, group=group)
     reference = gathered[0]
     for rank, theirs in enumerate(gathered[1:], start=1):
         for j in range(max(len(reference), len(theirs))):
@@ -109,9 +110,10 @@ class Fingerprint:
 
     def start(self, group: ProcessGroup | None) -> tuple[torch.Tensor, Any]:
         """Launches the comparison: MAX over ranks of ``[h, -h]`` is ``[max, -min]``."""
-        mine = torch.tensor([self.value, -self.value], dtype=torch.int64)
-        mine = mine.to(_device_for(group))
-        return mine, dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        with _compat.functorch_disabled():
+            mine = torch.tensor([self.value, -self.value], dtype=torch.int64)
+            mine = mine.to(_device_for(group))
+            return mine, dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
     def finish(
         self, started: tuple[torch.Tensor, Any], *, group: ProcessGroup | None, call: str, arg: str

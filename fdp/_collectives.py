@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fdp import _agreement, _bucket, _tree
+from fdp import _agreement, _bucket, _compat, _transforms, _tree
 
 __all__ = ["all_reduce_grads", "broadcast_params"]
 
@@ -76,7 +76,20 @@ def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None
     _agreement.require_member(call, group)
     leaves, _spec, tensors = _tensor_leaves(tree, call=call, arg="tree", float_only=False)
     described = _agreement.signature(tree, leaves, "tree", requires_grad=False)
-    _agreement.check(described, group=group, call=call, arg="tree")
+    with _compat.functorch_disabled():
+        _agreement.check(described, group=group, call=call, arg="tree")
+    # Leaves of the autograd graph are overwritten as data (initial weights);
+    # computed tensors, dual tensors and transformed ones carry the derivative.
+    grad_mode = torch.is_grad_enabled()
+    if _compat.functorch_active() or any(
+        t is not None
+        and (
+            _transforms.has_tangent(t) or (grad_mode and t.requires_grad and t.grad_fn is not None)
+        )
+        for t in tensors
+    ):
+        _broadcast_differentiable(tensors, src, group)
+        return tree
     buckets = _bucket.plan(tensors, cap_bytes=_BROADCAST_CAP_BYTES)
     with torch.no_grad():
         flats = [b.pack([tensors[i] for i in b.indices]) for b in buckets]
@@ -88,6 +101,20 @@ def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None
                 if target is not None:
                     target.copy_(view)
     return tree
+
+
+def _broadcast_differentiable(
+    tensors: list[torch.Tensor | None], src: int, group: ProcessGroup | None
+) -> None:
+    """broadcast_params on results of autograd or a transform: in place, with the derivative.
+
+    ``t.copy_(broadcast(t))`` rebases ``t``'s history on the broadcast, whose
+    transpose sums every rank's cotangent onto rank ``src`` (zero elsewhere).
+    """
+    mine = dist.get_group_rank(group, src) if group is not None else src
+    for t in tensors:
+        if t is not None:
+            t.copy_(_transforms.broadcast(t, mine, group))
 
 
 def all_reduce_grads(
@@ -141,6 +168,10 @@ def all_reduce_grads(
         scale = 1.0 / world if average else 1.0
         out = _all_reduce_traceable(leaves, tensors, group, cap, scale)
         return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
+    if _transforms.needs_rule(tensors):
+        divisor = world if average else 1
+        out = _all_reduce_differentiable(grads, leaves, tensors, group, cap, divisor)
+        return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
     plan = _cached_plan(grads, spec, leaves, tensors, cap, group)
     out = list(leaves)
     with torch.no_grad():
@@ -161,6 +192,30 @@ def all_reduce_grads(
             for i, view in zip(bucket.indices, bucket.views(flat), strict=True):
                 out[i] = view
     return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
+
+
+def _all_reduce_differentiable(
+    grads: Any,
+    leaves: list[Any],
+    tensors: list[torch.Tensor | None],
+    group: ProcessGroup | None,
+    cap: int,
+    divisor: int,
+) -> list[Any]:
+    """all_reduce_grads under autograd or a transform: one :func:`_transforms.psum` per bucket.
+
+    The result is differentiable at any depth (the reduction's derivatives
+    are the same reduction) and batches under ``vmap``.
+    """
+    with torch.no_grad(), _compat.functorch_disabled():
+        described = _agreement.signature(grads, leaves, "grads", requires_grad=False)
+        fingerprint = _agreement.Fingerprint(described)
+        fingerprint.finish(
+            fingerprint.start(group), group=group, call="fdp.all_reduce_grads", arg="grads"
+        )
+    buckets = _bucket.plan(tensors, cap_bytes=cap)
+    reduced = _transforms.reduce_buckets(buckets, tensors, scale=1.0 / divisor, group=group)
+    return [leaf if t is None else t for leaf, t in zip(leaves, reduced, strict=True)]
 
 
 def _all_reduce_traceable(

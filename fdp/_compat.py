@@ -180,6 +180,16 @@ def unwrap_functorch(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def is_transformed(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``torch.func`` wrapper (grad tracking or batched) at some level.
+
+    If ``is_functorch_wrapped_tensor`` goes, ``is_gradtrackingtensor`` or
+    ``is_batchedtensor`` answer the same; fdp then picks its transform path.
+    """
+    functorch = torch._C._functorch
+    return bool(functorch.is_functorch_wrapped_tensor(t))
+
+
 def functorch_disabled() -> Any:
     """A context in which functorch does not intercept ops (collectives in backward hooks).
 

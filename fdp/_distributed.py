@@ -19,7 +19,17 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from fdp import _agreement, _bucket, _buffers, _comm_hooks, _compat, _join, _traced, _tree
+from fdp import (
+    _agreement,
+    _bucket,
+    _buffers,
+    _comm_hooks,
+    _compat,
+    _join,
+    _traced,
+    _transforms,
+    _tree,
+)
 from fdp._collectives import _tensor_leaves
 from fdp._comm_hooks import CommHook
 from fdp._join import Joiner
@@ -280,7 +290,51 @@ class DistributedDataParallel:
                 ties=self._ties,
             )
             return cast(T, _tree.unflatten(self._traced_spec or (), synced))
+        if self._under_transform(leaves):
+            return cast(T, _tree.unflatten(self._spec, self._transformed(leaves)))
         return self._hooked(params, leaves, prescale=prescale)
+
+    def _under_transform(self, leaves: list[Any]) -> bool:
+        """Whether a leaf is a ``torch.func`` wrapper or a forward-mode dual tensor.
+
+        Leaf hooks cannot serve these: their gradients may be batched
+        (``jacrev`` vmaps the backward of a ``vjp`` that looked like a plain
+        ``grad`` when ``ddp(params)`` ran) or differentiated again. Plain
+        leaves keep the hooks, which overlap the reduction with backward,
+        even while a transform runs: ``ddp(params)`` inside a function that
+        ``jvp`` or ``vmap`` transforms over its inputs, then ``.backward()``
+        outside, is an ordinary backward.
+        """
+        return any(
+            isinstance(t, torch.Tensor)
+            and (_compat.is_transformed(t) or _transforms.has_tangent(t))
+            for t in (leaves[i] for i in self._layout.where)
+        )
+
+    def _transformed(self, leaves: list[Any]) -> list[Any]:
+        """Leaves that carry the psum rule: identity forward, bucketed average backward."""
+        if self._joiner is not None:
+            raise NotImplementedError(
+                "fdp.DistributedDataParallel.join: ddp(params) under a torch.func transform is "
+                "not supported in a join block; call it on plain tensors there"
+            )
+        dtype = self._traced_hook
+        if isinstance(dtype, str):
+            raise NotImplementedError(
+                "fdp.DistributedDataParallel: ddp(params) under a torch.func transform (or on "
+                "forward-mode dual tensors) reduces with the exact average, or in fp16/bf16 with "
+                "fdp's or torch's compression hooks; got another comm hook, whose futures "
+                "cannot be differentiated. Call ddp(params) outside the transform, or "
+                "reduce the transform's gradients with fdp.all_reduce_grads"
+            )
+        world = dist.get_world_size(self._reduction.group)
+        return _transforms.replicated(
+            leaves,
+            self._layout.buckets,
+            scale=1.0 / world,
+            group=self._reduction.group,
+            dtype=dtype,
+        )
 
     def _checked_leaves(self, params: Any) -> list[Any]:
         """``params``' leaves, checked against the tree the buckets were planned for."""
@@ -309,7 +363,8 @@ class DistributedDataParallel:
                 )
         if not _compat.functorch_active():
             for i in self._layout.where:
-                if leaves[i].requires_grad and leaves[i].grad_fn is not None:
+                t = leaves[i]
+                if t.requires_grad and t.grad_fn is not None and not _transforms.has_tangent(t):
                     raise ValueError(
                         f"{call}: `params` leaf {_tree.path(params, i, 'params')} expected a "
                         f"leaf of the autograd graph; got a tensor computed by "
@@ -325,7 +380,7 @@ class DistributedDataParallel:
         step = Step(
             self._reduction,
             leaves,
-            capture=_compat.functorch_active(),
+            capture=False,
             prescale=prescale,
             always_count=self._joiner is not None,
         )

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from fdp import _tree
+from fdp import _compat, _transforms, _tree
 
 T = TypeVar("T")
 Lists = tuple[torch.Tensor, ...] | list[torch.Tensor]
@@ -92,6 +92,14 @@ class Optimizer:
             _check_grad(call, params, i, p[i], g[i])
         if not live:  # nothing to step (foreach ops refuse empty lists)
             return params, {k: state[k] for k in self._keys()}
+        if _differentiable(self.lr, p, g, s):
+            if donate:
+                raise ValueError(
+                    f"{call}: `donate=True` writes in place, which cannot carry a derivative; "
+                    "got inputs that require grad or are under a torch.func transform "
+                    "(drop donate=True to differentiate through the step)"
+                )
+            return self._differentiable_update(p, g, s, live, spec)
         with torch.no_grad():
             old_steps = [s["step"][i] for i in live]
             if donate:
@@ -116,6 +124,36 @@ class Optimizer:
 
     def _keys(self) -> tuple[str, ...]:
         return ("step", *self.slots)
+
+    def _differentiable_update(
+        self, p: list[Any], g: list[Any], s: dict[str, list[Any]], live: list[int], spec: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        """The step in plain differentiable ops, leaf by leaf (hypergradients, MAML).
+
+        Nothing is detached or written in place, so derivatives reach the
+        parameters, gradients, state and a tensor ``lr`` under autograd and
+        every ``torch.func`` transform. Same formulas as the foreach path.
+        """
+        out_p, out = list(p), {k: list(v) for k, v in s.items()}
+        for i in live:
+            step = s["step"][i] + 1
+            slots = {k: _real(s[k][i]) for k in self.slots}
+            new_p, new_slots = self._leaf_step(_real(p[i]), _real(g[i]), slots, step)
+            back = p[i].is_complex()
+            out_p[i] = _complex(new_p, back)
+            out["step"][i] = step
+            for k in self.slots:
+                out[k][i] = _complex(new_slots[k], back)
+        return _tree.unflatten(spec, out_p), {k: _tree.unflatten(spec, v) for k, v in out.items()}
+
+    def _leaf_step(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        slots: dict[str, torch.Tensor],
+        step: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        raise NotImplementedError
 
     def _apply(
         self, params: Lists, grads: Lists, slots: Mapping[str, Lists], steps: Lists, donate: bool
@@ -175,6 +213,23 @@ class SGD(Optimizer):
             new_slots["momentum_buffer"] = bufs
             grads = torch._foreach_add(grads, bufs, alpha=self.momentum) if self.nesterov else bufs
         return self._scaled_add(params, grads, -self.lr, donate), new_slots
+
+    def _leaf_step(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        slots: dict[str, torch.Tensor],
+        step: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.weight_decay:
+            g = g + self.weight_decay * p
+        new_slots: dict[str, torch.Tensor] = {}
+        if self.momentum:
+            damp = torch.where(step > 1, 1 - self.dampening, 1.0).to(g.dtype)
+            buf = self.momentum * slots["momentum_buffer"] + damp * g
+            new_slots["momentum_buffer"] = buf
+            g = g + self.momentum * buf if self.nesterov else buf
+        return p - self.lr * g, new_slots
 
 
 class Adam(Optimizer):
@@ -241,6 +296,47 @@ class Adam(Optimizer):
         torch._foreach_mul_(direction, step_size)
         return _op(donate, "add", params, direction), new_slots
 
+    def _leaf_step(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        slots: dict[str, torch.Tensor],
+        step: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        beta1, beta2 = self.betas
+        if self.weight_decay and self.decoupled:
+            p = p * (1 - self.lr * self.weight_decay)
+        elif self.weight_decay:
+            g = g + self.weight_decay * p
+        exp_avg = slots["exp_avg"] + (1 - beta1) * (g - slots["exp_avg"])
+        exp_avg_sq = beta2 * slots["exp_avg_sq"] + (1 - beta2) * g * g
+        new_slots = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        second = exp_avg_sq
+        if self.amsgrad:
+            second = new_slots["max_exp_avg_sq"] = torch.maximum(slots["max_exp_avg_sq"], second)
+        correction1 = 1 - beta1**step
+        correction2 = 1 - beta2**step
+        denom = (second.sqrt() / correction2.sqrt()).to(p.dtype) + self.eps
+        return p - (self.lr / correction1).to(p.dtype) * exp_avg / denom, new_slots
+
+
+def _differentiable(lr: Any, p: list[Any], g: list[Any], s: dict[str, list[Any]]) -> bool:
+    """Whether a step must carry derivatives: see :meth:`Optimizer._differentiable_update`.
+
+    Parameters that are leaves of the autograd graph do not count: a
+    ``loss.backward()`` loop passes them every step and wants new leaves,
+    not a graph that grows with every step.
+    """
+    if _compat.functorch_active():
+        return True
+    tensors = [
+        t for t in (lr, *g, *(t for v in s.values() for t in v)) if isinstance(t, torch.Tensor)
+    ]
+    computed = [t for t in p if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    if any(_transforms.has_tangent(t) for t in (*tensors, *p) if isinstance(t, torch.Tensor)):
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *computed))
+
 
 def _like(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """``new`` as a leaf that requires grad if ``old`` did (eagerly: see the module doc)."""
@@ -277,7 +373,11 @@ def _is_param(t: Any) -> bool:
 
 
 def _check(name: str, arg: str, value: Any, ok: Callable[[Any], bool], expected: str) -> None:
-    scalar = float(value) if isinstance(value, torch.Tensor) and value.dim() == 0 else value
+    if isinstance(value, torch.Tensor) and _compat.is_transformed(value):
+        return  # a vmapped or differentiated hyperparameter: its values cannot be read here
+    scalar = (
+        float(value.detach()) if isinstance(value, torch.Tensor) and value.dim() == 0 else value
+    )
     if isinstance(value, torch.Tensor) and value.dim() != 0:
         raise ValueError(
             f"fdp.optim.{name}: `{arg}` expected a float or a 0-d tensor; "

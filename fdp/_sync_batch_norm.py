@@ -21,14 +21,14 @@ differentiable), and as functional collectives while compiling. Inside
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from fdp import _compat, _join
+from fdp import _compat, _join, _transforms
 
 ProcessGroup = dist.ProcessGroup
 Group = _join.Group
@@ -82,6 +82,40 @@ def _statistics(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, ...]:
     return mean, var, total
 
 
+def _composite(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, group: Group
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused forward from differentiable ops, for transforms and double backward.
+
+    The statistics travel through :func:`_transforms.all_gather`, whose
+    derivatives are collectives too, so every transform (and the derivative
+    of this backward) follows from the ops: the psum rule. Same numbers as
+    the fused path (exact per-rank statistics, Chan's formula).
+    """
+    c = x.shape[1]
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    n = x.numel() // max(c, 1)
+    dims = [0, *range(2, x.dim())]
+    if n:
+        var, mean = torch.var_mean(wide, dims, correction=0)
+    else:  # zeros that depend on x, so that every rank runs the same derivatives
+        mean = var = wide.sum(dims)
+    row = torch.cat([torch.full((1,), float(n), dtype=wide.dtype, device=x.device), mean, var])
+    if group is _join.ALONE:
+        rows = row.view(1, -1)
+    else:
+        rows = _transforms.all_gather(row, cast(ProcessGroup | None, group))
+    counts, means, variances = rows[:, :1], rows[:, 1 : c + 1], rows[:, c + 1 :]
+    total = counts.sum(0)
+    mean = (counts * means).sum(0) / total
+    var = (counts * (variances + (means - mean) ** 2)).sum(0) / total
+    shape = [1, c] + [1] * (x.dim() - 2)
+    scale = torch.rsqrt(var + eps) * weight
+    shift = bias - mean * scale
+    y = (wide * scale.view(shape) + shift.view(shape)).to(x.dtype)
+    return y, mean.detach(), var.detach(), total.detach()
+
+
 class _SyncBatchNorm(torch.autograd.Function):
     """Normalises ``x`` with the global mean and variance; returns (y, mean, biased var, count)."""
 
@@ -113,6 +147,8 @@ class _SyncBatchNorm(torch.autograd.Function):
         ctx: Any, dy: torch.Tensor, *_: Any
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         x, weight, mean, var, n = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a backward that is differentiable
+            return _double_backward(ctx, x, weight, dy)
         c = x.shape[1]
         shape = [1, c] + [1] * (x.dim() - 2)
         invstd = torch.rsqrt(var + ctx.eps)
@@ -145,6 +181,18 @@ class _SyncBatchNorm(torch.autograd.Function):
         dx = torch.addcmul(dx, x, (-a * k).view(shape))
         w_dtype = weight.dtype
         return dx.to(x.dtype), (sum_dy_xmu * invstd).to(w_dtype), sum_dy.to(w_dtype), None, None
+
+
+def _double_backward(
+    ctx: Any, x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    """The gradients through :func:`_composite`, recording their own graph (create_graph)."""
+    y = _composite(x, weight, torch.zeros_like(weight), ctx.eps, ctx.group)[0]
+    wanted = [t for t in (x, weight) if t.requires_grad]
+    found = iter(torch.autograd.grad(y, wanted, dy, create_graph=True))
+    dx, dw = (next(found) if t.requires_grad else None for t in (x, weight))
+    db = dy.sum([0, *range(2, dy.dim())]).to(weight.dtype)
+    return dx, dw, db, None, None  # type: ignore[return-value]
 
 
 def sync_batch_norm(
@@ -183,7 +231,11 @@ def sync_batch_norm(
     c = x.shape[1]
     w = weight if weight is not None else torch.ones(c, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else torch.zeros(c, dtype=x.dtype, device=x.device)
-    y, mean, var, n = _SyncBatchNorm.apply(x, w, b, eps, _join.training_group(group))  # type: ignore[no-untyped-call]
+    group_ = _join.training_group(group)
+    if _compat.functorch_active() or any(_transforms.has_tangent(t) for t in (x, w, b)):
+        y, mean, var, n = _composite(x, w, b, eps, group_)
+    else:
+        y, mean, var, n = _SyncBatchNorm.apply(x, w, b, eps, group_)  # type: ignore[no-untyped-call]
     if running_mean is not None and running_var is not None:
         _update_running(running_mean, running_var, mean, var * n / (n - 1).clamp_min(1), momentum)
     out: torch.Tensor = y
@@ -206,6 +258,13 @@ def _update_running(
     # Under torch.func the statistics are wrapped at the transform's level,
     # while the buffers are plain tensors the transform captured.
     with torch.no_grad(), _compat.functorch_disabled():
+        if _compat.is_transformed(_compat.unwrap_functorch(mean)):
+            raise ValueError(
+                "fdp.sync_batch_norm: under torch.vmap each vmapped slice has its own batch "
+                "statistics, which cannot update `running_mean` and `running_var` in place "
+                "(F.batch_norm refuses the same); pass running_mean=None and running_var=None "
+                "(track_running_stats=False), or call it outside vmap"
+            )
         for buf, new in ((running_mean, mean), (running_var, var)):
             target = _compat.unwrap_functorch(buf)
             target.lerp_(_compat.unwrap_functorch(new).to(target.dtype), momentum)

@@ -13,13 +13,14 @@ places at first use.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from fdp import _agreement, _shards, _tree, _zero_comm
+from fdp import _agreement, _optim, _shards, _tree, _zero_comm
 from fdp._collectives import _tensor_leaves
 from fdp._optim import _check_grad
 from fdp._shards import Part, Shards, ZeroState
@@ -137,10 +138,24 @@ class ZeroRedundancy:
                 f"{call}: `state` expected the ZeroState this ZeroRedundancy's init returned; "
                 f"got {_tree.describe(state)}"
             )
-        comm = self._comm()
+        slots_now = _tree.flatten(state.slots)[0]
+        lr = getattr(self.optimizer, "lr", None)
+        differentiable = not torch.compiler.is_compiling() and _optim._differentiable(
+            lr, p, g, {"slots": slots_now}
+        )
+        if differentiable:  # checked before the first collective, as on the fast path
+            fingerprint = self._fingerprint(grads, g)
+            fingerprint.finish(
+                fingerprint.start(self.group), group=self.group, call=call, arg="grads"
+            )
+        comm = self._comm(differentiable)
         parts, world = self.shards.parts, self.shards.world
-        with torch.no_grad():
-            checking = None if comm.traced else self._fingerprint(grads, g).start(self.group)
+        with contextlib.nullcontext() if differentiable else torch.no_grad():
+            checking = (
+                None
+                if comm.traced or differentiable
+                else self._fingerprint(grads, g).start(self.group)
+            )
             started = [comm.reduce(k, _pack(part, g, world)) for k, part in enumerate(parts)]
             if checking is not None:
                 self._fingerprint(grads, g).finish(
@@ -149,16 +164,22 @@ class ZeroRedundancy:
             gathers, slots = [], {k: list(v) for k, v in state.slots.items()}
             for k, part in enumerate(parts):
                 reduced = comm.reduced(started[k])
-                pieces = self._update(part, k, p, g, reduced, slots, donate=donate)
+                pieces = self._update(
+                    part, k, p, g, reduced, slots, donate=donate, detach=not differentiable
+                )
                 gathers.append(comm.gather(k, pieces))
             out = list(p)
             for part, handle in zip(parts, gathers, strict=True):
-                _unpack(part, comm.gathered(handle), p, out, traced=comm.traced)
+                _unpack(
+                    part, comm.gathered(handle), p, out, leaf=not (comm.traced or differentiable)
+                )
         spec = self._expected_spec(call)
         return _tree.unflatten(spec, out), ZeroState(slots, self.shards)
 
-    def _comm(self) -> Any:
+    def _comm(self, differentiable: bool) -> Any:
         s = self.shards
+        if differentiable:
+            return _zero_comm.Differentiable(self.group, s.rank, s.world)
         if torch.compiler.is_compiling():
             return _zero_comm.Traced(self.group, self.stage, s.rank, s.world)
         return _zero_comm.Eager(self.group, self.stage, s.rank, s.world, self._pool)
@@ -177,11 +198,12 @@ class ZeroRedundancy:
         slots: dict[str, list[Any]],
         *,
         donate: bool,
+        detach: bool,
     ) -> list[torch.Tensor]:
         """Updates bucket ``k``'s segments; returns the pieces of this rank's new slice."""
         segs = part.segments
         grads = [None if g[s.leaf] is None else reduced[s.at : s.at + s.hi - s.lo] for s in segs]
-        params = [_segment(part, p, s) for s in segs]
+        params = [_segment(part, p, s, detach=detach) for s in segs]
         mine = {key: slots[key][k] for key in self._keys}
         extra = {"donate": True} if donate else {}  # an optimizer of the user's may lack it
         new, st = self.optimizer.update(grads, mine, params, **extra)
@@ -260,8 +282,11 @@ def _describe_meta(meta: Any) -> str:
     return f"a {meta[1].__name__}"
 
 
-def _segment(part: Part, leaves: Sequence[Any], s: _shards.Segment) -> torch.Tensor:
-    return _shards.flat(leaves[s.leaf].detach(), part.orders[s.j])[s.lo : s.hi]
+def _segment(
+    part: Part, leaves: Sequence[Any], s: _shards.Segment, *, detach: bool = True
+) -> torch.Tensor:
+    leaf = leaves[s.leaf].detach() if detach else leaves[s.leaf]
+    return _shards.flat(leaf, part.orders[s.j])[s.lo : s.hi]
 
 
 def _pack(part: Part, g: Sequence[torch.Tensor | None], world: int) -> list[torch.Tensor]:
@@ -287,14 +312,14 @@ def _pack(part: Part, g: Sequence[torch.Tensor | None], world: int) -> list[torc
 
 
 def _unpack(
-    part: Part, full: torch.Tensor, p: Sequence[Any], out: list[Any], *, traced: bool
+    part: Part, full: torch.Tensor, p: Sequence[Any], out: list[Any], *, leaf: bool
 ) -> None:
     """Leaves of the gathered bucket ``full`` into ``out``: views, with the old leaves' strides."""
     bucket = part.bucket
     for j, i in enumerate(bucket.indices):
         n = bucket.shapes[j].numel() * (2 if bucket.complex_[j] else 1)
         piece = full[bucket.offsets[j] : bucket.offsets[j] + n]
-        leaf = _shards.unflat(piece, bucket.shapes[j], part.orders[j], complex_=bucket.complex_[j])
-        if not traced and p[i].requires_grad:
-            leaf.requires_grad_()
-        out[i] = leaf
+        new = _shards.unflat(piece, bucket.shapes[j], part.orders[j], complex_=bucket.complex_[j])
+        if leaf and p[i].requires_grad:  # a new leaf for the next loss.backward()
+            new.requires_grad_()
+        out[i] = new

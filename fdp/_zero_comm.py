@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fdp import _compat
+from fdp import _compat, _transforms
 
 ProcessGroup = dist.ProcessGroup
 
@@ -137,6 +137,39 @@ class Traced:
 
     def gather(self, k: int, pieces: list[torch.Tensor]) -> Any:
         return funcol.all_gather_tensor(torch.cat(pieces), 0, self.pg)
+
+    def gathered(self, started: Any) -> torch.Tensor:
+        full: torch.Tensor = started
+        return full
+
+
+class Differentiable:
+    """Collectives that carry derivatives (:mod:`fdp._transforms`), for a step under autograd.
+
+    Both stages all-reduce (the reduce-scatter's result is this rank's
+    slice of it) and the new slices travel as a zero-padded all-reduce:
+    exact, and every derivative is again a collective.
+    """
+
+    traced = False
+
+    def __init__(self, group: ProcessGroup | None, rank: int, world: int) -> None:
+        self.group, self.rank, self.world = group, rank, world
+
+    def reduce(self, k: int, pieces: list[torch.Tensor]) -> Any:
+        return _transforms.psum(torch.cat(pieces), group=self.group)
+
+    def reduced(self, started: Any) -> torch.Tensor:
+        flat: torch.Tensor = started
+        size = flat.numel() // self.world
+        return flat[self.rank * size : (self.rank + 1) * size] / self.world
+
+    def gather(self, k: int, pieces: list[torch.Tensor]) -> Any:
+        mine = torch.cat(pieces)
+        size = mine.numel()
+        before = mine.new_zeros(self.rank * size)
+        after = mine.new_zeros((self.world - self.rank - 1) * size)
+        return _transforms.psum(torch.cat([before, mine, after]), group=self.group)
 
     def gathered(self, started: Any) -> torch.Tensor:
         full: torch.Tensor = started

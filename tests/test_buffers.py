@@ -114,7 +114,8 @@ def _func_grad(rank: int, size: int, how: str) -> tuple[Any, Any]:
         def loss(params: dict[str, Any]) -> torch.Tensor:
             return functional_loss(ddp({"params": params, "buffers": tree["buffers"]}), x, y)
 
-        grad = torch.func.grad(loss)(tree["params"])["w"]
+        # Detached: torch.func.grad of a leaf that requires grad keeps its graph.
+        grad = torch.func.grad(loss)(tree["params"])["w"].detach()
     else:
         compiled = torch.compile(
             lambda t: functional_loss(ddp(t), x, y), backend="aot_eager", fullgraph=True
