@@ -62,10 +62,15 @@ class DistributedDataParallel:
       training. Gradients keep their parameter's strides
       (``channels_last``); complex parameters are reduced as their real
       view.
-    - ``torch.autograd.grad`` / ``torch.func.grad``: the returned gradients
-      are averaged. A leaf this rank did not use at all comes back as
-      torch returns it (``None``, or zeros from ``torch.func.grad``), while the
-      other ranks still receive its contribution as zero.
+    - ``torch.autograd.grad``: the returned gradients are averaged. A leaf
+      this rank did not use at all comes back ``None``, while the other
+      ranks still receive its contribution as zero.
+    - ``torch.func`` transforms (``grad``, ``jacrev``, ``hessian``, ``vmap``,
+      ``jvp`` and their nests) of a function that calls ``ddp(params)`` on
+      what they transform: ``ddp(params)`` is an identity whose backward
+      averages each bucket through a differentiable all-reduce (the psum
+      rule, ``docs/transforms.md``), after the model's backward; every rank
+      gets the average, also of leaves it did not use.
 
     Inside ``torch.compile`` (``fullgraph=True`` included) ``ddp(params)``
     is traced: the same buckets are all-reduced by functional collectives in
