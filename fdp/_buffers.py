@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fdp import _bucket, _compat, _traced
+from fdp import _bucket, _compat
 
 ProcessGroup = dist.ProcessGroup
 
@@ -95,9 +95,7 @@ class Buffers:
                 _compat.foreach_copy_([plain[i] for i in bucket.indices], views)
 
     def _traced(self, targets: list[torch.Tensor]) -> None:
-        # Under a compiled torch.func transform the copy would mutate a
-        # captured tensor, and the reduction cannot be right there anyway.
-        _traced.refuse_compiled_functorch()
+        # Not under a compiled transform: ddp(params) runs eagerly there.
         group = self.group if self.group is not None else dist.group.WORLD
         if group is None:
             raise RuntimeError("fdp.DistributedDataParallel: the default process group is gone")

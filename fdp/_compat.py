@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import datetime
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def functorch_active() -> bool:
@@ -27,6 +30,21 @@ def functorch_active() -> bool:
     # variable is not None); the result's class is traced correctly.
     top: object = torch._C._functorch.peek_interpreter_stack()
     return top.__class__ is not type(None)
+
+
+def one_jvp() -> bool:
+    """Whether exactly one ``torch.func`` transform runs, and it is ``jvp``.
+
+    Call only while :func:`functorch_active`. Traceable by dynamo (its
+    interpreter variable answers ``level`` and ``key``); if
+    ``retrieve_current_functorch_interpreter`` goes, answer False (fdp then
+    refuses every compiled transform, as before).
+    """
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+    top = retrieve_current_functorch_interpreter()
+    jvp = torch._C._functorch.TransformType.Jvp
+    return bool(top.level() == 1 and top.key() == jvp)
 
 
 def current_autograd_node() -> Any:
@@ -178,6 +196,18 @@ def unwrap_functorch(t: torch.Tensor) -> torch.Tensor:
     while functorch.is_gradtrackingtensor(t):
         t = functorch.get_unwrapped(t)
     return t
+
+
+def compiler_disable(fn: F, *, reason: str) -> F:
+    """``torch.compiler.disable(fn, reason=reason)``: dynamo runs ``fn`` eagerly.
+
+    ``reason`` (shown by ``fullgraph=True``'s error) is new in torch 2.7;
+    older versions disable without it.
+    """
+    try:
+        return cast(F, torch.compiler.disable(fn, reason=reason))  # type: ignore[no-untyped-call]
+    except TypeError:
+        return cast(F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
 
 
 def is_transformed(t: torch.Tensor) -> bool:

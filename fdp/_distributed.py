@@ -37,6 +37,16 @@ from fdp._reducer import Reduction, Step
 
 __all__ = ["DistributedDataParallel"]
 
+
+def _ddp_eagerly(ddp: DistributedDataParallel, params: Any) -> Any:
+    return ddp(params)
+
+
+# Where ddp(params) cannot be compiled, dynamo calls it eagerly (a graph
+# break) and, under fullgraph=True, reports fdp's reason.
+_UNDER_TRANSFORM = _compat.compiler_disable(_ddp_eagerly, reason=_traced.UNDER_TRANSFORM)
+_IN_JOIN = _compat.compiler_disable(_ddp_eagerly, reason=_traced.IN_JOIN)
+
 T = TypeVar("T")
 ProcessGroup = dist.ProcessGroup
 
@@ -274,12 +284,14 @@ class DistributedDataParallel:
         leaves = self._checked_leaves(params)
         synchronised = self._sync and torch.is_grad_enabled()
         src, prescale = 0, None
+        if torch.compiler.is_compiling():
+            if self._joiner is not None:
+                return cast(T, _IN_JOIN(self, params))
+            if _traced.eager_only(
+                leaves, buffers=self._buffers is not None and bool(self._buffers.buckets)
+            ):
+                return cast(T, _UNDER_TRANSFORM(self, params))
         if self._joiner is not None:
-            if torch.compiler.is_compiling():
-                raise NotImplementedError(
-                    "fdp.DistributedDataParallel.join: ddp(params) inside torch.compile is not "
-                    "supported in a join block; call ddp(params) outside the compiled function"
-                )
             src, prescale = self._joiner.step(leaves, synchronised=synchronised)
         if self._buffers is not None:
             self._buffers.sync(leaves, src=src)

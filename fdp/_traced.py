@@ -34,14 +34,17 @@ the total (DDP's semantics).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from fdp import _bucket, _comm_hooks, _compat
+from fdp import _bucket, _comm_hooks, _compat, _transforms, _tree
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 ProcessGroup = dist.ProcessGroup
 
@@ -194,6 +197,7 @@ def _width(bucket: _bucket.Bucket, j: int) -> int:
 class _Average(torch.autograd.Function):
     """Identity forward; backward averages the gradients across ranks, bucket by bucket.
 
+
     Inputs: the reduction's constants, then the ``n`` leaves, then the
     ``.grad`` accumulated under ``no_sync`` for the leaves in ``folded``.
     """
@@ -206,7 +210,8 @@ class _Average(torch.autograd.Function):
         n: int,
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        return tuple(t.view_as(t) for t in tensors[:n])
+        # Not tensors[:n]: under a compiled jvp dynamo traces n as a symbol.
+        return tuple(t.view_as(t) for t in tensors[: len(tensors) - len(folded)])
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -245,16 +250,77 @@ class _Average(torch.autograd.Function):
         return (None, None, None, None, *out, *(None for _ in ctx.folded))
 
 
-def refuse_compiled_functorch() -> None:
-    """Raises inside ``torch.compile(torch.func.grad(...))``, where fdp cannot be right."""
+UNDER_TRANSFORM = (
+    "fdp.DistributedDataParallel: ddp(params) cannot be compiled inside this torch.func "
+    "transform: torch 2.13 drops a custom autograd.Function's backward when it compiles a "
+    "transform of the parameters, a nest of transforms, a vmap, or a buffer sync under a "
+    "transform (pytorch/pytorch#193279), so the gradients would not be reduced. Compiled, "
+    "ddp(params) works inside one jvp over other inputs (the MeanFlow pattern). Without "
+    "fullgraph=True, fdp runs ddp(params) and the transform eagerly here (a graph break) and "
+    "the result is right; or compile the loss and call .backward() on its result"
+)
+IN_JOIN = (
+    "fdp.DistributedDataParallel.join: ddp(params) is not compiled in a join block (the "
+    "joined ranks' shadow step is eager). Without fullgraph=True, fdp runs it eagerly here "
+    "(a graph break); or call ddp(params) outside the compiled function"
+)
+
+
+def eager_under_transforms(call: str) -> Callable[[F], F]:
+    """Decorates an entry point that runs collectives: compiled under a
+    ``torch.func`` transform or on forward-mode dual tensors, it runs eagerly.
+
+    Dynamo drops, refuses or miscomputes the derivatives of collectives
+    there (measured on torch 2.13: a jvp through ``all_reduce_grads`` came
+    back zero, a vmap of it wrong); eagerly fdp's psum rule is right.
+    Without ``fullgraph=True`` this is a graph break; with it, dynamo
+    raises and shows the reason below.
+    """
+    reason = (
+        f"{call} is not compiled under a torch.func transform or on forward-mode dual "
+        "tensors: torch 2.13 drops or refuses the derivatives of collectives there "
+        "(pytorch/pytorch#193279). Without fullgraph=True, fdp runs it eagerly here (a graph "
+        "break) and the result is right; or call it outside the compiled function"
+    )
+
+    def wrap(fn: F) -> F:
+        eager = _compat.compiler_disable(fn, reason=reason)
+
+        @functools.wraps(fn)
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling() and _transformed(args, kwargs):
+                return eager(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        return cast(F, entry)
+
+    return wrap
+
+
+def _transformed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if _compat.functorch_active():
-        raise NotImplementedError(
-            "fdp.DistributedDataParallel: ddp(params) inside torch.compile(torch.func.grad(...)) "
-            "would give unreduced gradients: torch 2.13 drops a custom autograd.Function's "
-            "backward when it compiles a torch.func transform (pytorch/pytorch#193279). "
-            "Compile the loss and call .backward() on its result, or run torch.func.grad "
-            "without torch.compile"
-        )
+        return True
+    leaves, _ = _tree.flatten((args, kwargs))
+    return any(isinstance(t, torch.Tensor) and _transforms.has_tangent(t) for t in leaves)
+
+
+def eager_only(leaves: Sequence[Any], *, buffers: bool) -> bool:
+    """Whether ``ddp(params)``, being traced, must run eagerly to be right.
+
+    Compiling a transform that differentiates the parameters drops a custom
+    ``autograd.Function``'s backward (pytorch/pytorch#193279): the reduction
+    would be lost. One ``jvp`` over *other* inputs (the MeanFlow pattern)
+    compiles right: the reduction runs in the ordinary ``.backward()``. A
+    compiled ``vmap`` fails in dynamo on any ``autograd.Function`` (torch
+    2.13), and a buffer sync would mutate a captured tensor.
+    """
+    if not _compat.functorch_active():
+        return False
+    return (
+        buffers
+        or not _compat.one_jvp()
+        or any(isinstance(t, torch.Tensor) and _transforms.has_tangent(t) for t in leaves)
+    )
 
 
 def average(
@@ -270,7 +336,6 @@ def average(
     ``hook`` is :func:`traced_hook`'s answer for the DDP's comm hook;
     ``ties`` maps a leaf to the first leaf holding the same tensor.
     """
-    refuse_compiled_functorch()
     if isinstance(hook, str):
         raise NotImplementedError(hook)
     dtype = hook

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from fdp import _agreement, _optim, _shards, _tree, _zero_comm
+from fdp import _agreement, _optim, _shards, _traced, _tree, _zero_comm
 from fdp._collectives import _tensor_leaves
 from fdp._optim import _check_grad
 from fdp._shards import Part, Shards, ZeroState
@@ -117,6 +117,7 @@ class ZeroRedundancy:
         slots = {k: [st[k] for st in per_part] for k in self._keys}
         return ZeroState(slots, self.shards)
 
+    @_traced.eager_under_transforms("fdp.ZeroRedundancy.step")
     def step(
         self, grads: Any, state: ZeroState, params: T, *, donate: bool = False
     ) -> tuple[T, ZeroState]:

@@ -219,3 +219,27 @@ def test_leaving_join_every_rank_takes_the_last_ranks_parameters(new_tensors: bo
             assert not torch.equal(results[rank]["flat"], reference)
         else:
             torch.testing.assert_close(results[rank]["flat"], results[1]["flat"], rtol=0, atol=0)
+
+
+def _join_compiled(rank: int, size: int) -> list[torch.Tensor]:
+    """As ``_join``, with ``ddp(params)`` inside a compiled loss (run eagerly there)."""
+    torch._dynamo.reset()
+    params = mlp_params(depth=2)
+    ddp = fdp.DistributedDataParallel(params)
+    compiled = torch.compile(lambda p, x, y: loss(ddp(p), x, y), backend="aot_eager")
+    out = []
+    with ddp.join(divide_by_initial_world_size=True):
+        for step in range(BATCHES[rank]):
+            torch.autograd.backward(compiled(params, *data(step, rank)))
+            out.append(flat(params))
+            for t in tensor_leaves(params):
+                t.grad = None
+    return out
+
+
+def test_ddp_inside_a_compiled_loss_in_a_join_block_runs_eagerly() -> None:
+    # Under fullgraph=True dynamo raises instead, with fdp's reason (IN_JOIN).
+    for rank, steps in enumerate(ranks.world(3).run(_join_compiled)):
+        assert len(steps) == BATCHES[rank]
+        for step, got in enumerate(steps):
+            torch.testing.assert_close(got, expected(step, True, 1), **TOL)

@@ -288,7 +288,10 @@ def test_compiled_func_grad_over_ddp_is_refused_under_fullgraph() -> None:
     # Without fullgraph, dynamo runs the transform eagerly and the hooks reduce
     # (test_compile.py::test_ddp_in_compiled_losses_reduces_correctly).
     for message in ranks.world(2).run(_compiled_func_grad):
-        assert "Compile the loss and call .backward()" in message
+        # fdp's reason is dynamo's explanation, not buried in its debug context.
+        explanation = message.splitlines()[1]
+        assert "(reason: fdp.DistributedDataParallel: ddp(params) cannot be compiled" in explanation
+        assert "call .backward() on its result" in explanation
 
 
 def layouts_params() -> dict[str, torch.Tensor]:

@@ -600,3 +600,131 @@ def test_docs_table_matches() -> None:
     documented = {f"{e.strip()} | {t.strip()} | {p.strip()}": v for e, t, p, v in rows}
     expected = {name: ("refused" if name in REFUSED else "ok") for name in CASES}
     assert documented == expected
+
+
+# --- compiled -----------------------------------------------------------------
+#
+# Each case compiles the transformed computation (aot_eager) with and without
+# fullgraph=True. Without it every case gives the reference (where fdp cannot
+# be compiled it runs eagerly: a graph break). With it, the MeanFlow pattern
+# is one graph; elsewhere dynamo raises with fdp's reason as its explanation.
+
+Comp = Callable[[Callable[..., Any]], Callable[..., Any]]  # torch.compile, with fullgraph or not
+Compiled = Callable[["Setup", Comp], tuple[Any, Any]]
+COMPILED: dict[str, Compiled] = {}
+ONE_GRAPH = {"ddp | jvp (MeanFlow) then backward | inside"}
+
+
+def compiled(name: str) -> Callable[[Compiled], Compiled]:
+    def register(fn: Compiled) -> Compiled:
+        COMPILED[name] = fn
+        return fn
+
+    return register
+
+
+@compiled("ddp | jvp (MeanFlow) then backward | inside")
+def _(s: Setup, comp: Comp) -> tuple[Any, Any]:
+    d, p = s.ddp()
+
+    def loss(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        out, du = jvp2(lambda x: model(synced(d, q), x), (x,), (torch.ones_like(x),))
+        loss: torch.Tensor = (out - du.detach()).pow(2).mean()
+        return loss
+
+    got = comp(loss)(p, s.x)
+    backward(got)
+    r = s.w.clone().requires_grad_()
+    ref, dref = jvp2(lambda x: model(r, x), (s.X,), (torch.ones_like(s.X),))
+    backward((ref - dref.detach()).pow(2).mean())
+    return p.grad, r.grad
+
+
+@compiled("ddp | grad | inside")
+def _(s: Setup, comp: Comp) -> tuple[Any, Any]:
+    d, _ = s.ddp()
+    got = comp(lambda w: grad(lambda w: objective(synced(d, w), s.x))(w))(s.w)
+    return got, grad(s.full)(s.w)
+
+
+@compiled("ddp | vmap then backward | inside")
+def _(s: Setup, comp: Comp) -> tuple[Any, Any]:
+    d, p = s.ddp()
+    backward(comp(lambda q, x: vmap(lambda x: model(synced(d, q), x))(x).pow(2).mean())(p, s.x))
+    r = s.w.clone().requires_grad_()
+    backward(model(r, s.X).pow(2).mean())
+    return p.grad, r.grad
+
+
+@compiled("ddp | jvp(grad) | inside")
+def _(s: Setup, comp: Comp) -> tuple[Any, Any]:
+    d, _ = s.ddp()
+
+    def local(q: torch.Tensor) -> torch.Tensor:
+        return objective(synced(d, q), s.x)
+
+    def hvp(w: torch.Tensor, v: torch.Tensor) -> Any:
+        return jvp2(grad(local), (w,), (v,))[1]
+
+    return comp(hvp)(s.w, s.v), jvp2(grad(s.full), (s.w,), (s.v,))[1]
+
+
+@compiled("all_reduce_grads | jvp(grad) | inside")
+def _(s: Setup, comp: Comp) -> tuple[Any, Any]:
+    got = comp(lambda w, v: jvp2(lambda w: ar(grad(objective)(w, s.x)), (w,), (v,))[1])
+    return got(s.w, s.v), jvp2(grad(s.full), (s.w,), (s.v,))[1]
+
+
+@compiled("all_reduce_grads | vmap | inside")
+def _(s: Setup, comp: Comp) -> tuple[Any, Any]:
+    per = vmap(grad(objective), in_dims=(None, 0))(s.w, s.x[:, None])
+    full = vmap(grad(objective), in_dims=(None, 0))(s.w, s.X[:, None])
+    return comp(lambda t: vmap(ar)(t))(per), full.view(s.size, PER, 4, 3).mean(0)
+
+
+@compiled("broadcast_params | jvp | inside")
+def _(s: Setup, comp: Comp) -> tuple[Any, Any]:
+    def f(w: torch.Tensor, v: torch.Tensor) -> Any:
+        return jvp2(lambda w: fdp.broadcast_params({"w": w * (s.rank + 1)})["w"], (w,), (v,))
+
+    return comp(f)(s.w, s.v), (s.w, s.v)
+
+
+@compiled("sync_batch_norm | grad | inside")
+def _(s: Setup, comp: Comp) -> tuple[Any, Any]:
+    b = BN(s)
+    got = comp(lambda x: grad(lambda x: b.loss(b.sync(x), b.k))(x))(b.x)
+    return got, s.mine(grad(b.full_loss)(b.X))
+
+
+def _run_compiled(rank: int, size: int) -> dict[str, str]:
+    out = {}
+    for name, fn in COMPILED.items():
+        for fullgraph in (True, False):
+            torch._dynamo.reset()
+
+            def comp(f: Callable[..., Any], fg: bool = fullgraph) -> Callable[..., Any]:
+                return torch.compile(f, backend="aot_eager", fullgraph=fg)
+
+            key = f"{name} | fullgraph={fullgraph}"
+            try:
+                out[key] = _close(*fn(Setup(rank, size), comp))
+            except Exception as e:  # reported per case
+                head = "\n".join(str(e).splitlines()[:3])
+                fdp_reason = "(reason: fdp." in head and "pytorch/pytorch#193279" in head
+                out[key] = "refused" if fdp_reason else f"raised {type(e).__name__}: {head[:300]}"
+    return out
+
+
+@functools.cache
+def _compiled_matrix() -> list[dict[str, str]]:
+    return ranks.world(2).run(_run_compiled, timeout_s=400)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_compiled(name: str, fullgraph: bool) -> None:
+    expected = "ok" if name in ONE_GRAPH or not fullgraph else "refused"
+    for rank, results in enumerate(_compiled_matrix()):
+        got = results[f"{name} | fullgraph={fullgraph}"]
+        assert got == expected, f"rank {rank}: {got}"
