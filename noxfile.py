@@ -77,6 +77,13 @@ def train_zero(session: nox.Session) -> None:
 
 
 @nox.session
+def train_meanflow(session: nox.Session) -> None:
+    """A one-step MeanFlow generator on 2 processes, ddp(params) inside torch.func.jvp."""
+    install(session, "examples")
+    session.run(*TORCHRUN, "examples/train_meanflow.py", *session.posargs, env=COMPILE_CACHE)
+
+
+@nox.session
 def examples(session: nox.Session) -> None:
     """Runs every example briefly."""
     install(session, "examples")
@@ -93,6 +100,9 @@ def examples(session: nox.Session) -> None:
     zero = (*TORCHRUN, "examples/train_digits_zero.py", *ckpt, "30")
     session.run(*zero, "--epochs", "3", "--min-accuracy", "0")
     session.run(*zero, "--resume", "--min-accuracy", "0.95")
+    # MeanFlow: ddp(params) inside jvp, eager and compiled; one-step samples within the MMD bound.
+    session.run(*TORCHRUN, "examples/train_meanflow.py")
+    session.run(*TORCHRUN, "examples/train_meanflow.py", "--compile", env=COMPILE_CACHE)
     for script in ("train_digits.py", "train_digits_ddp.py"):
         launch = ("python",) if script == "train_digits.py" else TORCHRUN
         session.run(

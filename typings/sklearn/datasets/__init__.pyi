@@ -9,3 +9,11 @@ class Bunch(dict[str, Any]):
     images: npt.NDArray[np.float64]
 
 def load_digits(*, n_class: int = 10, return_X_y: bool = False, as_frame: bool = False) -> Bunch: ...
+
+def make_moons(
+    n_samples: int = 100,
+    *,
+    shuffle: bool = True,
+    noise: float | None = None,
+    random_state: int | None = None,
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]: ...
