@@ -119,4 +119,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_distributed.py", *session.posargs)
     session.run("python", "benchmarks/bench_optim.py", *session.posargs, env=COMPILE_CACHE)
     session.run("python", "benchmarks/bench_zero.py", *session.posargs)
+    session.run(
+        "python", "benchmarks/bench_meanflow.py", "--compile", *session.posargs, env=COMPILE_CACHE
+    )
     session.run("python", "benchmarks/zero_memory.py")
