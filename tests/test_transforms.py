@@ -728,3 +728,16 @@ def test_compiled(name: str, fullgraph: bool) -> None:
     for rank, results in enumerate(_compiled_matrix()):
         got = results[f"{name} | fullgraph={fullgraph}"]
         assert got == expected, f"rank {rank}: {got}"
+
+
+def test_compiled_docs_table_matches() -> None:
+    """docs/transforms.md's compiled table lists exactly these cases, each with its verdict."""
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "transforms.md").read_text()
+    rows = re.findall(
+        r"^\| `?([^|`]+?)`? \| ([^|]+?) \| ([^|]+?) \| (one graph|fdp's reason) \| reference \|$",
+        text,
+        re.M,
+    )
+    documented = {f"{e.strip()} | {t.strip()} | {p.strip()}": v for e, t, p, v in rows}
+    expected = {n: ("one graph" if n in ONE_GRAPH else "fdp's reason") for n in COMPILED}
+    assert documented == expected
