@@ -46,8 +46,13 @@ class _Broadcast(torch.autograd.Function):
     """Forward: coalesced copies; backward: coalesced reduce-add to the sources.
 
     Written in the ``setup_context`` style so that it runs under
-    ``torch.func.grad``; ``copies`` is a non-tensor input.
+    ``torch.func.grad``; ``copies`` is a non-tensor input. A copy is linear:
+    its jvp copies the tangents the same way (through this Function again,
+    so that nests of transforms compose), the backward is plain
+    differentiable ops, and ``vmap`` batches the forward.
     """
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(copies: tuple[_Copy, ...], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -60,7 +65,16 @@ class _Broadcast(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         copies: tuple[_Copy, ...] = inputs[0]
         ctx.copies = copies
-        ctx.sources = [(t.device, t.shape) for t in inputs[1:]]
+        ctx.sources = [(t.device, t.shape, t.dtype) for t in inputs[1:]]
+
+    @staticmethod
+    def jvp(ctx: Any, _copies: None, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        filled = [
+            t if t is not None else torch.zeros(shape, device=device, dtype=dtype)
+            for t, (device, shape, dtype) in zip(tangents, ctx.sources, strict=True)
+        ]
+        out: tuple[torch.Tensor, ...] = _Broadcast.apply(ctx.copies, *filled)  # type: ignore[no-untyped-call]
+        return out
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

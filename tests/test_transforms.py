@@ -35,6 +35,7 @@ from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 
 import fdp
 from tests import ranks
+from tests.helpers import fake, label
 
 D = torch.float64
 PER = 4  # examples per rank
@@ -313,6 +314,76 @@ def _(s: Setup) -> tuple[Any, Any]:
         out = ar(dual(grad(objective)(s.w, s.x), grad(objective)(s.v, s.x)))
         tangent = tangent_of(out)
     return tangent, grad(lambda w: objective(w, s.X))(s.v)
+
+
+# --- data_parallel ------------------------------------------------------------
+#
+# One process, two replicas: the reference is the model itself on the same
+# batch. On CPU replicas the replicas share the parameters; on fake devices
+# (CPU data labelled meta:N, tests/helpers.py) they are copied by
+# replicate's Function, whose jvp and vmap rules copy the tangents the same
+# way. The fake devices cannot carry forward-mode tangents (the subclass
+# loses its label there), so they run the reverse-mode and vmap rows.
+
+Model = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _dp_transforms(s: Setup) -> dict[str, Callable[[Model], torch.Tensor]]:
+    def loss(f: Model) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda w: f(w, s.X).pow(2).mean()
+
+    def meanflow(f: Model) -> torch.Tensor:
+        p = s.w.clone().requires_grad_()
+        out, du = jvp2(lambda x: f(p, x), (s.X,), (torch.ones_like(s.X),))
+        backward((out - du.detach()).pow(2).mean())
+        return p.grad  # type: ignore[return-value]
+
+    def forward_ad(f: Model) -> torch.Tensor:
+        with fwAD.dual_level():
+            return tangent_of(f(dual(s.w, s.v), s.X))  # type: ignore[return-value]
+
+    return {
+        "grad": lambda f: grad(loss(f))(s.w),
+        "jvp": lambda f: jvp2(loss(f), (s.w,), (s.v,))[1],
+        "vmap": lambda f: vmap(lambda x: f(s.w, x[None]).sum())(s.X),
+        "vmap(grad)": lambda f: vmap(
+            grad(lambda w, x: f(w, x[None]).pow(2).sum()), in_dims=(None, 0)
+        )(s.w, s.X),
+        "jvp(grad)": lambda f: jvp2(grad(loss(f)), (s.w,), (s.v,))[1],
+        "grad(grad)": lambda f: grad(lambda w: (grad(loss(f))(w) * s.v).sum())(s.w),
+        "jacrev": lambda f: jacrev(loss(f))(s.w),
+        "jacfwd": lambda f: jacfwd(loss(f))(s.w),
+        "hessian": lambda f: hessian(loss(f))(s.w),
+        "forward_ad": forward_ad,
+        "jvp (MeanFlow) then backward": meanflow,
+    }
+
+
+FAKE_DEVICE_ROWS = ("grad", "vmap", "vmap(grad)", "grad(grad)", "jacrev")
+
+
+def _dp_case(transform: str, *, on_fake: bool) -> Case:
+    def run(s: Setup) -> tuple[Any, Any]:
+        how = _dp_transforms(s)[transform]
+        if not on_fake:
+            return how(lambda w, x: fdp.data_parallel(model, w, x, devices=["cpu", "cpu"])), how(
+                model
+            )
+        s.w, s.v, s.X = (label(t, 0) for t in (s.w, s.v, s.X))
+
+        def replicated(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = fdp.data_parallel(model, w, x, devices=[fake(0), fake(1)])
+            return out
+
+        return how(replicated).data_, how(model).data_  # type: ignore[attr-defined]
+
+    return run
+
+
+for _t in _dp_transforms(Setup(0, 1)):
+    CASES[f"data_parallel | {_t} | inside"] = _dp_case(_t, on_fake=False)
+for _t in FAKE_DEVICE_ROWS:
+    CASES[f"data_parallel (fake devices) | {_t} | inside"] = _dp_case(_t, on_fake=True)
 
 
 # --- broadcast_params ---------------------------------------------------------
