@@ -373,8 +373,12 @@ def _is_param(t: Any) -> bool:
 
 
 def _check(name: str, arg: str, value: Any, ok: Callable[[Any], bool], expected: str) -> None:
-    if isinstance(value, torch.Tensor) and _compat.is_transformed(value):
-        return  # a vmapped or differentiated hyperparameter: its values cannot be read here
+    if isinstance(value, torch.Tensor) and (
+        torch.compiler.is_compiling() or _compat.is_transformed(value)
+    ):
+        # Vmapped or differentiated, its values cannot be read here; while
+        # compiling, reading one would break the graph (checked eagerly).
+        return
     scalar = (
         float(value.detach()) if isinstance(value, torch.Tensor) and value.dim() == 0 else value
     )
