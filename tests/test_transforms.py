@@ -158,6 +158,26 @@ def _(s: Setup) -> tuple[Any, Any]:
     return _meanflow(s, inside=False)
 
 
+@case("ddp | jvp (MeanFlow), make_functional LayerNorm net | inside")
+def _(s: Setup) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(4, 5), torch.nn.LayerNorm(5), torch.nn.Tanh(), torch.nn.Linear(5, 3)
+    ).double()
+    fn, state = fdp.make_functional(net)
+    d = fdp.DistributedDataParallel(state)
+
+    def step(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+        out, du = jvp2(f, (x,), (torch.ones_like(x),))
+        backward((out - du.detach()).pow(2).mean())
+
+    step(lambda x: fn(d(state), x), s.x)
+    got = [t.grad for t in state.values()]
+    ref = {k: t.detach().clone().requires_grad_() for k, t in state.items()}
+    step(lambda x: fn(ref, x), s.X)
+    return got, [t.grad for t in ref.values()]
+
+
 @case("ddp | vmap then backward | inside")
 def _(s: Setup) -> tuple[Any, Any]:
     d, p = s.ddp()
@@ -656,7 +676,7 @@ def _matrix(size: int) -> list[dict[str, str]]:
     return ranks.world(size).run(_run_all, timeout_s=300)
 
 
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", [1, 2, 3])
 @pytest.mark.parametrize("name", list(CASES))
 def test_matrix(name: str, size: int) -> None:
     expected = "refused" if name in REFUSED else "ok"
