@@ -101,6 +101,8 @@ class Optimizer:
                 )
             return self._differentiable_update(p, g, s, live, spec)
         with torch.no_grad():
+            if donate:
+                p = _untied(p, live)
             old_steps = [s["step"][i] for i in live]
             if donate:
                 torch._foreach_add_(old_steps, 1)
@@ -336,6 +338,41 @@ def _differentiable(lr: Any, p: list[Any], g: list[Any], s: dict[str, list[Any]]
     if any(_transforms.has_tangent(t) for t in (*tensors, *p) if isinstance(t, torch.Tensor)):
         return True
     return torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *computed))
+
+
+def _untied(p: list[Any], live: list[int]) -> list[Any]:
+    """``p`` with a copy at every leaf whose memory another leaf holds (tied weights).
+
+    Written in place, memory at two leaves would be stepped twice; the copy
+    is stepped once, from the same values, as the pure step steps each leaf
+    (and, as there, the results are no longer tied). Overlap is judged by
+    the span of addresses (ZeRO's pieces of one tensor at two leaves need
+    not have the same shape), in one sweep over the sorted spans.
+    """
+    out = list(p)
+    if torch.compiler.is_compiling():  # dynamo cannot read data pointers: identity only
+        seen: set[int] = set()
+        for i in live:
+            if id(p[i]) in seen:
+                out[i] = _copy(p[i])
+            seen.add(id(p[i]))
+        return out
+    spans = sorted((_span(p[i]), i) for i in live if p[i].numel())
+    end = -1
+    for (start, stop), i in spans:
+        if start < end:
+            out[i] = _copy(p[i])
+        end = max(end, stop)
+    return out
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True)) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone(memory_format=torch.preserve_format).requires_grad_(t.requires_grad)
 
 
 def _like(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

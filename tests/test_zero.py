@@ -335,3 +335,25 @@ def _donated_vs_pure(rank: int, size: int, stage: int) -> bool:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_donated_step_gives_the_pure_steps_results(stage: int) -> None:
     assert all(ranks.world(2).run(_donated_vs_pure, stage))
+
+
+def _tied_donated_vs_pure(rank: int, size: int, stage: int) -> list[list[torch.Tensor]]:
+    runs = []
+    for donate in (False, True):
+        w = torch.zeros(3)
+        params = {"a": w, "b": w, "c": torch.ones(5)}  # a and b in one rank's slice
+        zero = fdp.ZeroRedundancy(fdp.optim.sgd(1.0), params, stage=stage)
+        state = zero.init(params)
+        grads = {"a": torch.ones(3), "b": torch.ones(3), "c": torch.full((5,), float(rank))}
+        params, state = zero.step(grads, state, params, donate=donate)
+        runs.append([params["a"].clone(), params["b"].clone(), params["c"].clone()])
+    return runs
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_donated_step_steps_a_tied_tensor_once(stage: int) -> None:
+    # The pure step (and torch) give -1 at both leaves; stepped twice in place, -2.
+    for pure, donated in ranks.world(2).run(_tied_donated_vs_pure, stage):
+        assert torch.equal(pure[0], torch.full((3,), -1.0))
+        for a, b in zip(pure, donated, strict=True):
+            assert torch.equal(a, b)
