@@ -123,8 +123,24 @@ def load_checkpoint(
         fill()
     if restore:
         _set_rng_state(entries[key])
-    out: Any = optree.tree_unflatten(spec, [leaf.result(entries) for leaf in leaves])
+    results = [leaf.result(entries) for leaf in leaves]
+    for later, first in _ties(like).items():
+        results[later] = results[first]
+    out: Any = optree.tree_unflatten(spec, results)
     return out  # type: ignore[no-any-return]
+
+
+def _ties(like: Any) -> dict[int, int]:
+    """Leaf index -> the first leaf holding the same tensor (``load_state_dict`` keeps ties)."""
+    flat = optree.tree_leaves(like, is_leaf=lambda x: isinstance(x, ZeroState), none_is_leaf=True)
+    first: dict[int, int] = {}
+    ties = {}
+    for i, value in enumerate(flat):
+        if isinstance(value, torch.Tensor):
+            j = first.setdefault(id(value), i)
+            if j != i:
+                ties[i] = j
+    return ties
 
 
 class _Leaf:

@@ -206,3 +206,16 @@ def test_an_unsharded_state_resumes_under_zero(tmp_path: Path) -> None:
     for got in ranks.world(3).run(_resume_unsharded, path):
         for g, e in zip(got, expected, strict=True):
             torch.testing.assert_close(g, e.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_tensor_at_two_paths_stays_tied(tmp_path: Path) -> None:
+    # torch.nn.Module.load_state_dict keeps tied weights tied; so does fdp.
+    w = torch.randn(3, requires_grad=True)
+    fdp.save_checkpoint(tmp_path / "c", {"emb": w, "head": w, "other": torch.ones(2)})
+    like = {"emb": torch.zeros(3, requires_grad=True), "other": torch.zeros(2)}
+    like["head"] = like["emb"]
+    loaded = fdp.load_checkpoint(tmp_path / "c", like)
+    assert loaded["emb"] is loaded["head"]
+    assert loaded["emb"].requires_grad
+    torch.testing.assert_close(loaded["emb"], w.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(loaded["other"], torch.ones(2), rtol=0, atol=0)
