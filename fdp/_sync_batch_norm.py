@@ -227,6 +227,11 @@ def sync_batch_norm(
         raise ValueError(
             f"fdp.sync_batch_norm: `x` expected shape (N, C, *); got shape {tuple(x.shape)}"
         )
+    if isinstance(momentum, bool) or not isinstance(momentum, int | float):
+        raise TypeError(
+            f"fdp.sync_batch_norm: `momentum` expected a float; got {momentum!r} (for "
+            "BatchNorm's momentum=None, a cumulative average, pass 1 / num_batches_tracked)"
+        )
     if not training:
         return F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps)
     c = x.shape[1]
@@ -237,10 +242,24 @@ def sync_batch_norm(
         y, mean, var, n = _composite(x, w, b, eps, group_)
     else:
         y, mean, var, n = _SyncBatchNorm.apply(x, w, b, eps, group_)  # type: ignore[no-untyped-call]
-    if running_mean is not None and running_var is not None:
+    count = _count(n)
+    if count == 1:  # the same on every rank: every rank raises it
+        raise ValueError(
+            "fdp.sync_batch_norm: `x` expected more than 1 value per channel in the global "
+            f"batch when training (as F.batch_norm); got 1 over all ranks (this rank's x has "
+            f"shape {tuple(x.shape)})"
+        )
+    if running_mean is not None and running_var is not None and count != 0:
         _update_running(running_mean, running_var, mean, var * n / (n - 1).clamp_min(1), momentum)
     out: torch.Tensor = y
     return out
+
+
+def _count(n: torch.Tensor) -> int | None:
+    """The global batch's values per channel, where it can be read (None while tracing)."""
+    if torch.compiler.is_compiling() or _compat.functorch_active():
+        return None
+    return int(n.reshape(-1)[0])
 
 
 def _update_running(
@@ -286,6 +305,10 @@ def _synced_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         return F.batch_norm(
             x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
         )
+    if not self.training:  # no running statistics in eval: local ones, as SyncBatchNorm
+        return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+    # nn.SyncBatchNorm's own process_group wins over make_functional's group.
+    group = getattr(self, "process_group", None) or self.__dict__.get("_fdp_group")
     return sync_batch_norm(
         x,
         self.running_mean if tracked else None,
@@ -294,7 +317,7 @@ def _synced_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         self.bias,
         momentum=momentum,
         eps=self.eps,
-        group=self.__dict__.get("_fdp_group"),
+        group=group,
     )
 
 

@@ -220,3 +220,57 @@ def test_make_functional_sync_batch_norm_matches_the_global_batch(how: str) -> N
         for name, buf in net.named_buffers():
             torch.testing.assert_close(r[f"buffer.{name}"], buf, **loose)
         torch.testing.assert_close(r["eval"], net(p["x"][my_slice(rank, size)]), **loose)
+
+
+def _edges(rank: int, size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    rm, rv = torch.zeros(3), torch.ones(3)
+    # One value per channel in the whole global batch: every rank raises, as torch does.
+    try:
+        fdp.sync_batch_norm(torch.randn(1 if rank == 0 else 0, 3), rm, rv)
+        out["one"] = "ran"
+    except ValueError as e:
+        out["one"] = str(e)
+    # An empty global batch leaves the running statistics as they were.
+    y = fdp.sync_batch_norm(torch.randn(0, 3, 2), rm, rv)
+    out["empty"] = (tuple(y.shape), rm.clone(), rv.clone())
+    # eval() without running statistics: local batch statistics, no collective
+    # (only rank 0 evaluates; a collective would hang).
+    bn = torch.nn.BatchNorm1d(3, track_running_stats=False).eval()
+    fn, state = fdp.make_functional(bn, sync_batch_norm=True)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))
+    if rank == 0:
+        out["eval"] = (fn(state, x).detach(), bn(x).detach())
+    # nn.SyncBatchNorm's own process_group: ranks 0-1 together, rank 2 alone.
+    groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2])]
+    sbn = torch.nn.SyncBatchNorm(3, process_group=groups[0 if rank < 2 else 1])
+    fn, state = fdp.make_functional(sbn, sync_batch_norm=True)
+    out["group"] = fn(state, torch.randn(4, 3, generator=torch.Generator().manual_seed(rank)))
+    out["group"] = out["group"].detach()
+    return out
+
+
+def test_edges_match_torch() -> None:
+    results = ranks.world(3).run(_edges)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel") as e:
+        F.batch_norm(torch.randn(1, 3), torch.zeros(3), torch.ones(3), training=True)
+    assert e.type is ValueError
+    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    for rank, out in enumerate(results):
+        assert "more than 1 value per channel in the global batch" in out["one"]
+        shape, rm, rv = out["empty"]
+        assert shape == (0, 3, 2)
+        torch.testing.assert_close(rm, torch.zeros(3), rtol=0, atol=0)
+        torch.testing.assert_close(rv, torch.ones(3), rtol=0, atol=0)
+        if rank == 0:
+            got, expected = out["eval"]
+            torch.testing.assert_close(got, expected)
+        members = [0, 1] if rank < 2 else [2]
+        batch = torch.cat([xs[r] for r in members])
+        expected = F.batch_norm(batch, None, None, training=True)[members.index(rank) * 4 :][:4]
+        torch.testing.assert_close(out["group"], expected, **TOL)
+
+
+def test_momentum_none_is_refused_clearly() -> None:
+    with pytest.raises(TypeError, match="`momentum` expected a float; got None"):
+        fdp.sync_batch_norm(torch.randn(4, 3), torch.zeros(3), torch.ones(3), momentum=None)  # type: ignore[arg-type]
