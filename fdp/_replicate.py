@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fdp import _bucket, _compat, _tree
+from fdp import _bucket, _compat, _transforms, _tree
 from fdp._device import DeviceLike, as_devices
 
 __all__ = ["replicate"]
@@ -47,9 +47,8 @@ class _Broadcast(torch.autograd.Function):
 
     Written in the ``setup_context`` style so that it runs under
     ``torch.func.grad``; ``copies`` is a non-tensor input. A copy is linear:
-    its jvp copies the tangents the same way (through this Function again,
-    so that nests of transforms compose), the backward is plain
-    differentiable ops, and ``vmap`` batches the forward.
+    the backward is plain differentiable ops, ``vmap`` batches the forward,
+    and :class:`_BroadcastForward` adds the jvp.
     """
 
     generate_vmap_rule = True
@@ -68,15 +67,6 @@ class _Broadcast(torch.autograd.Function):
         ctx.sources = [(t.device, t.shape, t.dtype) for t in inputs[1:]]
 
     @staticmethod
-    def jvp(ctx: Any, _copies: None, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        filled = [
-            t if t is not None else torch.zeros(shape, device=device, dtype=dtype)
-            for t, (device, shape, dtype) in zip(tangents, ctx.sources, strict=True)
-        ]
-        out: tuple[torch.Tensor, ...] = _Broadcast.apply(ctx.copies, *filled)  # type: ignore[no-untyped-call]
-        return out
-
-    @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         totals: list[torch.Tensor | None] = [None] * len(ctx.sources)
         offset = 0
@@ -88,6 +78,24 @@ class _Broadcast(torch.autograd.Function):
                 total = totals[i]
                 totals[i] = g if total is None else total + g
         return (None, *totals)
+
+
+class _BroadcastForward(_Broadcast):
+    """:class:`_Broadcast` with a jvp: the tangents are copied the same way.
+
+    The jvp goes through this Function again, so that nests of transforms
+    compose. Eager only: dynamo cannot trace a Function with a custom jvp
+    (torch 2.13).
+    """
+
+    @staticmethod
+    def jvp(ctx: Any, _copies: None, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        filled = [
+            t if t is not None else torch.zeros(shape, device=device, dtype=dtype)
+            for t, (device, shape, dtype) in zip(tangents, ctx.sources, strict=True)
+        ]
+        out: tuple[torch.Tensor, ...] = _BroadcastForward.apply(ctx.copies, *filled)  # type: ignore[no-untyped-call]
+        return out
 
 
 def _plan(tensors: list[torch.Tensor], targets: list[torch.device]) -> tuple[_Copy, ...]:
@@ -210,7 +218,11 @@ def _replicate(
             continue
         _refuse_compiled_transform(call)
         if use_autograd:
-            outputs: Sequence[torch.Tensor] = _Broadcast.apply(copies, *tensors)  # type: ignore[no-untyped-call]
+            forward_mode = not torch.compiler.is_compiling() and (
+                _compat.functorch_active() or any(_transforms.has_tangent(t) for t in tensors)
+            )
+            fn = _BroadcastForward if forward_mode else _Broadcast
+            outputs: Sequence[torch.Tensor] = fn.apply(copies, *tensors)  # type: ignore[no-untyped-call]
         else:
             with torch.no_grad():
                 outputs = _Broadcast.forward(copies, *tensors)
