@@ -132,13 +132,17 @@ class ZeroRedundancy:
         gradients of the same structure, ``None`` included.
         """
         call = "fdp.ZeroRedundancy.step"
-        p = self._checked_params(call, params)
-        g = self._checked_grads(call, grads, params, p)
-        if not isinstance(state, ZeroState) or state.shards is not self.shards:
-            raise ValueError(
-                f"{call}: `state` expected the ZeroState this ZeroRedundancy's init returned; "
-                f"got {_tree.describe(state)}"
-            )
+        try:
+            p = self._checked_params(call, params)
+            g = self._checked_grads(call, grads, params, p)
+            if not isinstance(state, ZeroState) or state.shards is not self.shards:
+                raise ValueError(
+                    f"{call}: `state` expected the ZeroState this ZeroRedundancy's init "
+                    f"returned; got {_tree.describe(state)}"
+                )
+        except (ValueError, TypeError) as e:
+            self._share(call, e, grads)
+            raise
         slots_now = _tree.flatten(state.slots)[0]
         lr = getattr(self.optimizer, "lr", None)
         differentiable = not torch.compiler.is_compiling() and _optim._differentiable(
@@ -157,11 +161,14 @@ class ZeroRedundancy:
                 if comm.traced or differentiable
                 else self._fingerprint(grads, g).start(self.group)
             )
-            started = [comm.reduce(k, _pack(part, g, world)) for k, part in enumerate(parts)]
+            # The check ends before the first reduction: a rank whose grads
+            # differ exchanges nothing else, so no collective may pair wrongly.
+            packed = [_pack(part, g, world) for part in parts]
             if checking is not None:
                 self._fingerprint(grads, g).finish(
                     checking, group=self.group, call=call, arg="grads"
                 )
+            started = [comm.reduce(k, flat) for k, flat in enumerate(packed)]
             gathers, slots = [], {k: list(v) for k, v in state.slots.items()}
             for k, part in enumerate(parts):
                 reduced = comm.reduced(started[k])
@@ -259,6 +266,25 @@ class ZeroRedundancy:
                 _check_grad(call, params, i, p[i], leaves[i])
                 out[i] = leaves[i]
         return out
+
+    def _share(self, call: str, error: Exception, grads: Any) -> None:
+        """Makes this rank's input error every rank's, in the exchange the others run.
+
+        The other ranks are in the grads check, the first collective of a
+        step: this rank takes part with its grads' signature and its error
+        appended, so that every rank raises the same error rather than
+        the others waiting in the reduction.
+        """
+        if torch.compiler.is_compiling() or self.shards.world == 1:
+            return
+        try:
+            leaves = _tree.flatten(grads)[0]
+            described = _agreement.signature(grads, leaves, "grads", requires_grad=False)
+        except (ValueError, TypeError):
+            described = []
+        described.append(("<this rank's error>", f"{type(error).__name__}: {error}"))
+        fingerprint = _agreement.Fingerprint(described)
+        fingerprint.finish(fingerprint.start(self.group), group=self.group, call=call, arg="grads")
 
     def _fingerprint(self, grads: Any, g: Sequence[torch.Tensor | None]) -> _agreement.Fingerprint:
         """The fingerprint of this pattern of ``None`` gradients (computed once per pattern)."""

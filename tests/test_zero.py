@@ -241,6 +241,43 @@ def test_ranks_disagreeing_on_none_grads_all_raise() -> None:
         assert "grads['b']" in message
 
 
+def _one_rank_wrong(rank: int, size: int, how: str) -> list[str]:
+    params = {"a": torch.ones(3), "b": torch.ones(2)}
+    messages = []
+    for stage in (1, 2):
+        zero = fdp.ZeroRedundancy(fdp.optim.sgd(0.1), params, stage=stage)
+        state = zero.init(params)
+        grads: Any = {"a": torch.ones(3), "b": torch.ones(2)}
+        if rank == 1:
+            grads = {
+                "structure": {"a": torch.ones(3)},
+                "shape": {"a": torch.ones(3), "b": torch.ones(4)},
+                "state": grads,
+            }[how]
+        try:
+            zero.step(grads, state if rank == 0 or how != "state" else {}, params)
+            messages.append("no error")
+        except ValueError as e:
+            messages.append(str(e))
+        # The world is usable afterwards: a good step agrees.
+        good = {"a": torch.ones(3), "b": torch.ones(2)}
+        new, _ = zero.step(good, state, params)
+        messages.append(str(float(new["a"][0])))
+    return messages
+
+
+@pytest.mark.parametrize("how", ["structure", "shape", "state"])
+def test_one_rank_with_bad_input_makes_every_rank_raise_the_same_error(how: str) -> None:
+    # Before: that rank raised, the others waited in the reduction until the timeout.
+    results = ranks.world(2).run(_one_rank_wrong, how)
+    for messages in results:
+        for error, after in zip(messages[::2], messages[1::2], strict=True):
+            assert error.startswith("fdp.ZeroRedundancy.step: `grads` differs across ranks")
+            assert "rank 1 has" in error
+            assert after == str(float(torch.tensor(1.0) - 0.1))
+    assert results[0] == results[1]
+
+
 def _bad_input(rank: int, size: int) -> None:
     params = {"a": torch.ones(3), "b": [torch.ones(2, 2)]}
     zero = fdp.ZeroRedundancy(fdp.optim.adam(0.1), params)
