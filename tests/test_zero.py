@@ -255,7 +255,8 @@ def _one_rank_wrong(rank: int, size: int, how: str) -> list[str]:
                 "state": grads,
             }[how]
         try:
-            zero.step(grads, state if rank == 0 or how != "state" else {}, params)
+            given: Any = state if rank == 0 or how != "state" else {}
+            zero.step(grads, given, params)
             messages.append("no error")
         except ValueError as e:
             messages.append(str(e))
