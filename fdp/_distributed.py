@@ -88,12 +88,12 @@ class DistributedDataParallel:
     the fp16/bf16 ones; there a leaf that no rank used gets a zero ``.grad``.
 
     Buffers, the tensor leaves that do not require grad (BatchNorm's running
-    statistics, integer counters), get rank 0's values in place on every
-    call when ``broadcast_buffers`` is true (under ``no_sync`` and
-    ``torch.no_grad`` too), coalesced into one broadcast per device and
-    dtype, eagerly, under ``torch.func`` and while compiling. Rank 0's
-    buffers evolve exactly as under torch's DDP, which skips the broadcast
-    on calls that do not follow a synchronised training call. Reentrant activation checkpointing
+    statistics, integer counters), get rank 0's values in place at
+    construction and on every synchronised call (grad enabled, not under ``no_sync``) when
+    ``broadcast_buffers`` is true, coalesced into one broadcast per device
+    and dtype, eagerly, under ``torch.func`` and while compiling; as torch's
+    DDP, a call under ``torch.no_grad`` or ``no_sync`` communicates nothing,
+    so one rank may evaluate alone. Reentrant activation checkpointing
     (``use_reentrant=True``) works: the reduction finishes when the outermost
     backward does. Refused with a clear error: backward with
     ``create_graph=True`` (double backward through the reduced gradients),
@@ -151,6 +151,8 @@ class DistributedDataParallel:
         every = [t if isinstance(t, torch.Tensor) else None for t in leaves]
         self._meta = [None if t is None else (t.shape, t.dtype, t.device) for t in every]
         self._buffers = _buffers.Buffers(every, group) if broadcast_buffers else None
+        if self._buffers is not None:  # as torch's DDP at construction: no_sync calls use them
+            self._buffers.sync(leaves, src=0)
         self._every = _buffers.Buffers(every, group, with_params=True)  # join's final sync
         self._refs = _join.weak(leaves)  # the tensors join synchronises if none come later
         self._layout = _bucket.Layout(tensors, cap_bytes=cap, first_cap_bytes=first_cap)
@@ -293,7 +295,7 @@ class DistributedDataParallel:
                 return cast(T, _UNDER_TRANSFORM(self, params))
         if self._joiner is not None:
             src, prescale = self._joiner.step(leaves, synchronised=synchronised)
-        if self._buffers is not None:
+        if self._buffers is not None and synchronised:  # as torch: one rank may evaluate
             self._buffers.sync(leaves, src=src)
         if not synchronised:
             return params

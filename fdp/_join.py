@@ -186,7 +186,7 @@ class Joiner:
                 if active == 0:
                     self._sync_final()
                     return
-                if self.buffers is not None:
+                if self.buffers is not None and reduces:  # training ranks sync buffers then
                     self.buffers.shadow(src=first)
                 if reduces:
                     for bucket in self.buckets:

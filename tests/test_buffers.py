@@ -53,7 +53,10 @@ def _train(rank: int, size: int, broadcast: bool) -> dict[str, Any]:
         torch_opt.zero_grad()
     trained = buffers_of(state)
     torch_trained = {k: v.clone() for k, v in torch_ddp.module.named_buffers()}
-    # One more call, outside training: torch's DDP broadcasts there too.
+    # One more call, outside training. torch's DDP broadcasts there (its first
+    # forward after a synchronised one does); fdp communicates nothing under
+    # no_grad, so that one rank may evaluate alone: each rank keeps the
+    # buffers its own last forward left, rank 0's being torch's.
     with torch.no_grad():
         ddp(state)
         torch_ddp.eval()
@@ -77,8 +80,8 @@ def test_batch_norm_buffers_match_torch_ddp_and_agree_across_ranks(size: int) ->
         for k, v in r["params"].items():
             torch.testing.assert_close(v, r["torch_params"][k], **TOL)
         for k, v in r["synced"].items():
-            assert torch.equal(v, results[0]["synced"][k]), k  # bitwise rank 0's
-            torch.testing.assert_close(v, r["torch_synced"][k], **TOL)
+            assert torch.equal(v, r["trained"][k]), k  # nothing communicated under no_grad
+            torch.testing.assert_close(results[0]["synced"][k], r["torch_synced"][k], **TOL)
 
 
 def test_without_broadcast_each_rank_keeps_its_own_buffers() -> None:
@@ -158,7 +161,34 @@ def _broadcasts(rank: int, size: int) -> list[bool]:
     return seen
 
 
-def test_buffers_broadcast_on_every_call() -> None:
-    # Also under no_sync and no_grad: every forward starts from rank 0's buffers.
-    for seen in ranks.world(2).run(_broadcasts):
-        assert seen == [True] * 5
+def test_buffers_broadcast_on_every_synchronised_call() -> None:
+    # As torch's DDP: not under no_sync or no_grad, which communicate nothing.
+    for rank, seen in enumerate(ranks.world(2).run(_broadcasts)):
+        assert seen == [True, rank == 0, rank == 0, rank == 0, True]
+
+
+def _evaluate_alone(rank: int, size: int) -> list[torch.Tensor]:
+    """Rank 0 validates alone (no_grad, a model with buffers); then both train a step."""
+    tree = functional_tree(rank)
+    ddp = fdp.DistributedDataParallel(tree)
+    tree["buffers"]["scale"].fill_(1.0 + rank)
+    out = []
+    if rank == 0:
+        with torch.no_grad():
+            out.append(functional_loss(ddp(tree), *batch(4)).detach())
+    tree["buffers"]["scale"].fill_(1.0 + rank)
+    ddp(tree)  # a training call: rank 0's buffers everywhere
+    out.append(tree["buffers"]["scale"].clone())
+    return out
+
+
+def test_one_rank_may_evaluate_alone() -> None:
+    # torch's test_ddp_inference: before, rank 0 waited in the buffers' broadcast.
+    results = ranks.world(2).run(_evaluate_alone)
+    reference = functional_tree(0)
+    reference["buffers"]["scale"].fill_(1.0)
+    with torch.no_grad():
+        expected = functional_loss(reference, *batch(4))
+    torch.testing.assert_close(results[0][0], expected)
+    for out in results:
+        torch.testing.assert_close(out[-1], torch.ones_like(out[-1]))
