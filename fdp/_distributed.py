@@ -12,6 +12,8 @@ buffers in ``fdp/_buffers.py`` and ``join`` in ``fdp/_join.py``;
 from __future__ import annotations
 
 import dataclasses
+import functools
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
@@ -36,6 +38,12 @@ from fdp._join import Joiner
 from fdp._reducer import Reduction, Step
 
 __all__ = ["DistributedDataParallel"]
+
+
+def _compiled_since(ref: weakref.ref[DistributedDataParallel]) -> bool:
+    """Whether the DDP's latest call was compiled (its backward reduces in the graph)."""
+    ddp = ref()
+    return ddp is None or ddp._compiled_since
 
 
 def _ddp_eagerly(ddp: DistributedDataParallel, params: Any) -> Any:
@@ -173,6 +181,7 @@ class DistributedDataParallel:
         self._ties = {i: j for i, j in self._ties.items() if i != j}
         self._sync = True
         self._called = False
+        self._compiled_since = False
         self._joiner: Joiner | None = None
         # How many leaves a step's usage all-reduce counts (hooked: needing
         # grad, each tensor once), for join's mirroring ranks.
@@ -283,6 +292,12 @@ class DistributedDataParallel:
 
     def __call__(self, params: T) -> T:
         self._called = True
+        # A constant store, no read: dynamo replays it after the graph, unguarded.
+        self._compiled_since = torch.compiler.is_compiling()
+        spent = self._step is not None and self._step.spent
+        if spent and not torch.compiler.is_compiling():  # its backward ran: drop its guard hooks
+            self._step.remove()  # type: ignore[union-attr]
+            self._step = None
         leaves = self._checked_leaves(params)
         synchronised = self._sync and torch.is_grad_enabled()
         src, prescale = 0, None
@@ -402,6 +417,7 @@ class DistributedDataParallel:
             capture=False,
             prescale=prescale,
             always_count=self._joiner is not None,
+            compiled_since=functools.partial(_compiled_since, weakref.ref(self)),
         )
         step.register()
         if step.hooked:

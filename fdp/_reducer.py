@@ -89,8 +89,15 @@ class Step:
         capture: bool,
         prescale: float | None = None,
         always_count: bool = False,
+        compiled_since: Callable[[], bool] | None = None,
     ) -> None:
         self.r = reduction
+        # After the backward, the hooks stay (until the next eager
+        # ddp(params)) to refuse a second backward through the same call;
+        # ``compiled_since`` says whether a compiled call came since, whose
+        # graph reduces its own backward.
+        self.compiled_since = compiled_since
+        self.spent = False
         # ``join`` may divide by the ranks still training, and needs the
         # usage all-reduce on every step, which shadowing ranks mirror.
         self.prescale = reduction.prescale if prescale is None else prescale
@@ -172,6 +179,16 @@ class Step:
             )
 
     def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        if self.spent:
+            if self.compiled_since is not None and self.compiled_since():
+                return grad  # a compiled ddp(params) since: its graph reduces
+            raise RuntimeError(
+                f"fdp.DistributedDataParallel: params leaf {self.r.paths[i]} got a gradient "
+                "in a second backward through one ddp(params) call; its gradients were "
+                "reduced in the first, so these would stay this rank's own. Call "
+                "ddp(params) in every step, in the function that computes the loss (not "
+                "once before the loop), or under ddp.no_sync() to accumulate locally"
+            )
         self._refuse(i, grad)
         with self.lock, torch.no_grad(), _compat.functorch_disabled():
             leaf = self.leaves[i]
@@ -259,7 +276,10 @@ class Step:
                 elif usage is not None:
                     self._hand_out(usage)
             finally:
-                self.remove()
+                if self.compiled_since is None:
+                    self.remove()
+                else:
+                    self.spent = True
                 self.flats = [None] * len(self.flats)  # the buffers may be reused now
                 self.views = [[] for _ in self.flats]
 
