@@ -129,18 +129,25 @@ def step_fns(rank: int, cap_mb: float, *, compiled: bool) -> tuple[dict[str, Any
     opt = torch.optim.SGD(leaves, lr=1e-3)
     flat = torch.cat([t.detach().reshape(-1) for t in leaves])
 
-    def sgd(loss_fn: Any) -> Any:
+    # The bounds step a copy: between two ddp(params) calls, a backward into
+    # ddp's params that no ddp(params) prepared is refused.
+    own = make_params(0)
+    own_opt = torch.optim.SGD([t for layer in own for t in layer.values()], lr=1e-3)
+
+    def sgd(loss_fn: Any, *, local: bool = False) -> Any:
+        tree, optimizer = (own, own_opt) if local else (params, opt)
+
         def step() -> None:
-            opt.zero_grad()
-            torch.autograd.backward(loss_fn(params))
-            opt.step()
+            optimizer.zero_grad()
+            torch.autograd.backward(loss_fn(tree))
+            optimizer.step()
 
         return step
 
     def ddp_loss(p: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         return F.cross_entropy(mlp(ddp(p), x), y)
 
-    local = sgd(lambda p: F.cross_entropy(mlp(p, x), y))
+    local = sgd(lambda p: F.cross_entropy(mlp(p, x), y), local=True)
 
     def then_comm() -> None:
         local()

@@ -93,19 +93,24 @@ def step_fns(rank: int, *, compiled: bool) -> tuple[dict[str, Callable[[], None]
     # Separate tensors: a compiled jvp of a view of one (2, BATCH) tensor trips a torch 2.13
     # internal assert (forward-mode view layouts).
     r, t = (row.clone() for row in torch.rand(2, BATCH, generator=g).sort(0).values)
-    params = make_params()
+    params, own = make_params(), make_params()  # the local steps step their own copy
     leaves = [t for layer in params for t in layer.values()]
     ddp = fdp.DistributedDataParallel(params)
     opt = torch.optim.SGD(leaves, lr=1e-4)
+    own_opt = torch.optim.SGD([t for layer in own for t in layer.values()], lr=1e-4)
     flat = torch.cat([t.detach().reshape(-1) for t in leaves])
 
-    def sgd(loss: Loss, *, then_all_reduce: bool = False) -> Callable[[], None]:
+    def sgd(
+        loss: Loss, *, then_all_reduce: bool = False, local: bool = False
+    ) -> Callable[[], None]:
+        tree, optimizer = (own, own_opt) if local else (params, opt)
+
         def step() -> None:
-            opt.zero_grad()
-            torch.autograd.backward(loss(params, *batch, r, t))
+            optimizer.zero_grad()
+            torch.autograd.backward(loss(tree, *batch, r, t))
             if then_all_reduce:
                 dist.all_reduce(flat)
-            opt.step()
+            optimizer.step()
 
         return step
 
@@ -115,14 +120,18 @@ def step_fns(rank: int, *, compiled: bool) -> tuple[dict[str, Callable[[], None]
     fns = {
         "fdp, ddp(params) inside jvp": sgd(meanflow(ddp, inside=True)),
         "fdp, ddp(params) outside jvp": sgd(meanflow(ddp, inside=False)),
-        "local (no data parallelism)": sgd(meanflow(local, inside=True)),
-        "local, then one flat all-reduce": sgd(meanflow(local, inside=True), then_all_reduce=True),
+        "local (no data parallelism)": sgd(meanflow(local, inside=True), local=True),
+        "local, then one flat all-reduce": sgd(
+            meanflow(local, inside=True), then_all_reduce=True, local=True
+        ),
     }
     if compiled:
         fns["fdp inside jvp, compiled"] = sgd(
             torch.compile(meanflow(ddp, inside=True), fullgraph=True)
         )
-        fns["local, compiled"] = sgd(torch.compile(meanflow(local, inside=True), fullgraph=True))
+        fns["local, compiled"] = sgd(
+            torch.compile(meanflow(local, inside=True), fullgraph=True), local=True
+        )
     return fns, len(ddp.buckets)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -653,11 +654,13 @@ def _reused(rank: int, size: int) -> list[str]:
             out.append("ok")
         except RuntimeError as e:
             out.append(str(e))
+
     # Called every step, eagerly, then compiled, then eagerly again: all reduce.
-    compiled = torch.compile(
-        lambda q: torch.nn.functional.mse_loss(mlp(ddp(q), x), y), backend="aot_eager"
-    )
-    for loss in (lambda q: torch.nn.functional.mse_loss(mlp(ddp(q), x), y), compiled, compiled):
+    def eager(q: Any) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(mlp(ddp(q), x), y)
+
+    compiled: Callable[[Any], torch.Tensor] = torch.compile(eager, backend="aot_eager")
+    for loss in (eager, compiled, eager):
         for t in tensor_leaves(params):
             t.grad = None
         torch.autograd.backward(loss(params))
