@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import optree
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -106,7 +107,13 @@ def load_checkpoint(
         state = fdp.load_checkpoint(latest, like)
     """
     call = "fdp.load_checkpoint"
-    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    try:
+        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    except FileNotFoundError as e:
+        raise ValueError(
+            f"{call}: `path` {os.fspath(path)!r} holds no checkpoint (no .metadata: missing, or "
+            "a save that did not finish)"
+        ) from e
     with _quietly():
         spec, leaves = _leaves(call, "like", like, fresh=True)
     entries = {k: v for leaf in leaves for k, v in leaf.entries.items()}
@@ -117,8 +124,11 @@ def load_checkpoint(
     restore = rng and saved_world == _world(group) and key in metadata
     if restore:
         entries[key] = None
-    with _quietly():
-        dcp_load(entries, checkpoint_id=path, process_group=group, no_dist=not _distributed())
+    try:
+        with _quietly():
+            dcp_load(entries, checkpoint_id=path, process_group=group, no_dist=not _distributed())
+    except CheckpointException as e:  # a BaseException: `except Exception` would miss it
+        raise ValueError(f"{call}: could not read `path` {os.fspath(path)!r}: {_cause(e)}") from e
     for fill in after:
         fill()
     if restore:
@@ -302,6 +312,15 @@ def _match(
     return after
 
 
+def _cause(e: CheckpointException) -> str:
+    """The first rank's failure, in a line (DCP raises the same on every rank)."""
+    for rank, failure in sorted(e.failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        text = str(inner).splitlines()
+        return f"rank {rank}: {type(inner).__name__}: {text[0] if text else ''}"
+    return str(e).splitlines()[0]
+
+
 def _check_present(call: str, entries: dict[str, Any], metadata: dict[str, Any]) -> None:
     """Each entry is in the checkpoint, a tensor of the same global shape where expected."""
     for key, value in entries.items():
@@ -310,6 +329,11 @@ def _check_present(call: str, entries: dict[str, Any], metadata: dict[str, Any])
             raise ValueError(
                 f"{call}: `like` leaf like{key} is not in the checkpoint; it holds "
                 f"{sorted(k for k in metadata if not k.startswith(_RNG))[:20]}"
+            )
+        if not isinstance(value, torch.Tensor) and isinstance(saved, TensorStorageMetadata):
+            raise ValueError(
+                f"{call}: `like` leaf like{key} holds {type(value).__name__} {value!r:.40}; the "
+                f"checkpoint holds a tensor of shape {tuple(saved.size)} there (pass a tensor)"
             )
         if isinstance(value, torch.Tensor):
             if not isinstance(saved, TensorStorageMetadata):

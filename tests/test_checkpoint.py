@@ -9,6 +9,7 @@ run ends.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -219,3 +220,29 @@ def test_a_tensor_at_two_paths_stays_tied(tmp_path: Path) -> None:
     assert loaded["emb"].requires_grad
     torch.testing.assert_close(loaded["emb"], w.detach(), rtol=0, atol=0)
     torch.testing.assert_close(loaded["other"], torch.ones(2), rtol=0, atol=0)
+
+
+def test_unreadable_checkpoints_raise_value_errors(tmp_path: Path) -> None:
+    # DCP's CheckpointException is a BaseException, which `except Exception` misses.
+    path = tmp_path / "c"
+    fdp.save_checkpoint(path, {"w": torch.ones(3), "n": 5})
+    good = {"w": torch.zeros(3), "n": 0}
+    with pytest.raises(ValueError, match=r"like\['w'\] holds int 3; the checkpoint holds a tensor"):
+        fdp.load_checkpoint(path, {"w": 3, "n": 0})
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        fdp.load_checkpoint(tmp_path / "nothing", good)
+    data = [f for f in os.listdir(path) if f.endswith(".distcp")]
+    broken = tmp_path / "truncated"
+    shutil.copytree(path, broken)
+    for f in data:
+        with open(broken / f, "r+b") as handle:
+            handle.truncate(10)
+    with pytest.raises(ValueError, match=r"could not read `path` .*truncated.*: rank 0: "):
+        fdp.load_checkpoint(broken, good)
+    missing = tmp_path / "missing"
+    shutil.copytree(path, missing)
+    for f in data:
+        os.remove(missing / f)
+    with pytest.raises(ValueError, match=r"could not read `path` .*: rank 0: FileNotFoundError"):
+        fdp.load_checkpoint(missing, good)
+    assert fdp.load_checkpoint(path, good)["n"] == 5  # the good one still loads
