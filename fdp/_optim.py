@@ -100,19 +100,23 @@ class Optimizer:
                     "(drop donate=True to differentiate through the step)"
                 )
             return self._differentiable_update(p, g, s, live, spec)
-        with torch.no_grad():
-            if donate:
-                p = _untied(p, live)
-            old_steps = [s["step"][i] for i in live]
-            if donate:
-                torch._foreach_add_(old_steps, 1)
-            steps = old_steps if donate else torch._foreach_add(old_steps, 1)
-            # Complex leaves as real pairs, as torch's foreach implementations
-            # do: Adam's second moment is per component, not g * g.
-            slots = {k: [_real(s[k][i]) for i in live] for k in self.slots}
-            new_p, new_slots = self._apply(
-                [_real(p[i]) for i in live], [_real(g[i]) for i in live], slots, steps, donate
-            )
+        try:
+            with torch.no_grad():
+                if donate:
+                    p = _untied(p, live)
+                old_steps = [s["step"][i] for i in live]
+                if donate:
+                    torch._foreach_add_(old_steps, 1)
+                steps = old_steps if donate else torch._foreach_add(old_steps, 1)
+                # Complex leaves as real pairs, as torch's foreach implementations
+                # do: Adam's second moment is per component, not g * g.
+                slots = {k: [_real(s[k][i]) for i in live] for k in self.slots}
+                new_p, new_slots = self._apply(
+                    [_real(p[i]) for i in live], [_real(g[i]) for i in live], slots, steps, donate
+                )
+        except (RuntimeError, TypeError):
+            _explain_state(call, params, p, s, live)  # a corrupt state, named; else torch's
+            raise
         out_p, out = list(p), {k: list(v) for k, v in s.items()}
         for j, i in enumerate(live):
             out["step"][i] = steps[j]
@@ -243,13 +247,14 @@ class Adam(Optimizer):
         self,
         lr: float | torch.Tensor,
         *,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         amsgrad: bool = False,
         decoupled: bool = False,
     ) -> None:
         super().__init__(lr)
+        betas = _float_betas(self.name, betas)
         for i, beta in enumerate(betas):
             _check(self.name, f"betas[{i}]", beta, lambda v: 0 <= v < 1, "in [0, 1)")
         _check(self.name, "eps", eps, lambda v: v >= 0, ">= 0")
@@ -338,6 +343,47 @@ def _differentiable(lr: Any, p: list[Any], g: list[Any], s: dict[str, list[Any]]
     if any(_transforms.has_tangent(t) for t in (*tensors, *p) if isinstance(t, torch.Tensor)):
         return True
     return torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *computed))
+
+
+def _float_betas(name: str, betas: Any) -> tuple[float, float]:
+    """``betas`` as floats: torch accepts 0-d tensors there; fdp reads them once."""
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ValueError(f"fdp.optim.{name}: `betas` expected a pair of floats; got {betas!r}")
+    out = []
+    for i, beta in enumerate(betas):
+        if isinstance(beta, torch.Tensor):
+            if beta.requires_grad or _compat.is_transformed(beta) or beta.numel() != 1:
+                raise ValueError(
+                    f"fdp.optim.{name}: `betas[{i}]` expected a float or a 1-element tensor "
+                    f"that does not require grad (differentiate w.r.t. lr); got "
+                    f"{_tree.describe(beta)}"
+                )
+            beta = float(beta)
+        out.append(beta)
+    return out[0], out[1]
+
+
+def _explain_state(
+    call: str, params: Any, p: list[Any], s: dict[str, list[Any]], live: list[int]
+) -> None:
+    """Raises a ValueError naming the first state leaf that cannot be this leaf's state.
+
+    Checked only after the step failed: the fast path pays nothing for it.
+    """
+    for key, leaves in s.items():
+        for i in live:
+            t, want = leaves[i], p[i]
+            if key == "step":
+                ok = isinstance(t, torch.Tensor) and t.numel() == 1
+                expected = "a 1-element tensor (the step count)"
+            else:
+                ok = isinstance(t, torch.Tensor) and (t.shape, t.dtype) == (want.shape, want.dtype)
+                expected = f"shape {tuple(want.shape)} and dtype {want.dtype}, as the parameter"
+            if not ok:
+                raise ValueError(
+                    f"{call}: `state` leaf {_tree.path(params, i, f'state[{key!r}]')} expected "
+                    f"{expected}; got {_tree.describe(t)}"
+                )
 
 
 def _untied(p: list[Any], live: list[int]) -> list[Any]:
@@ -473,7 +519,7 @@ def sgd(
 def adam(
     lr: float | torch.Tensor = 1e-3,
     *,
-    betas: tuple[float, float] = (0.9, 0.999),
+    betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     amsgrad: bool = False,
@@ -494,7 +540,7 @@ def adam(
 def adamw(
     lr: float | torch.Tensor = 1e-3,
     *,
-    betas: tuple[float, float] = (0.9, 0.999),
+    betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.01,
     amsgrad: bool = False,

@@ -245,3 +245,47 @@ def test_bad_input_is_refused_with_the_leaf_path() -> None:
         fdp.optim.sgd(-1)
     with pytest.raises(ValueError, match=r"`nesterov=True` expected momentum > 0"):
         fdp.optim.sgd(0.1, nesterov=True)
+
+
+def test_tensor_betas_step_as_torch_does() -> None:
+    # torch accepts 0-d tensors as betas; fdp reads them once, as floats.
+    betas = (torch.tensor(0.8), torch.tensor(0.99))
+    w = torch.linspace(-1, 1, 5)
+    ref = w.clone().requires_grad_()
+    torch_opt = torch.optim.Adam([ref], lr=0.1, betas=betas)
+    opt = fdp.optim.adam(0.1, betas=betas)
+    params = {"w": w}
+    state = opt.init(params)
+    for step in range(3):
+        g = torch.cos(w * (step + 1))
+        params, state = opt.update({"w": g}, state, params)
+        ref.grad = g
+        torch_opt.step()
+    torch.testing.assert_close(params["w"], ref.detach(), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"`betas\[0\]` expected a float or a 1-element tensor"):
+        fdp.optim.adam(0.1, betas=(torch.tensor(0.9, requires_grad=True), 0.999))
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_corrupt_state_is_named(donate: bool) -> None:
+    opt = fdp.optim.adam(0.1)
+    params = {"w": torch.ones(3)}
+    state = opt.init(params)
+    wrong = r"`state` leaf state\['{}'\]\['w'\] expected "
+    cases = {
+        wrong.format("exp_avg") + r"shape \(3,\) and dtype torch.float32": {
+            **state,
+            "exp_avg": {"w": torch.zeros(4)},
+        },
+        wrong.format("exp_avg") + r".* got a tensor of shape \(3,\), dtype torch.float64": {
+            **state,
+            "exp_avg": {"w": torch.zeros(3, dtype=torch.float64)},
+        },
+        wrong.format("step") + r"a 1-element tensor \(the step count\); got None": {
+            **state,
+            "step": {"w": None},
+        },
+    }
+    for pattern, bad in cases.items():
+        with pytest.raises(ValueError, match=pattern):
+            opt.update({"w": torch.ones(3)}, bad, params, donate=donate)
