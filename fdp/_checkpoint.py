@@ -54,7 +54,9 @@ def save_checkpoint(
     Tensor leaves must hold the same values on every rank (parameters, an
     unsharded optimizer state): one copy is written. A ``ZeroState`` is
     written in pieces by the ranks that hold them. The directory is
-    complete once ``path/.metadata`` exists (DCP writes it last).
+    complete once ``path/.metadata`` exists (DCP writes it last); saving
+    over a checkpoint first removes its ``.metadata``, so a save that dies
+    midway never leaves the old metadata over new data files.
 
     Args:
         path: a directory (created if needed).
@@ -73,8 +75,23 @@ def save_checkpoint(
     entries = {k: v for leaf in leaves for k, v in leaf.entries.items()}
     if rng:
         entries[_RNG + str(_rank(group))] = _rng_state()
+    _retire_metadata(path, group)
     with _quietly():
         dcp_save(entries, checkpoint_id=path, process_group=group, no_dist=not _distributed())
+
+
+def _retire_metadata(path: str | os.PathLike[str], group: ProcessGroup | None) -> None:
+    """Removes an older checkpoint's ``.metadata`` before new data files are written.
+
+    DCP writes ``.metadata`` last, on the coordinator (the group's rank 0),
+    and no rank writes data before the coordinator joins the save's first
+    collective, which follows this. A save that dies midway then leaves a
+    directory that says it is incomplete, never the old metadata over a mix
+    of old and new data files.
+    """
+    metadata = os.path.join(os.fspath(path), ".metadata")
+    if _rank(group) == 0 and os.path.exists(metadata):
+        os.remove(metadata)
 
 
 def load_checkpoint(

@@ -246,3 +246,27 @@ def test_unreadable_checkpoints_raise_value_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"could not read `path` .*: rank 0: FileNotFoundError"):
         fdp.load_checkpoint(missing, good)
     assert fdp.load_checkpoint(path, good)["n"] == 5  # the good one still loads
+
+
+def test_a_save_that_dies_midway_leaves_no_complete_looking_mix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The writer "dies" after writing the new data files, before .metadata.
+    path = tmp_path / "c"
+    fdp.save_checkpoint(path, {"w": torch.ones(3), "step": 1})
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    def die(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(FileSystemWriter, "finish", die)
+    with pytest.raises(BaseException, match="killed"):
+        fdp.save_checkpoint(path, {"w": torch.full((3,), 2.0), "step": 2})
+    monkeypatch.undo()
+    # Before: the old .metadata stayed, over the new data file, and loaded as step 1.
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        fdp.load_checkpoint(path, {"w": torch.zeros(3), "step": 0})
+    fdp.save_checkpoint(path, {"w": torch.full((3,), 3.0), "step": 3})
+    loaded = fdp.load_checkpoint(path, {"w": torch.zeros(3), "step": 0})
+    assert loaded["step"] == 3
+    torch.testing.assert_close(loaded["w"], torch.full((3,), 3.0), rtol=0, atol=0)
