@@ -20,6 +20,7 @@ the world size is the one that saved them.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -134,6 +135,10 @@ def load_checkpoint(
     with _quietly():
         spec, leaves = _leaves(call, "like", like, fresh=True)
     entries = {k: v for leaf in leaves for k, v in leaf.entries.items()}
+    zeros = [leaf for leaf in leaves if isinstance(leaf, _Zero)]
+    for zero in zeros:
+        if zero.orders_key not in metadata:  # an unsharded state, or saved before fdp kept them
+            del entries[zero.orders_key]
     with _quietly():
         after = _match(call, entries, metadata, leaves)
     key = _RNG + str(_rank(group))
@@ -146,6 +151,9 @@ def load_checkpoint(
             dcp_load(entries, checkpoint_id=path, process_group=group, no_dist=not _distributed())
     except CheckpointException as e:  # a BaseException: `except Exception` would miss it
         raise ValueError(f"{call}: could not read `path` {os.fspath(path)!r}: {_cause(e)}") from e
+    for zero in zeros:
+        if zero.orders_key in entries:
+            zero.check_orders(call, entries[zero.orders_key])
     for fill in after:
         fill()
     if restore:
@@ -221,6 +229,15 @@ class _Zero(_Leaf):
         }
         self.state = ZeroState(slots, state.shards)
         shards = state.shards
+        # Pieces are saved in each leaf's memory order: saved with it, checked at load.
+        self.orders_key = f"{key}.memory_orders"
+        self.orders = {
+            shards.paths[i]: part.orders[j]
+            for part in shards.parts
+            for j, i in enumerate(part.bucket.indices)
+        }
+        # A string: DCP would flatten a dict into one entry per key.
+        self.entries[self.orders_key] = json.dumps({k: list(v) for k, v in self.orders.items()})
         self.pieces: dict[str, tuple[Any, torch.Tensor, tuple[int, ...]]] = {}
         for name, per_bucket in slots.items():
             for part, values in zip(shards.parts, per_bucket, strict=True):
@@ -232,6 +249,19 @@ class _Zero(_Leaf):
 
     def result(self, entries: dict[str, Any]) -> Any:
         return self.state
+
+    def check_orders(self, call: str, saved: Any) -> None:
+        """Refuses a ZeroState saved with leaves laid out otherwise (channels_last vs not)."""
+        saved = json.loads(saved) if isinstance(saved, str) else {}
+        for path, order in self.orders.items():
+            was = saved.get(path, order)
+            if tuple(was) != tuple(order):
+                raise ValueError(
+                    f"{call}: `like` leaf like{self.key} (a ZeroState) holds parameter {path} "
+                    f"in memory order {tuple(order)}; the checkpoint saved its pieces in memory "
+                    f"order {tuple(was)} (e.g. channels_last vs contiguous): give the "
+                    "parameters the saving run's memory format before zero.init"
+                )
 
     def reshaped(self, key: str, saved: TensorStorageMetadata) -> Reshaped | None:
         """An unsharded entry (the whole leaf) read whole, then this rank's pieces copied."""

@@ -270,3 +270,43 @@ def test_a_save_that_dies_midway_leaves_no_complete_looking_mix(
     loaded = fdp.load_checkpoint(path, {"w": torch.zeros(3), "step": 0})
     assert loaded["step"] == 3
     torch.testing.assert_close(loaded["w"], torch.full((3,), 3.0), rtol=0, atol=0)
+
+
+def _zero_layouts(rank: int, size: int, path: str, save_cl: bool, load_cl: bool) -> str:
+    def conv() -> dict[str, torch.Tensor]:
+        w = torch.arange(2 * 3 * 2 * 2, dtype=torch.float32).view(2, 3, 2, 2)
+        return {"conv": w.contiguous(memory_format=torch.channels_last) if save_cl else w}
+
+    params = conv()
+    zero = fdp.ZeroRedundancy(fdp.optim.adam(0.1), params)
+    state = zero.init(params)
+    params, state = zero.step({"conv": torch.ones_like(params["conv"])}, state, params)
+    fdp.save_checkpoint(path, {"opt": state})
+    fresh = conv() if save_cl == load_cl else {"conv": conv()["conv"].contiguous()}
+    if load_cl and not save_cl:
+        fresh = {"conv": fresh["conv"].contiguous(memory_format=torch.channels_last)}
+    like = fdp.ZeroRedundancy(fdp.optim.adam(0.1), fresh)
+    try:
+        loaded = fdp.load_checkpoint(path, {"opt": like.init(fresh)})["opt"]
+    except ValueError as e:
+        return str(e)
+    same = all(
+        torch.equal(a, b)
+        for k in state.slots
+        for x, y in zip(state.slots[k], loaded.slots[k], strict=True)
+        for a, b in zip(x, y, strict=True)
+    )
+    return "loaded, equal" if same else "loaded, different"
+
+
+@pytest.mark.parametrize(("save_cl", "load_cl"), [(True, True), (True, False), (False, True)])
+def test_a_zero_state_in_another_memory_format_is_refused(
+    tmp_path: Path, save_cl: bool, load_cl: bool
+) -> None:
+    # Before: the pieces loaded in the other order, and the next step was off by 0.05.
+    for message in ranks.world(2).run(_zero_layouts, str(tmp_path / "c"), save_cl, load_cl):
+        if save_cl == load_cl:
+            assert message == "loaded, equal"
+        else:
+            assert "the checkpoint saved its pieces in memory order" in message
+            assert "like['opt'] (a ZeroState) holds parameter ['conv']" in message
