@@ -12,8 +12,8 @@ from fdp._comm_hooks import allreduce_hook as allreduce_hook
 from fdp._comm_hooks import bf16_compress_hook as bf16_compress_hook
 from fdp._comm_hooks import fp16_compress_hook as fp16_compress_hook
 from fdp._data_parallel import data_parallel as data_parallel
-from fdp._data_parallel import make_functional as make_functional
 from fdp._distributed import DistributedDataParallel as DistributedDataParallel
+from fdp._functional import make_functional as make_functional
 from fdp._parallel_apply import parallel_apply as parallel_apply
 from fdp._replicate import replicate as replicate
 from fdp._scatter_gather import gather as gather

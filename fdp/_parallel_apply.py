@@ -28,7 +28,7 @@ from typing import Any, NoReturn, TypeVar
 
 import torch
 
-from fdp import _compat, _tree
+from fdp import _compat, _replica, _tree
 from fdp._device import DeviceLike, as_device
 
 __all__ = ["parallel_apply"]
@@ -220,8 +220,23 @@ def _call(
     kwargs: dict[str, Any],
     device: torch.device,
     state: _State | None,
+    which: tuple[int, _replica.Deferred],
     *,
     on_caller: bool = False,
+) -> Any:
+    with _replica.running(*which):
+        return _call_on_device(fn, replica, args, kwargs, device, state, on_caller=on_caller)
+
+
+def _call_on_device(
+    fn: Callable[..., Any],
+    replica: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    state: _State | None,
+    *,
+    on_caller: bool,
 ) -> Any:
     if state is None:
         if device.type != "cuda":
@@ -344,12 +359,17 @@ def _parallel_apply(
     """:func:`parallel_apply` on checked arguments and normalised devices."""
     n = len(replicas)
     args = [a if type(a) is tuple else (a,) for a in inputs]
-    if n == 1 or _run_inline() or _one_busy_cpu(devs) or _cold_compiled(fn):
-        return _loop(fn, replicas, args, kws, devs)
-    state = _State(devs)
-    if state.uncarried is not None:
-        return _loop(fn, replicas, args, kws, devs)
-    return _threaded(fn, replicas, args, kws, devs, state)
+    deferred = _replica.Deferred()
+    state = None
+    if not (n == 1 or _run_inline() or _one_busy_cpu(devs) or _cold_compiled(fn)):
+        state = _State(devs)
+    if state is None or state.uncarried is not None:
+        outputs = _loop(fn, replicas, args, kws, devs, deferred)
+    else:
+        outputs = _threaded(fn, replicas, args, kws, devs, state, deferred)
+    # Only now, so that no replica saw another's changes (see fdp._replica).
+    deferred.apply()
+    return outputs
 
 
 def _check_sequence(value: object, name: str, n: int | None, *, call: str) -> int:
@@ -398,11 +418,13 @@ def _threaded(
     kws: Sequence[dict[str, Any]],
     devs: list[torch.device],
     state: _State,
+    deferred: _replica.Deferred,
 ) -> list[Any]:
     """Replica 0 on the caller, the others on workers (or the caller, if it gets there first)."""
     n = len(replicas)
+    dfr = deferred
     jobs = [
-        _Job(functools.partial(_call, fn, replicas[i], args[i], kws[i], devs[i], state))
+        _Job(functools.partial(_call, fn, replicas[i], args[i], kws[i], devs[i], state, (i, dfr)))
         for i in range(1, n)
     ]
     pool = _pool
@@ -412,7 +434,9 @@ def _threaded(
     first: Any = None
     error: BaseException | None = None
     try:
-        first = _call(fn, replicas[0], args[0], kws[0], devs[0], state, on_caller=True)
+        first = _call(
+            fn, replicas[0], args[0], kws[0], devs[0], state, (0, deferred), on_caller=True
+        )
     except BaseException as err:  # KeyboardInterrupt too: the others finish first
         error = err
     for job in jobs:
@@ -434,6 +458,7 @@ def _loop(
     args: list[tuple[Any, ...]],
     kws: Sequence[dict[str, Any]],
     devs: list[torch.device],
+    deferred: _replica.Deferred,
 ) -> list[Any]:
     """The replicas one after another on the calling thread."""
     if torch.compiler.is_compiling():
@@ -442,7 +467,7 @@ def _loop(
     errors: list[tuple[int, BaseException]] = []
     for i in range(len(replicas)):
         try:
-            outputs.append(_call(fn, replicas[i], args[i], kws[i], devs[i], None))
+            outputs.append(_call(fn, replicas[i], args[i], kws[i], devs[i], None, (i, deferred)))
         except Exception as err:
             # As with threads: every replica runs before the first error is raised.
             errors.append((i, err))

@@ -1,0 +1,273 @@
+"""``make_functional``: a module as a pure function of its parameters and buffers.
+
+Each eager call runs on a *shell*: a copy of the module tree, made at the
+call from each module's current ``__dict__``, that shares every tensor but
+owns its ``_parameters``, ``_buffers`` and ``_modules`` dicts. The call's
+tensors are installed in the shell and stay there: autograd saved-tensor
+recomputation (non-reentrant activation checkpointing) that runs the shell's
+layers again during backward finds the same tensors the forward used, not
+the module's own. Threads never share a shell, so concurrent calls do not
+disturb one another or the module.
+
+What the forward changes of the module's Python state (plain attributes,
+buffers it registers) is written back to the module when the call ends, as a
+module call would leave it; under ``parallel_apply`` only replica 0's, once
+every replica has finished (see :mod:`fdp._replica`).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parameter import is_lazy
+
+from fdp import _replica, _sync_batch_norm
+
+__all__ = ["make_functional"]
+
+_CALL = "fdp.make_functional"
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+class _KeepAlive:
+    """A non-full backward hook (``register_backward_hook``) that holds its shell.
+
+    torch wraps such hooks with a weak reference to the module and runs them
+    in backward, after the call returned: without this the shell is gone by
+    then ("the hook of a dead Module").
+    """
+
+    __slots__ = ("hook", "shell")
+
+    def __init__(self, hook: Callable[..., Any], shell: nn.Module) -> None:
+        self.hook = hook
+        self.shell = shell
+
+    def __call__(self, *args: Any) -> Any:
+        return self.hook(*args)
+
+
+def _shells(
+    module: nn.Module, *, sync_batch_norm: bool, group: Any
+) -> list[tuple[nn.Module, nn.Module]]:
+    """``(module, shell)`` for every module of the tree, the root first."""
+    modules = list(module.modules())
+    shells: dict[int, nn.Module] = {}
+    for m in modules:
+        shell = object.__new__(type(m))
+        shell.__dict__.update(m.__dict__)
+        if sync_batch_norm and isinstance(m, _BATCH_NORMS):
+            _sync_batch_norm.synced(shell, group)
+        shells[id(m)] = shell
+    for m in modules:
+        shell = shells[id(m)]
+        attrs = shell.__dict__
+        attrs["_parameters"] = dict(m._parameters)
+        attrs["_buffers"] = dict(m._buffers)
+        attrs["_modules"] = {
+            name: None if child is None else shells[id(child)] for name, child in m._modules.items()
+        }
+        if m._backward_hooks and m._is_full_backward_hook is False:
+            attrs["_backward_hooks"] = {
+                key: _KeepAlive(hook, shell) for key, hook in m._backward_hooks.items()
+            }
+    return [(m, shells[id(m)]) for m in modules]
+
+
+_Slot = tuple[dict[str, Any], str, Any]
+
+
+def _slots(module: nn.Module, shells: dict[int, nn.Module]) -> dict[str, _Slot]:
+    """Every name of a parameter or buffer, tied ones included: its shell's dict, key, original."""
+    slots: dict[str, _Slot] = {}
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        attrs = shells[id(m)].__dict__
+        dot = f"{prefix}." if prefix else ""
+        for kind in ("_parameters", "_buffers"):
+            for key, tensor in getattr(m, kind).items():
+                slots[dot + key] = (attrs[kind], key, tensor)
+    return slots
+
+
+def _install(module: nn.Module, shells: dict[int, nn.Module], state: Mapping[str, Any]) -> None:
+    """Puts ``state``'s tensors in the shells, every tied name of a tensor included."""
+    slots = _slots(module, shells)
+    chosen: dict[int, tuple[str, torch.Tensor | None]] = {}
+    for name, value in state.items():
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"{_CALL}: `state` leaf {name!r} expected a tensor or None; "
+                f"got {type(value).__name__}"
+            )
+        slot = slots.get(name)
+        if slot is None:
+            raise ValueError(
+                f"{_CALL}: `state` leaf {name!r} expected a name of the module's parameters or "
+                f"buffers; got a name the module does not have (it has {len(slots)}, "
+                f"e.g. {next(iter(slots), None)!r})"
+            )
+        table, key, original = slot
+        if original is None:
+            table[key] = value
+            continue
+        first = chosen.setdefault(id(original), (name, value))
+        if first[1] is not value:
+            raise ValueError(
+                f"{_CALL}: `state` leaves {first[0]!r} and {name!r} expected one tensor (they are "
+                "tied: the same tensor in the module); got two different tensors"
+            )
+    for table, key, original in slots.values():
+        hit = chosen.get(id(original)) if original is not None else None
+        if hit is not None:
+            table[key] = hit[1]
+
+
+def _changed(before: dict[str, Any], now: dict[str, Any]) -> bool:
+    # C-speed identity check; assignments keep key order, additions append.
+    return len(before) != len(now) or not all(map(operator.is_, before.values(), now.values()))
+
+
+def _writer(
+    pairs: list[tuple[nn.Module, nn.Module]], before: list[dict[str, Any]]
+) -> Callable[[], None]:
+    """What writes the forward's changes to Python state back to the modules."""
+
+    def write() -> None:
+        for (m, shell), old in zip(pairs, before, strict=True):
+            now = shell.__dict__
+            if _changed(old, now) or now.keys() != old.keys():
+                for key in old.keys() - now.keys():
+                    m.__dict__.pop(key, None)
+                for key, value in now.items():
+                    if old.get(key, now) is not value:
+                        m.__dict__[key] = value
+            for key, value in shell._buffers.items():
+                if key not in m._buffers:  # registered by the forward
+                    m._buffers[key] = value
+
+    return write
+
+
+def _eager_call(
+    module: nn.Module,
+    state: Mapping[str, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    sync_batch_norm: bool,
+    group: Any,
+) -> Any:
+    pairs = _shells(module, sync_batch_norm=sync_batch_norm, group=group)
+    shells = {id(m): shell for m, shell in pairs}
+    _install(module, shells, state)
+    before = [dict(shell.__dict__) for _, shell in pairs]
+    try:
+        out = pairs[0][1](*args, **kwargs)
+    finally:
+        for (m, shell), old in zip(pairs, before, strict=True):
+            if shell.__dict__["_backward_hooks"] is not m._backward_hooks:
+                # A _KeepAlive refers to its shell; the shell must not refer back (no cycle).
+                shell.__dict__["_backward_hooks"] = old["_backward_hooks"] = m._backward_hooks
+    _replica.defer(_writer(pairs, before))
+    return out
+
+
+def _refuse_lazy(state: Mapping[str, torch.Tensor], module: nn.Module) -> None:
+    for name, tensor in state.items():
+        if is_lazy(tensor):
+            raise ValueError(
+                f"{_CALL}: `module` has an uninitialized lazy tensor {name!r} "
+                f"({type(module.get_submodule(name.rpartition('.')[0])).__name__}); expected "
+                "initialized parameters and buffers, got an Uninitialized tensor. Run the module "
+                "once on a sample batch first: replicas must not initialize the shared module"
+            )
+
+
+def make_functional(
+    module: nn.Module, *, sync_batch_norm: bool = False, group: Any = None
+) -> tuple[Callable[..., Any], dict[str, torch.Tensor]]:
+    """Splits a module into a pure function and its state.
+
+    ``state`` maps each name of ``module.named_parameters()`` and
+    ``module.named_buffers()`` to the module's own tensor (so gradients and
+    in-place buffer updates land on the module). ``fn(state, *args,
+    **kwargs)`` runs the module's forward with the tensors in ``state``
+    (missing names fall back to the module's own; a tensor the module holds
+    under two names is replaced under both). It is safe to call from several
+    threads at once: each call runs on a private shell of the module, made
+    from the module as it is at the call, so ``module.eval()``,
+    ``module.train()`` and any attribute ``forward`` reads take effect on the
+    next call, in every thread. The call's tensors stay in its shell, so
+    non-reentrant activation checkpointing recomputes with them.
+
+    What the forward (or a forward hook) changes of the module's Python
+    state, plain attributes and buffers it registers, reaches the module when
+    the call returns, as after ``module(x)``; tensors updated in place
+    (BatchNorm statistics) land on the module directly. Under
+    :func:`fdp.data_parallel` or :func:`fdp.parallel_apply` only replica 0's
+    changes are kept, once every replica has finished, so one call on N
+    replicas changes the module as one call on the whole batch does. Hooks
+    registered on the module run, with the call's shell as their ``module``
+    argument.
+
+    With ``sync_batch_norm=True`` the module's ``BatchNorm1d/2d/3d`` layers
+    normalise with :func:`fdp.sync_batch_norm` over the batches of every rank
+    of ``group`` (what ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``
+    does, without touching the module; and it runs under ``torch.func``).
+    Not inside ``torch.compile``: there call ``fdp.sync_batch_norm``.
+
+    Args:
+        module: the module to split.
+        sync_batch_norm: batch statistics over every rank (see above).
+        group: the process group for ``sync_batch_norm`` (default: the world).
+
+    Returns:
+        ``(fn, state)``.
+
+    Raises:
+        ValueError: ``module`` has uninitialized lazy parameters
+            (``nn.LazyLinear`` before its first call); from ``fn``: a name
+            of ``state`` the module does not have, or two tensors for one
+            tied tensor.
+        TypeError: from ``fn``: a ``state`` leaf that is not a tensor.
+
+    Example:
+        >>> import torch, fdp
+        >>> net = torch.nn.Linear(3, 2)
+        >>> fn, state = fdp.make_functional(net)
+        >>> x = torch.randn(4, 3)
+        >>> torch.allclose(fn(state, x), net(x))
+        True
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"{_CALL}: `module` expected a torch.nn.Module; got {type(module).__name__}"
+        )
+    state: dict[str, torch.Tensor] = dict(module.named_parameters())
+    state.update(module.named_buffers())
+    _refuse_lazy(state, module)
+
+    def fn(state: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                f"{_CALL}: `state` expected a mapping of names to tensors (as make_functional "
+                f"returned); got {type(state).__name__}"
+            )
+        if not torch.compiler.is_compiling():
+            return _eager_call(
+                module, state, args, kwargs, sync_batch_norm=sync_batch_norm, group=group
+            )
+        # Compiled code runs on one thread; dynamo traces the real module.
+        if sync_batch_norm:
+            raise NotImplementedError(
+                f"{_CALL}: `sync_batch_norm=True` does not run inside torch.compile (it swaps "
+                "the class of a per-call copy of the module); call fdp.sync_batch_norm in the "
+                "compiled function instead"
+            )
+        return torch.func.functional_call(module, dict(state), args, kwargs)
+
+    return fn, state
