@@ -191,7 +191,11 @@ class Joiner:
                 if reduces:
                     for bucket in self.buckets:
                         dist.all_reduce(torch.zeros_like(bucket.empty()), group=self.group)
-                    dist.all_reduce(torch.zeros(self.counted), group=self.group)
+                    usage = torch.zeros(self.counted + 1)  # the last: late gradients
+                    dist.all_reduce(usage, group=self.group)
+                    if usage[-1] > 0:  # the training ranks reduce them, bucket by bucket
+                        for bucket in self.buckets:
+                            dist.all_reduce(torch.zeros_like(bucket.empty()), group=self.group)
 
     def _sync_final(self) -> None:
         """Every rank takes the tensors of the last rank to leave (torch's final model sync).

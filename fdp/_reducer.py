@@ -111,6 +111,8 @@ class Step:
         self.futures: list[torch.futures.Future[torch.Tensor] | None] = [None] * n
         self.hooked: list[int] = []
         self.used: set[int] = set()  # leaves that got a gradient on this rank
+        # Gradients that came after their bucket was launched (see _late).
+        self.late: dict[int, torch.Tensor] = {}
         self.next_launch = 0
         # Under a torch.func transform the engine runs with grad mode on.
         self.functorch = capture
@@ -197,6 +199,9 @@ class Step:
             if not self.queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
                 self.queued = True
+            k = self.r.layout.where[i][0]
+            if grad is not None and i in self.filled[k] and self._again(i, k, grad):
+                return grad
             view = self._view(i)
             old = None if self.capture else leaf.grad
             scale = self.prescale
@@ -208,7 +213,7 @@ class Step:
                     torch.mul(_compat.unwrap_functorch(grad), scale, out=view)
                 else:  # fold what earlier backwards (under no_sync) accumulated
                     torch.add(_compat.unwrap_functorch(grad), old, out=view).mul_(scale)
-            self.filled[self.r.layout.where[i][0]].add(i)
+            self.filled[k].add(i)
             while (
                 self.next_launch < len(self.flats)
                 and len(self.filled[self.next_launch]) == self.expected[self.next_launch]
@@ -217,6 +222,45 @@ class Step:
         if grad is None:
             return None
         return view if self.capture else grad
+
+    def _again(self, i: int, k: int, grad: torch.Tensor) -> bool:
+        """Whether a second gradient for leaf ``i`` in one backward was set aside.
+
+        A nested backward (reentrant activation checkpointing) gives a leaf
+        used in several places one gradient per backward. Before the
+        bucket's launch the normal path folds it in (``.grad``, which the
+        engine accumulated, holds the earlier ones); after, it is kept aside
+        and reduced at the end (see :meth:`_reduce_late`).
+        """
+        if self.capture:
+            raise RuntimeError(
+                f"fdp.DistributedDataParallel: params leaf {self.r.paths[i]} got a second "
+                "gradient in one backward (a nested backward, as reentrant activation "
+                "checkpointing runs) under torch.autograd.grad or torch.func.grad, which "
+                "return one gradient per leaf; use checkpoint(..., use_reentrant=False), or "
+                "loss.backward()"
+            )
+        if k >= self.next_launch:
+            return False
+        grad = _compat.unwrap_functorch(grad)
+        scale = self.prescale if self.r.hook is None else 1.0 / dist.get_world_size(self.r.group)
+        late = self.late.get(i)
+        self.late[i] = grad * scale if late is None else late.add_(grad, alpha=scale)
+        return True
+
+    def _reduce_late(self) -> None:
+        """Reduces the gradients that missed their bucket, on every rank (some had them)."""
+        for k, bucket in enumerate(self.r.layout.buckets):
+            extra = bucket.empty().view(-1).zero_()
+            for j, view in enumerate(bucket.views(extra)):
+                late = self.late.get(bucket.indices[j])
+                if late is not None:
+                    view.copy_(late)
+            dist.all_reduce(extra, group=self.r.group)
+            flat = self.flats[k]
+            if flat is not None:
+                flat.add_(extra)
+        self.late.clear()
 
     def _launch(self, k: int) -> None:
         if self.r.serial and k > 0:
@@ -310,8 +354,11 @@ class Step:
         device = self.r.layout.buckets[0].device
         counts = torch.tensor(
             [
-                1.0 if i in self.used or self.leaves[i].grad is not None else 0.0
-                for i in self.hooked
+                *(
+                    1.0 if i in self.used or self.leaves[i].grad is not None else 0.0
+                    for i in self.hooked
+                ),
+                float(bool(self.late)),  # last: whether any rank has late gradients
             ],
             device=device,
         )
@@ -321,7 +368,10 @@ class Step:
         """``.grad`` becomes the reduced view; it stays ``None`` where no rank had one."""
         counts, work = usage
         work.wait()
-        for i, count in zip(self.hooked, counts.tolist(), strict=True):
+        *used, late = counts.tolist()
+        if late > 0:
+            self._reduce_late()
+        for i, count in zip(self.hooked, used, strict=True):
             if count > 0:
                 self.leaves[i].grad = self._view(i)
 

@@ -12,10 +12,11 @@ from typing import Any
 import optree
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import fdp
 from tests import ranks
-from tests.helpers import PER_RANK, TOL, batch, mlp, mlp_params, shard, tensor_leaves
+from tests.helpers import PER_RANK, TINY, TOL, batch, mlp, mlp_params, shard, tensor_leaves
 
 BATCHES = [3, 5, 0]
 
@@ -77,6 +78,51 @@ def test_uneven_batches_average_over_the_ranks_that_have_data(by_initial: bool, 
         assert len(steps) == BATCHES[rank]
         for step, got in enumerate(steps):
             torch.testing.assert_close(got, expected(step, by_initial, micro), **TOL)
+
+
+def twice(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``w`` used in two reentrant checkpoints: its second gradient misses its bucket."""
+
+    def layer(h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ params["w"])
+
+    h = x @ params["v"]
+    for _ in range(2):
+        h = checkpoint(layer, h, use_reentrant=True)
+    return torch.nn.functional.mse_loss(h @ params["u"], y)
+
+
+def twice_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    shapes = {"v": (6, 6), "w": (6, 6), "u": (6, 3)}
+    return {k: (torch.randn(*s, generator=g) / 3).requires_grad_() for k, s in shapes.items()}
+
+
+def _join_late(rank: int, size: int) -> list[dict[str, torch.Tensor | None]]:
+    params = twice_params()
+    ddp = fdp.DistributedDataParallel(params, **TINY)
+    out = []
+    with ddp.join():
+        for step in range(BATCHES[rank]):
+            torch.autograd.backward(twice(ddp(params), *data(step, rank)))
+            out.append({k: p.grad for k, p in params.items()})
+            for p in params.values():
+                p.grad = None
+    return out
+
+
+def test_ranks_that_left_mirror_the_reduction_of_late_gradients() -> None:
+    """The extra all-reduce of late gradients is mirrored by ranks that ran out of data."""
+    results = ranks.world(3).run(_join_late)
+    for rank, steps in enumerate(results):
+        assert len(steps) == BATCHES[rank]
+        for step, got in enumerate(steps):
+            params = twice_params()
+            for r in (r for r in range(3) if BATCHES[r] > step):
+                torch.autograd.backward(twice(params, *data(step, r)) / 3)
+            for k, p in params.items():
+                msg = f"rank {rank} step {step} {k}"
+                torch.testing.assert_close(got[k], p.grad, **TOL, msg=msg)
 
 
 def _raises(rank: int, size: int) -> None:
