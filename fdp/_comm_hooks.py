@@ -12,6 +12,7 @@ fdp's hooks below follow the same protocol, with the process group (or
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -158,3 +159,49 @@ ONE_COLLECTIVE = frozenset(
         default_hooks.bf16_compress_hook,
     ]
 )
+
+
+def _annotation_ok(annotation: Any, allowed: tuple[Any, ...], suffix: str) -> bool:
+    if annotation is inspect.Parameter.empty or annotation in allowed:
+        return True
+    # An annotation left a string (``from __future__ import annotations`` in a
+    # module whose names cannot be resolved here) is judged by its text.
+    return isinstance(annotation, str) and annotation.replace(" ", "").endswith(suffix)
+
+
+def check_hook(hook: object, *, call: str, arg: str = "hook") -> None:
+    """Refuses what torch's ``_check_comm_hook`` refuses: not callable, or wrong annotations.
+
+    Annotations are evaluated when they can be (torch compares the raw
+    ones, so it refuses a correct hook written under postponed annotations).
+    """
+    if not callable(hook):
+        raise TypeError(f"{call}: `{arg}` expected a callable hook(state, bucket); got {hook!r}")
+    try:
+        sig = inspect.signature(hook, eval_str=True)
+    except (NameError, SyntaxError, TypeError, AttributeError):
+        sig = inspect.signature(hook)
+    except ValueError:  # no signature to read (some builtins): nothing to check
+        return
+    try:
+        sig.bind(None, None)
+    except TypeError:
+        raise TypeError(
+            f"{call}: `{arg}` expected a callable hook(state, bucket) taking two positional "
+            f"arguments; got the signature {sig}"
+        ) from None
+    params = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
+    bucket = sig.parameters.get("bucket", params[1] if len(params) > 1 else None)
+    if bucket is not None and not _annotation_ok(
+        bucket.annotation, (GradBucket, getattr(dist, "GradBucket", GradBucket)), "GradBucket"
+    ):
+        raise ValueError(
+            f"{call}: `{arg}`'s bucket annotation expected GradBucket (fdp's or torch's "
+            f"dist.GradBucket); got {inspect.formatannotation(bucket.annotation)!r}"
+        )
+    futures = (torch.futures.Future[torch.Tensor], torch.futures.Future)
+    if not _annotation_ok(sig.return_annotation, futures, "Future[torch.Tensor]"):
+        raise ValueError(
+            f"{call}: `{arg}`'s return annotation expected torch.futures.Future[torch.Tensor]; "
+            f"got {inspect.formatannotation(sig.return_annotation)!r}"
+        )

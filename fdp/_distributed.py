@@ -143,8 +143,8 @@ class DistributedDataParallel:
         call = "fdp.DistributedDataParallel"
         cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
         first_cap = _agreement.check_cap(first_bucket_cap_mb, "first_bucket_cap_mb", call=call)
-        if comm_hook is not None and not callable(comm_hook):
-            raise TypeError(f"{call}: `comm_hook` expected a callable; got {comm_hook!r}")
+        if comm_hook is not None:
+            _comm_hooks.check_hook(comm_hook, call=call, arg="comm_hook")
         _agreement.require_member(call, group)
         leaves, spec, tensors = _tensor_leaves(params, call=call, arg="params", float_only=True)
         if all(t is None for t in tensors):
@@ -213,8 +213,7 @@ class DistributedDataParallel:
             ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
         """
         call = "fdp.DistributedDataParallel.register_comm_hook"
-        if not callable(hook):
-            raise TypeError(f"{call}: `hook` expected a callable; got {hook!r}")
+        _comm_hooks.check_hook(hook, call=call)
         if self._reduction.hook is not None or self._called:
             raise RuntimeError(
                 f"{call}: a comm hook can be registered only once, before the first "

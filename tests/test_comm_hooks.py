@@ -140,6 +140,56 @@ def test_the_bucket_offers_what_torchs_grad_bucket_offers() -> None:
         assert all(s[2] and s[3] for s in seen)
 
 
+def wrong_bucket(state: Any, bucket: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    raise AssertionError("never called")
+
+
+def wrong_return(state: Any, bucket: fdp.GradBucket) -> torch.Tensor:
+    raise AssertionError("never called")
+
+
+def one_argument(bucket: fdp.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    raise AssertionError("never called")
+
+
+def torch_annotated(
+    state: Any,
+    bucket: torch.distributed.GradBucket,  # type: ignore[name-defined]
+) -> torch.futures.Future[torch.Tensor]:
+    return fdp.allreduce_hook(state, bucket)
+
+
+def _annotations(rank: int, size: int) -> list[str]:
+    """torch's _check_comm_hook cases (test_c10d_common.py: test_invalid_comm_hook_*)."""
+    errors = []
+    for hook, error in [
+        (wrong_bucket, ValueError),
+        (wrong_return, ValueError),
+        (one_argument, TypeError),
+    ]:
+        with pytest.raises(error) as info:
+            fdp.DistributedDataParallel(mlp_params()).register_comm_hook(None, hook)  # type: ignore[arg-type]
+        errors.append(str(info.value))
+    with pytest.raises(ValueError, match="return annotation") as info:
+        fdp.DistributedDataParallel(mlp_params(), comm_hook=wrong_return)  # type: ignore[arg-type]
+    errors.append(str(info.value))
+    # Annotated as torch documents, and this module's own postponed (string) annotations: accepted.
+    fdp.DistributedDataParallel(mlp_params()).register_comm_hook(None, torch_annotated)
+    return errors
+
+
+def test_hook_annotations_are_checked_as_torch_checks_them() -> None:
+    for errors in ranks.world(2).run(_annotations):
+        call = "fdp.DistributedDataParallel.register_comm_hook: "
+        assert errors[0].startswith(call + "`hook`'s bucket annotation expected GradBucket")
+        assert "got 'torch.Tensor'" in errors[0]
+        assert errors[1].startswith(
+            call + "`hook`'s return annotation expected torch.futures.Future[torch.Tensor]"
+        )
+        assert errors[2].startswith(call + "`hook` expected a callable hook(state, bucket) taking")
+        assert errors[3].startswith("fdp.DistributedDataParallel: `comm_hook`'s return annotation")
+
+
 def _registration(rank: int, size: int) -> list[str]:
     params = mlp_params()
     ddp = fdp.DistributedDataParallel(params)
@@ -157,7 +207,7 @@ def _registration(rank: int, size: int) -> list[str]:
 
 def test_a_hook_is_registered_once_before_the_first_call() -> None:
     for not_callable, twice, late in ranks.world(2).run(_registration):
-        assert "`hook` expected a callable; got 'fp16'" in not_callable
+        assert "`hook` expected a callable hook(state, bucket); got 'fp16'" in not_callable
         assert "only once, before the first ddp(params)" in twice
         assert "only once, before the first ddp(params)" in late
 

@@ -50,3 +50,28 @@ def test_code_blocks_run(page: Path, tmp_path: Path) -> None:
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, timeout=240
     )
     assert done.returncode == 0, done.stderr.decode()[-3000:]
+
+
+NAMED_TEST = re.compile(r"`(?:(test_\w+)\.py::)?(test_\w+?)(\*?)`")
+DEFINED = re.compile(r"^def (test_\w+)\(", re.M)
+
+
+def test_every_test_the_docs_name_exists() -> None:
+    """A table row that cites a test cites one that exists (in that file, when named).
+
+    Names of torch's own tests (docs/porting.md's left column and lists) are
+    not fdp's: only cells that cite fdp's tests are checked, by the page's
+    convention that those follow a ``|`` of a right-hand column.
+    """
+    files = {p.stem: DEFINED.findall(p.read_text()) for p in (ROOT / "tests").glob("test_*.py")}
+    everywhere = {name for names in files.values() for name in names}
+    missing = []
+    for page in PAGES:
+        for line in page.read_text().splitlines():
+            cited = line.rsplit("|", 2)[-2] if line.count("|") >= 3 else ""
+            for file, name, star in NAMED_TEST.findall(cited):
+                pool = files.get(file, []) if file else everywhere
+                ok = any(n.startswith(name) for n in pool) if star else name in pool
+                if not ok:
+                    missing.append(f"{page.name}: {file + '.py::' if file else ''}{name}{star}")
+    assert not missing, missing

@@ -336,3 +336,59 @@ def test_small_models_match_one_process(kind: str) -> None:
                 else:
                     assert got[step][name] is not None, (step, name)
                     torch.testing.assert_close(got[step][name], want, **TOL, msg=f"{step} {name}")
+
+
+# ------------------------------------------------------------------ autocast
+# distributed_test.py: test_DistributedDataParallel_with_amp_and_grad_is_view (CUDA there;
+# CPU autocast in bfloat16 with torch.amp.GradScaler here).
+
+
+def amp_net() -> nn.Module:
+    torch.manual_seed(31415)
+    return nn.Sequential(nn.Linear(2, 10), nn.ReLU(), nn.Linear(10, 4))
+
+
+def amp_data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1337 + 10 * step + rank)
+    return torch.randn(2, 2, generator=g), torch.randn(2, 4, generator=g)
+
+
+def amp_step(net: nn.Module, losses: list[torch.Tensor], scaler: Any, opt: Any) -> None:
+    opt.zero_grad()
+    torch.autograd.backward(scaler.scale(torch.stack(losses).mean()))
+    scaler.step(opt)
+    scaler.update()
+
+
+def _amp(rank: int, size: int) -> dict[str, torch.Tensor]:
+    net = amp_net()
+    fn, state = fdp.make_functional(net)
+    ddp = fdp.DistributedDataParallel(state)
+    opt = torch.optim.SGD(net.parameters(), lr=0.03)
+    scaler = torch.amp.GradScaler("cpu")
+    for step in range(10):
+        x, y = amp_data(rank, step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.mse_loss(fn(ddp(state), x).float(), y)
+        amp_step(net, [loss], scaler, opt)
+        assert all(bool(p.grad.isfinite().all()) for p in net.parameters() if p.grad is not None)
+    return {k: v.detach() for k, v in net.state_dict().items()}
+
+
+def test_autocast_and_grad_scaler_match_one_process() -> None:
+    size = 2
+    results = ranks.world(size).run(_amp)
+    net = amp_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.03)
+    scaler = torch.amp.GradScaler("cpu")
+    for step in range(10):
+        losses = []
+        for r in range(size):
+            x, y = amp_data(r, step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses.append(nn.functional.mse_loss(net(x).float(), y))
+        amp_step(net, losses, scaler, opt)
+    for got in results:
+        for k, v in net.state_dict().items():
+            torch.testing.assert_close(got[k], v, **TOL, msg=k)
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
