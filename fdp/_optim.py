@@ -90,6 +90,10 @@ class Optimizer:
         ]
         for i in live:
             _check_grad(call, params, i, p[i], g[i])
+            # A slot of another dtype would be promoted silently (a float64
+            # parameter out of a float32 one); other corruption fails in the step.
+            if any(getattr(s[k][i], "dtype", None) is not p[i].dtype for k in self.slots):
+                _explain_state(call, params, p, s, live)
         if not live:  # nothing to step (foreach ops refuse empty lists)
             return params, {k: state[k] for k in self._keys()}
         if _differentiable(self.lr, p, g, s):

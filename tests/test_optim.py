@@ -281,6 +281,15 @@ def test_a_corrupt_state_is_named(donate: bool) -> None:
             **state,
             "exp_avg": {"w": torch.zeros(3, dtype=torch.float64)},
         },
+        # Before: promoted silently, returning a float64 parameter.
+        wrong.format("exp_avg_sq") + r".* got a tensor of shape \(3,\), dtype torch.float64": {
+            **state,
+            "exp_avg_sq": {"w": torch.zeros(3, dtype=torch.float64)},
+        },
+        wrong.format("exp_avg_sq") + r".* got a tensor of shape \(3,\), dtype torch.bfloat16": {
+            **state,
+            "exp_avg_sq": {"w": torch.zeros(3, dtype=torch.bfloat16)},
+        },
         wrong.format("step") + r"a 1-element tensor \(the step count\); got None": {
             **state,
             "step": {"w": None},
@@ -289,3 +298,4 @@ def test_a_corrupt_state_is_named(donate: bool) -> None:
     for pattern, bad in cases.items():
         with pytest.raises(ValueError, match=pattern):
             opt.update({"w": torch.ones(3)}, bad, params, donate=donate)
+        assert torch.equal(params["w"], torch.ones(3))  # nothing written before the refusal
