@@ -392,3 +392,40 @@ def test_autocast_and_grad_scaler_match_one_process() -> None:
         for k, v in net.state_dict().items():
             torch.testing.assert_close(got[k], v, **TOL, msg=k)
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+# ------------------------------------------ several forwards, one backward
+# distributed_test.py: test_static_graph_multi_forward (no static_graph needed here).
+
+
+def multi_net() -> nn.Module:
+    torch.manual_seed(42)
+    return nn.Sequential(nn.Linear(10, 10), nn.ReLU())
+
+
+def _multi_forward(rank: int, size: int) -> list[dict[str, torch.Tensor | None]]:
+    net = multi_net()
+    fn, state = fdp.make_functional(net)
+    ddp = fdp.DistributedDataParallel(state)
+    out = []
+    for step in range(3):
+        net.zero_grad()
+        a = fn(ddp(state), zoo_input(rank, step))
+        b = fn(ddp(state), zoo_input(rank, step + 10))  # a second call before backward
+        torch.autograd.backward(a.sum() + b.sum())
+        out.append(zoo_grads(net))
+    return out
+
+
+def test_static_graph_multi_forward() -> None:
+    """Two forwards (two ddp(state) calls), one backward: the average of both, as torch's."""
+    size = 2
+    results = ranks.world(size).run(_multi_forward)
+    for step in range(3):
+        net = multi_net()
+        for r in range(size):
+            a, b = net(zoo_input(r, step)), net(zoo_input(r, step + 10))
+            torch.autograd.backward((a.sum() + b.sum()) / size)
+        for got in results:
+            for name, p in net.named_parameters():
+                torch.testing.assert_close(got[step][name], p.grad, **TOL, msg=f"{step} {name}")
