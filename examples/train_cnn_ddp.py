@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
-from train_digits import load_data
+from train_digits import load_data, save_plot
 
 import fdp
 
@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--skew", type=float, default=0.7, help="rank 0's share of the training set (2 ranks)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default=None, help="write the loss curve to this PNG")
     parser.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
     parser.add_argument(
         "--min-accuracy", type=float, default=0.9, help="exit 1 below this test accuracy"
@@ -122,6 +123,7 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
 
     began = time.perf_counter()
     bar: tqdm[int] = tqdm(range(args.epochs), desc="training", unit="epoch", disable=rank != 0)
+    losses: list[float] = []
     for epoch in bar:
         net.train()
         order = torch.randperm(len(x_mine), generator=torch.Generator().manual_seed(epoch))
@@ -135,8 +137,12 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
                 optimizer.step()
                 loss_sum += loss.detach() * len(idx)
         dist.all_reduce(loss_sum)
-        bar.set_postfix(loss=f"{float(loss_sum) / len(x_train):.4f}")
+        losses.append(float(loss_sum) / len(x_train))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
     elapsed = time.perf_counter() - began
+    if args.plot and rank == 0:
+        save_plot(losses, args.plot, title=f"conv net, sync batch norm, {world} ranks in join")
+        print(f"loss curve written to {args.plot}")
     return report(args, net, fn, state, (x_test, y_test), elapsed)
 
 

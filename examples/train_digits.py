@@ -33,9 +33,15 @@ def init_params(sizes: list[int], *, device: str, generator: torch.Generator) ->
     layers = []
     for fan_in, fan_out in itertools.pairwise(sizes):
         w = torch.randn(fan_in, fan_out, generator=generator) * (2.0 / fan_in) ** 0.5
-        b = torch.zeros(fan_out)
-        layers.append({"w": w.to(device).requires_grad_(), "b": b.to(device).requires_grad_()})
-    return {"layers": layers}
+        layers.append({"w": w, "b": torch.zeros(fan_out)})
+    # fdp.replicate checks the device (a clear ValueError for one this machine
+    # lacks, e.g. cuda:0 on a CPU-only build) and copies the tree there.
+    params: Params
+    (params,) = fdp.replicate({"layers": layers}, [device])
+    for layer in params["layers"]:
+        for leaf in layer.values():
+            leaf.requires_grad_()
+    return params
 
 
 def mlp(params: Params, x: torch.Tensor) -> torch.Tensor:
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"train accuracy {train_acc:.4f}")
     print(f"test accuracy {test_acc:.4f}")
     if args.plot:
-        save_plot(losses, args.plot)
+        save_plot(losses, args.plot, title="fdp.data_parallel on digits")
         print(f"loss curve written to {args.plot}")
     if test_acc < args.min_accuracy:
         print(f"test accuracy {test_acc:.4f} is below --min-accuracy {args.min_accuracy}")
@@ -142,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def save_plot(losses: list[float], path: str) -> None:
+def save_plot(losses: list[float], path: str, *, title: str) -> None:
+    """Writes the per-epoch training loss to a PNG (every digits example's ``--plot``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -154,7 +161,7 @@ def save_plot(losses: list[float], path: str) -> None:
     ax.set_xlabel("epoch")
     ax.set_ylabel("training loss (cross-entropy)")
     ax.set_yscale("log")
-    ax.set_title("fdp.data_parallel on digits")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 from tqdm import tqdm
-from train_digits import Params, init_params, load_data, mlp
+from train_digits import Params, init_params, load_data, mlp, save_plot
 
 import fdp
 
@@ -41,6 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default=None, help="write the loss curve to this PNG")
     parser.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
     parser.add_argument(
         "--compile",
@@ -120,6 +121,7 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     start = time.perf_counter()
     bar: tqdm[int] = tqdm(range(args.epochs), desc="training", unit="epoch", disable=rank != 0)
     loss_sum = torch.zeros((), device=device)
+    losses: list[float] = []
     for epoch in bar:
         # Every rank draws the same order and takes every world-th sample of each batch.
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
@@ -132,7 +134,8 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
             optimizer.step()
             loss_sum += loss.detach() * len(idx)
         dist.all_reduce(loss_sum)
-        bar.set_postfix(loss=f"{float(loss_sum) / len(order):.4f}")
+        losses.append(float(loss_sum) / len(order))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
     elapsed = time.perf_counter() - start
 
     # Every rank took the same steps: check that the parameters agree.
@@ -146,6 +149,9 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
               f"{float(loss_sum) / len(x_train):.4f}")  # fmt: skip
         print(f"train accuracy {accuracy(params, x_train, y_train):.4f}")
         print(f"test accuracy {test_acc:.4f}")
+        if args.plot:
+            save_plot(losses, args.plot, title=f"fdp.DistributedDataParallel, {world} ranks")
+            print(f"loss curve written to {args.plot}")
     if not in_sync:
         print(f"rank {rank}: parameters differ from rank 0's")
         return 1

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
-from train_digits import Params, init_params, load_data, mlp
+from train_digits import Params, init_params, load_data, mlp, save_plot
 
 import fdp
 
@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints/digits_zero"))
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps")
     parser.add_argument("--resume", action="store_true", help="from the newest checkpoint")
+    parser.add_argument("--plot", default=None, help="write the loss curve to this PNG")
     parser.add_argument(
         "--min-accuracy", type=float, default=0.9, help="exit 1 below this test accuracy"
     )
@@ -96,38 +97,72 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     found = latest(args.checkpoint_dir) if args.resume else None
     if found is not None:
         state = fdp.load_checkpoint(found, state)
-    params, opt, step = state["params"], state["opt"], state["step"]
-    steps_per_epoch = -(-len(x_train) // args.batch_size)
     if rank == 0:
+        opt = state["opt"]
         mine = sum(t.numel() * t.element_size() for v in opt.slots.values() for b in v for t in b)
-        total = 2 * sum(t.numel() * t.element_size() for t in optree.tree_leaves(params))
+        leaves: list[torch.Tensor] = optree.tree_leaves(params)  # type: ignore[arg-type]
+        total = 2 * sum(t.numel() * t.element_size() for t in leaves)
         print(
             f"digits: {world} ranks ({dist.get_backend()}), ZeRO-{args.stage}; AdamW state "
             f"on rank 0: {mine / 1e3:.0f} kB of {total / 1e3:.0f} kB"
-            + (f"; resumed from {found} (step {step})" if found else "")
+            + (f"; resumed from {found} (step {state['step']})" if found else "")
         )
+        if args.resume and found is None:
+            print(f"--resume: no complete checkpoint in {args.checkpoint_dir}; starting at step 0")
+    data = (x_train, y_train, x_test, y_test)
+    start = time.perf_counter()
+    state, losses = run(args, zero, state, data, device)
+    elapsed = time.perf_counter() - start
+    if args.plot and rank == 0 and losses:
+        save_plot(losses, args.plot, title=f"fdp.ZeroRedundancy (ZeRO-{args.stage}), {world} ranks")
+        print(f"loss curve written to {args.plot}")
+    return report(state["params"], args, data, elapsed)
+
+
+def run(
+    args: argparse.Namespace,
+    zero: fdp.ZeroRedundancy,
+    state: dict[str, Any],
+    data: tuple[torch.Tensor, ...],
+    device: torch.device,
+) -> tuple[dict[str, Any], list[float]]:
+    """Trains from ``state["step"]`` to the last epoch; checkpoints every N steps and at the end."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x_train, y_train = data[0], data[1]
+    params, opt, step = state["params"], state["opt"], state["step"]
+    steps_per_epoch = -(-len(x_train) // args.batch_size)
 
     def loss(p: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(mlp(p, x), y)
 
-    grad = torch.func.grad(loss)
-    start = time.perf_counter()
-    first_epoch = step // steps_per_epoch
+    grad_and_loss = torch.func.grad_and_value(loss)
+    losses: list[float] = []
     bar: tqdm[int] = tqdm(
-        range(first_epoch, args.epochs), desc="training", unit="epoch", disable=rank != 0
+        range(step // steps_per_epoch, args.epochs),
+        desc="training",
+        unit="epoch",
+        disable=rank != 0,
     )
     for epoch in bar:
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
+        loss_sum = torch.zeros((), device=device)
         for i in range(step % steps_per_epoch, steps_per_epoch):
             batch = order[i * args.batch_size : (i + 1) * args.batch_size]
             idx = batch[rank::world].to(device)
-            params, opt = zero.step(grad(params, x_train[idx], y_train[idx]), opt, params)
+            grads, value = grad_and_loss(params, x_train[idx], y_train[idx])
+            params, opt = zero.step(grads, opt, params)
+            loss_sum += value.detach() * len(idx)
             step += 1
             if step % args.checkpoint_every == 0:
                 checkpoint = {"params": params, "opt": opt, "step": step}
                 fdp.save_checkpoint(args.checkpoint_dir / f"step_{step}", checkpoint)
-    elapsed = time.perf_counter() - start
-    return report(params, args, (x_train, y_train, x_test, y_test), elapsed)
+        dist.all_reduce(loss_sum)
+        losses.append(float(loss_sum) / len(x_train))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    state = {"params": params, "opt": opt, "step": step}
+    if losses and step % args.checkpoint_every != 0:  # the last steps, not lost on --resume
+        fdp.save_checkpoint(args.checkpoint_dir / f"step_{step}", state)
+    return state, losses
 
 
 def report(params: Params, args: argparse.Namespace, data: Any, elapsed: float) -> int:

@@ -22,9 +22,8 @@ from fdp._scatter_gather import scatter_kwargs as scatter_kwargs
 from fdp._shards import ZeroState as ZeroState
 from fdp._sync_batch_norm import sync_batch_norm as sync_batch_norm
 from fdp._traced import overlap_options as overlap_options
+from fdp._version import __version__ as __version__
 from fdp._zero import ZeroRedundancy as ZeroRedundancy
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CommHook",

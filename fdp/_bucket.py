@@ -43,7 +43,9 @@ class Bucket:
     numel: int
     dtype: torch.dtype  # the flat buffer's (real) dtype
     device: torch.device
-    _split_sizes: tuple[int, ...] | None = field(init=False, compare=False, repr=False)
+    # Derived in __post_init__. An init field (with a default), because torch
+    # 2.10's dynamo rebuilds a frozen dataclass from all its fields.
+    _split_sizes: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
 
     def empty(self) -> torch.Tensor:
         return torch.empty(self.numel, dtype=self.dtype, device=self.device)

@@ -397,14 +397,18 @@ def _check_present(call: str, entries: dict[str, Any], metadata: dict[str, Any])
 
 @contextlib.contextmanager
 def _quietly() -> Iterator[None]:
-    """Silences two DCP warnings that say nothing to fdp's users.
+    """Silences DCP warnings that say nothing to fdp's users.
 
     DCP warns that it assumes one process whenever torch.distributed is off
-    (fdp means it), and every ShardedTensor access warns that the type is
-    deprecated (fdp's use is confined to ``_compat.sharded_tensor``).
+    (fdp means it), every ShardedTensor access warns that the type is
+    deprecated (fdp's use is confined to ``_compat.sharded_tensor``), and
+    torch 2.10's file writer calls the deprecated ``Tensor.storage()``.
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings(
+            "ignore", message="TypedStorage is deprecated", category=UserWarning
+        )
         warnings.filterwarnings(
             "ignore", message=".*deprecating ShardedTensor", category=FutureWarning
         )

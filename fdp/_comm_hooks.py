@@ -52,21 +52,27 @@ class GradBucket:
         self._parameters = list(parameters)
 
     def buffer(self) -> torch.Tensor:
+        """The flat bucket of gradients this step reduces."""
         return self._buffer
 
     def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replaces the flat bucket (hooks that reduce into a new tensor)."""
         self._buffer = buffer
 
     def index(self) -> int:
+        """The bucket's position; bucket 0 is reduced first."""
         return self._index
 
     def is_last(self) -> bool:
+        """Whether this is the step's last bucket."""
         return self._is_last
 
     def gradients(self) -> list[torch.Tensor]:
+        """The bucket's gradients, views of :meth:`buffer` in leaf order."""
         return self._gradients
 
     def parameters(self) -> list[torch.Tensor]:
+        """The parameters whose gradients the bucket holds, in the same order."""
         return self._parameters
 
     def __repr__(self) -> str:

@@ -290,6 +290,7 @@ class DistributedDataParallel:
             self._sync = previous
 
     def __call__(self, params: T) -> T:
+        """``params`` unchanged; the backward that follows averages their gradients across ranks."""
         self._called = True
         # A constant store, no read: dynamo replays it after the graph, unguarded.
         self._compiled_since = torch.compiler.is_compiling()
@@ -304,7 +305,7 @@ class DistributedDataParallel:
             if self._joiner is not None:
                 return cast(T, _IN_JOIN(self, params))
             if _traced.eager_only(
-                leaves, buffers=self._buffers is not None and bool(self._buffers.buckets)
+                leaves, buffers=self._buffers is not None and len(self._buffers.buckets) > 0
             ):
                 return cast(T, _UNDER_TRANSFORM(self, params))
         if self._joiner is not None:

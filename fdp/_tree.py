@@ -61,7 +61,10 @@ def _flatten_traceable(node: Any, leaves: list[Any]) -> tuple[Any, ...]:
         children = tuple(_flatten_traceable(node[k], leaves) for k in keys)
         factory = node.default_factory if kind is collections.defaultdict else None
         return ("dict", kind, factory, tuple(node), tuple(keys), children)
-    if kind is list or kind is tuple or (issubclass(kind, tuple) and hasattr(kind, "_fields")):
+    # getattr, not hasattr: torch 2.10's dynamo cannot trace hasattr on a class under
+    # a torch.func transform.
+    named = issubclass(kind, tuple) and getattr(kind, "_fields", None) is not None
+    if kind is list or kind is tuple or named:
         return ("seq", kind, tuple(_flatten_traceable(c, leaves) for c in node))
     leaves.append(node)
     return _LEAF

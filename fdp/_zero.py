@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from fdp import _agreement, _optim, _shards, _traced, _tree, _zero_comm
+from fdp import _agreement, _clip, _optim, _shards, _traced, _tree, _zero_comm
 from fdp._collectives import _tensor_leaves
 from fdp._optim import _check_grad
 from fdp._shards import Part, Shards, ZeroState
@@ -96,6 +96,8 @@ class ZeroRedundancy:
         self._trained = [i for i, t in enumerate(trained) if t is not None]
         self.shards: Shards = _shards.plan(params, trained, cap=cap, group=group)
         self._keys = tuple(optimizer.init([]))
+        self._part_optimizers = _bind(optimizer, params, self.shards.parts)
+        self.last_grad_norm: torch.Tensor | None = None
         self._fingerprints: dict[tuple[bool, ...], _agreement.Fingerprint] = {}
         self._pool = _zero_comm.Pool()
 
@@ -119,7 +121,13 @@ class ZeroRedundancy:
 
     @_traced.eager_under_transforms("fdp.ZeroRedundancy.step")
     def step(
-        self, grads: Any, state: ZeroState, params: T, *, donate: bool = False
+        self,
+        grads: Any,
+        state: ZeroState,
+        params: T,
+        *,
+        donate: bool = False,
+        max_norm: float | torch.Tensor | None = None,
     ) -> tuple[T, ZeroState]:
         """One step from this rank's local ``grads``: the new parameters and state.
 
@@ -130,9 +138,18 @@ class ZeroRedundancy:
         buckets and require grad where the old ones did; every call checks
         (one tiny all-reduce, hidden behind packing) that all ranks pass
         gradients of the same structure, ``None`` included.
+
+        With ``max_norm``, the averaged gradients are clipped to that global
+        L2 norm first, as ``torch.nn.utils.clip_grad_norm_`` on DDP's
+        gradients would: each rank holds a slice of them, so the norm costs
+        one more all-reduce (of one number), and every bucket is reduced
+        before the first is updated. The norm before clipping is then in
+        :attr:`last_grad_norm` (the same 0-d tensor value on every rank).
         """
         call = "fdp.ZeroRedundancy.step"
         try:
+            if max_norm is not None and not isinstance(max_norm, torch.Tensor) and max_norm < 0:
+                raise ValueError(f"{call}: `max_norm` expected a number >= 0; got {max_norm!r}")
             p = self._checked_params(call, params)
             g = self._checked_grads(call, grads, params, p)
             if not isinstance(state, ZeroState) or state.shards is not self.shards:
@@ -169,9 +186,10 @@ class ZeroRedundancy:
                     checking, group=self.group, call=call, arg="grads"
                 )
             started = [comm.reduce(k, flat) for k, flat in enumerate(packed)]
+            clipped = None if max_norm is None else self._clip(comm, started, max_norm)
             gathers, slots = [], {k: list(v) for k, v in state.slots.items()}
             for k, part in enumerate(parts):
-                reduced = comm.reduced(started[k])
+                reduced = comm.reduced(started[k]) if clipped is None else clipped[k]
                 pieces = self._update(
                     part, k, p, g, reduced, slots, donate=donate, detach=not differentiable
                 )
@@ -183,6 +201,21 @@ class ZeroRedundancy:
                 )
         spec = self._expected_spec(call)
         return _tree.unflatten(spec, out), ZeroState(slots, self.shards)
+
+    def _clip(
+        self, comm: Any, started: list[Any], max_norm: float | torch.Tensor
+    ) -> list[torch.Tensor]:
+        """Every bucket's averaged slice, scaled to the global ``max_norm``."""
+        reduced = [comm.reduced(s) for s in started]
+        wide = torch.float64 if any(r.dtype == torch.float64 for r in reduced) else torch.float32
+        device = reduced[0].device
+        squares = [torch.linalg.vector_norm(r, dtype=wide).to(device) ** 2 for r in reduced]
+        total = comm.total(torch.stack(squares).sum()).sqrt()
+        self.last_grad_norm = total
+        scale = torch.clamp(max_norm / (total + _clip.EPS), max=1.0)
+        if isinstance(comm, _zero_comm.Eager):  # the slices are this step's own buffers
+            return [r.mul_(scale.to(r.device, r.dtype)) for r in reduced]
+        return [r * scale.to(r.device, r.dtype) for r in reduced]
 
     def _comm(self, differentiable: bool) -> Any:
         s = self.shards
@@ -214,7 +247,7 @@ class ZeroRedundancy:
         params = [_segment(part, p, s, detach=detach) for s in segs]
         mine = {key: slots[key][k] for key in self._keys}
         extra = {"donate": True} if donate else {}  # an optimizer of the user's may lack it
-        new, st = self.optimizer.update(grads, mine, params, **extra)
+        new, st = self._part_optimizers[k].update(grads, mine, params, **extra)
         for key in self._keys:
             slots[key][k] = st[key]
         pieces, pos = [], 0
@@ -295,6 +328,14 @@ class ZeroRedundancy:
             described = _agreement.signature(grads, leaves, "grads", requires_grad=False)
             found = self._fingerprints[missing] = _agreement.Fingerprint(described)
         return found
+
+
+def _bind(optimizer: Any, params: Any, parts: Sequence[Part]) -> list[Any]:
+    """Per bucket, the optimizer of its segments (``param_groups`` labels them by leaf)."""
+    if not callable(getattr(optimizer, "bind", None)):
+        return [optimizer] * len(parts)
+    labels = optimizer.labels(params)
+    return [optimizer.bind([labels[s.leaf] for s in part.segments]) for part in parts]
 
 
 def _meta(leaf: Any) -> Any:

@@ -107,6 +107,11 @@ class Eager:
             work.wait()
         return full
 
+    def total(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of ``t`` over the group."""
+        dist.all_reduce(t, group=self.group)
+        return t
+
 
 def is_gloo(group: ProcessGroup | None) -> bool:
     """Whether ``group`` runs on gloo (the tests patch this to run the NCCL path on gloo)."""
@@ -142,6 +147,11 @@ class Traced:
         full: torch.Tensor = started
         return full
 
+    def total(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of ``t`` over the group."""
+        total: torch.Tensor = funcol.all_reduce(t, "sum", self.pg)
+        return total
+
 
 class Differentiable:
     """Collectives that carry derivatives (:mod:`fdp._transforms`), for a step under autograd.
@@ -174,3 +184,7 @@ class Differentiable:
     def gathered(self, started: Any) -> torch.Tensor:
         full: torch.Tensor = started
         return full
+
+    def total(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of ``t`` over the group, differentiably."""
+        return _transforms.psum(t, group=self.group)

@@ -29,7 +29,7 @@ def python_blocks(page: Path) -> list[str]:
 
 def test_the_pages_have_code() -> None:
     with_code = {p.name for p in PAGES if python_blocks(p)}
-    prose_only = {"guarantees.md", "performance.md"}  # tables and figures
+    prose_only = {"api.md", "guarantees.md", "performance.md"}  # signatures, tables, figures
     assert {p.name for p in PAGES} - prose_only <= with_code
 
 
@@ -75,3 +75,30 @@ def test_every_test_the_docs_name_exists() -> None:
                 if not ok:
                     missing.append(f"{page.name}: {file + '.py::' if file else ''}{name}{star}")
     assert not missing, missing
+
+
+def test_api_reference_is_current() -> None:
+    """docs/api.md is what ``python tests/apiref.py`` writes from today's docstrings."""
+    from tests import apiref
+
+    assert apiref.PAGE.read_text() == apiref.render(), "run: python tests/apiref.py"
+
+
+def test_api_reference_covers_every_public_name() -> None:
+    import fdp
+    import fdp.optim
+
+    page = (ROOT / "docs" / "api.md").read_text()
+    headings = set(re.findall(r"^### `([\w.]+)`$", page, re.M))
+    public = {f"fdp.{n}" for n in fdp.__all__} | {f"fdp.optim.{n}" for n in fdp.optim.__all__}
+    assert public == headings
+    assert "(undocumented)" not in page
+
+
+def test_version_is_the_installed_distribution() -> None:
+    from importlib.metadata import version
+
+    import fdp
+
+    assert fdp.__version__ == version("fdp")
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", fdp.__version__)

@@ -395,3 +395,98 @@ def test_a_donated_step_steps_a_tied_tensor_once(stage: int) -> None:
         assert torch.equal(pure[0], torch.full((3,), -1.0))
         for a, b in zip(pure, donated, strict=True):
             assert torch.equal(a, b)
+
+
+MAX_NORM = 0.05  # below the MLP's gradient norms: every step clips
+
+
+def _no_decay(name: str, t: torch.Tensor) -> str:
+    return "no_decay" if t.ndim <= 1 else "decay"
+
+
+def _grouped_adamw() -> fdp.optim.ParamGroups:
+    return fdp.optim.param_groups(
+        _no_decay,
+        {
+            "decay": fdp.optim.adamw(0.05, weight_decay=0.1),
+            "no_decay": fdp.optim.adamw(0.02, weight_decay=0.0),
+        },
+    )
+
+
+def _clipped_grouped_steps(
+    rank: int, size: int, stage: int, compiled: bool
+) -> tuple[list[torch.Tensor], list[float]]:
+    x, y = batch(PER_RANK * size)
+    params = optree.tree_map(torch.Tensor.detach, mlp_params(head_bias=True))  # type: ignore[arg-type]
+    zero = fdp.ZeroRedundancy(_grouped_adamw(), params, stage=stage, bucket_cap_mb=SMALL_CAP)
+
+    def loss(p: Any, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(mlp(p, xb), yb)
+
+    def train_step(p: Any, state: Any) -> tuple[Any, Any]:
+        grads = torch.func.grad(loss)(p, shard(x, rank), shard(y, rank))
+        return zero.step(grads, state, p, max_norm=MAX_NORM)
+
+    step = (
+        torch.compile(train_step, backend="aot_eager", fullgraph=True) if compiled else train_step
+    )
+    state, norms = zero.init(params), []
+    for _ in range(4):
+        params, state = step(params, state)
+        assert zero.last_grad_norm is not None
+        norms.append(float(zero.last_grad_norm))
+    return tensor_leaves(params), norms
+
+
+def clipped_grouped_reference(world: int) -> tuple[list[torch.Tensor], list[float]]:
+    """One process, the full batch: clip_grad_norm_ and AdamW with two parameter groups."""
+    x, y = batch(PER_RANK * world)
+    params = mlp_params(head_bias=True)
+    leaves = tensor_leaves(params)
+    groups = [
+        {"params": [p for p in leaves if p.ndim > 1], "lr": 0.05, "weight_decay": 0.1},
+        {"params": [p for p in leaves if p.ndim <= 1], "lr": 0.02, "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, foreach=True)
+    norms = []
+    for _ in range(4):
+        opt.zero_grad()
+        torch.autograd.backward(torch.nn.functional.mse_loss(mlp(params, x), y))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(leaves, MAX_NORM)))
+        opt.step()
+    return [p.detach() for p in leaves], norms
+
+
+@pytest.mark.parametrize(
+    ("world", "stage", "compiled"),
+    [
+        (2, 2, False),
+        (3, 1, False),
+        (3, 2, False),
+        pytest.param(2, 2, True, marks=pytest.mark.compile),
+    ],
+)
+def test_max_norm_and_param_groups_equal_torchs_clip_and_groups(
+    world: int, stage: int, compiled: bool
+) -> None:
+    """``step(..., max_norm=)`` is clip_grad_norm_ on DDP's gradients; groups are torch's."""
+    expected, expected_norms = clipped_grouped_reference(world)
+    assert all(n > MAX_NORM for n in expected_norms)  # the test clips at every step
+    for got, norms in ranks.world(world).run(_clipped_grouped_steps, stage, compiled):
+        torch.testing.assert_close(norms, expected_norms, rtol=1e-5, atol=0)
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def _bad_max_norm(rank: int, size: int) -> str:
+    params = {"w": torch.ones(3)}
+    zero = fdp.ZeroRedundancy(fdp.optim.sgd(0.1), params)
+    with pytest.raises(ValueError, match=r"ZeroRedundancy.step: `max_norm` expected") as err:
+        zero.step({"w": torch.ones(3)}, zero.init(params), params, max_norm=-1.0)
+    return str(err.value)
+
+
+def test_a_negative_max_norm_raises_the_same_error_on_every_rank() -> None:
+    messages = ranks.world(2).run(_bad_max_norm)
+    assert messages[0] == messages[1]

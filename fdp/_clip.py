@@ -1,0 +1,85 @@
+"""``fdp.optim.clip_by_global_norm``: ``torch.nn.utils.clip_grad_norm_`` over a gradient tree.
+
+Pure: the clipped gradients are new tensors, so the function runs under
+autograd, every ``torch.func`` transform and ``torch.compile`` (no
+data-dependent branch: the scale is clamped, as torch clamps it). Gradients
+that :class:`fdp.DistributedDataParallel` or :func:`fdp.all_reduce_grads`
+averaged are the same on every rank, so each rank computes the same norm
+with no collective. :class:`fdp.ZeroRedundancy` holds only a slice of the
+averaged gradients: its ``step(..., max_norm=...)`` adds the one reduction
+that needs.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+
+from fdp import _tree
+
+T = TypeVar("T")
+
+EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s, added to the norm before dividing
+
+
+def clip_by_global_norm(
+    grads: T, max_norm: float | torch.Tensor, *, norm_type: float = 2.0
+) -> tuple[T, torch.Tensor]:
+    """Scales a gradient tree so that its global norm is at most ``max_norm``.
+
+    The same computation as ``torch.nn.utils.clip_grad_norm_``: the norm of
+    the leaves' norms, and every leaf multiplied by
+    ``min(1, max_norm / (norm + 1e-6))``. ``None`` leaves stay ``None``.
+
+    Args:
+        grads: a tree of gradient tensors (and ``None``).
+        max_norm: the largest global norm kept.
+        norm_type: the ``p`` of the p-norm, ``math.inf`` for the largest
+            absolute value.
+
+    Returns:
+        The clipped gradients (new tensors) and the global norm before
+        clipping (a 0-d tensor; ``nan`` or ``inf`` when a gradient is not
+        finite, as in torch).
+
+    Raises:
+        ValueError: ``max_norm`` is negative or ``norm_type`` not positive.
+        TypeError: a leaf of ``grads`` is neither a tensor nor ``None``.
+
+    Example:
+        >>> import torch, fdp
+        >>> grads = {"w": torch.tensor([3.0, 4.0]), "b": None}
+        >>> clipped, norm = fdp.optim.clip_by_global_norm(grads, 1.0)
+        >>> norm.item(), [round(v, 4) for v in clipped["w"].tolist()]
+        (5.0, [0.6, 0.8])
+    """
+    call = "fdp.optim.clip_by_global_norm"
+    if not isinstance(max_norm, torch.Tensor) and not max_norm >= 0:
+        raise ValueError(f"{call}: `max_norm` expected a number >= 0; got {max_norm!r}")
+    if isinstance(norm_type, bool) or not float(norm_type) > 0:
+        raise ValueError(
+            f"{call}: `norm_type` expected a number > 0 or math.inf; got {norm_type!r}"
+        )
+    leaves, spec = _tree.flatten(grads)
+    for i, g in enumerate(leaves):
+        if g is not None and not isinstance(g, torch.Tensor):
+            raise TypeError(
+                f"{call}: `grads` leaf {_tree.path(grads, i, 'grads')} expected a tensor or "
+                f"None; got {_tree.describe(g)}"
+            )
+    present = [g for g in leaves if g is not None]
+    if not present:
+        return grads, torch.zeros(())
+    norm = global_norm(present, norm_type=float(norm_type))
+    scale = torch.clamp(max_norm / (norm + EPS), max=1.0)
+    clipped = [None if g is None else g * scale.to(g.device) for g in leaves]
+    return _tree.unflatten(spec, clipped), norm
+
+
+def global_norm(tensors: list[torch.Tensor], *, norm_type: float) -> torch.Tensor:
+    """The p-norm of the tensors' p-norms, on the first tensor's device."""
+    device = tensors[0].device
+    norms = [torch.linalg.vector_norm(t, norm_type).to(device) for t in tensors]
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    return total

@@ -1,0 +1,164 @@
+"""``fdp.optim.param_groups``: torch.optim's parameter groups over a parameter tree.
+
+Each leaf gets a label (from a function of its name and tensor, or a tree of
+labels), each label an optimizer of the same kind (the same state slots)
+with its own hyperparameters: no weight decay on biases and norms, a
+smaller learning rate for a pretrained trunk. One step runs every group's
+optimizer on its own leaves; a leaf's ``None`` gradient already means "leave
+it as it is" to every ``fdp.optim`` optimizer, so each group's update sees
+the other groups' gradients as ``None``. The state has the single
+optimizer's format, so checkpoints and :class:`fdp.ZeroRedundancy` take it
+unchanged; ZeroRedundancy labels its slices by the leaves they come from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import optree
+import torch
+
+from fdp import _tree
+
+T = TypeVar("T")
+Label = Callable[[str, torch.Tensor], str]
+
+
+class ParamGroups:
+    """Several optimizers, one per label of the parameters; see :func:`param_groups`."""
+
+    name = "param_groups"
+
+    def __init__(self, label: Label | Any, optimizers: Mapping[str, Any]) -> None:
+        call = "fdp.optim.param_groups"
+        if not isinstance(optimizers, Mapping) or not optimizers:
+            raise TypeError(
+                f"{call}: `optimizers` expected a non-empty dict of label -> fdp.optim optimizer; "
+                f"got {_tree.describe(optimizers)}"
+            )
+        slots = {k: tuple(getattr(o, "slots", ())) for k, o in optimizers.items()}
+        for k, opt in optimizers.items():
+            if not (
+                callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))
+            ):
+                raise TypeError(
+                    f"{call}: `optimizers[{k!r}]` expected an fdp.optim optimizer; "
+                    f"got {_tree.describe(opt)}"
+                )
+            first = next(iter(slots))
+            if slots[k] != slots[first]:
+                raise ValueError(
+                    f"{call}: `optimizers` expected optimizers with the same state slots (one "
+                    f"state format); got {slots[first]} for {first!r} and {slots[k]} for {k!r}"
+                )
+        self.label, self.optimizers = label, dict(optimizers)
+        self.slots = slots[next(iter(slots))]
+
+    def __repr__(self) -> str:
+        return f"fdp.optim.param_groups({self.label!r}, {self.optimizers!r})"
+
+    def labels(self, params: Any) -> list[str | None]:
+        """Each leaf's label (``None`` for a ``None`` leaf), checked against ``optimizers``."""
+        call = "fdp.optim.param_groups"
+        leaves, spec = _tree.flatten(params)
+        if callable(self.label):
+            names = _names(params)
+            got = [None if t is None else self.label(names[i], t) for i, t in enumerate(leaves)]
+        else:
+            given, given_spec = _tree.flatten(self.label)
+            if given_spec != spec:
+                raise ValueError(
+                    f"{call}: `label` expected a tree of labels shaped like `params` ({spec}), "
+                    f"or a function (name, tensor) -> label; got {given_spec}"
+                )
+            got = [None if t is None else given[i] for i, t in enumerate(leaves)]
+        for i, lab in enumerate(got):
+            if leaves[i] is not None and lab not in self.optimizers:
+                raise ValueError(
+                    f"{call}: `label` gave leaf {_tree.path(params, i, 'params')} the label "
+                    f"{lab!r}; expected one of {sorted(self.optimizers)}"
+                )
+        return got
+
+    def init(self, params: Any) -> dict[str, Any]:
+        """The state before the first step (the single optimizer's format)."""
+        return dict(next(iter(self.optimizers.values())).init(params))
+
+    def update(
+        self, grads: Any, state: dict[str, Any], params: T, *, donate: bool = False
+    ) -> tuple[T, dict[str, Any]]:
+        """One step of every group's optimizer on its own leaves."""
+        return self.bind(self.labels(params)).update(grads, state, params, donate=donate)
+
+    def bind(self, labels: Sequence[str | None]) -> Bound:
+        """The optimizer for a flat list of leaves labelled ``labels`` (ZeroRedundancy's slices)."""
+        return Bound(self, list(labels))
+
+
+class Bound:
+    """:class:`ParamGroups` with fixed per-leaf labels."""
+
+    def __init__(self, groups: ParamGroups, labels: list[str | None]) -> None:
+        self.groups, self.labels, self.slots = groups, labels, groups.slots
+
+    def init(self, params: Any) -> dict[str, Any]:
+        return self.groups.init(params)
+
+    def update(
+        self, grads: Any, state: dict[str, Any], params: T, *, donate: bool = False
+    ) -> tuple[T, dict[str, Any]]:
+        g, spec = _tree.flatten(grads)
+        if len(g) != len(self.labels):
+            raise ValueError(
+                f"fdp.optim.param_groups.update: `grads` expected {len(self.labels)} leaves "
+                f"(the labelled parameters); got {len(g)}"
+            )
+        for label, opt in self.groups.optimizers.items():
+            mine = [gi if lab == label else None for gi, lab in zip(g, self.labels, strict=True)]
+            if all(m is None for m in mine):
+                continue
+            extra = {"donate": True} if donate else {}
+            params, state = opt.update(_tree.unflatten(spec, mine), state, params, **extra)
+        return params, state
+
+
+def _names(params: Any) -> list[str]:
+    """Each leaf's dotted name, as ``named_parameters`` writes it (``layers.0.weight``)."""
+    accessors = optree.tree_accessors(params, none_is_leaf=_tree.NONE_IS_LEAF)
+    return [".".join(str(getattr(e, "field", e.entry)) for e in accessor) for accessor in accessors]
+
+
+def param_groups(label: Label | Any, optimizers: Mapping[str, Any]) -> ParamGroups:
+    """torch.optim's parameter groups: an optimizer per label of the parameter leaves.
+
+    Args:
+        label: a function ``(name, tensor) -> label`` (``name`` is the leaf's
+            dotted path, ``"layers.0.b"``, as ``named_parameters`` gives it;
+            a namedtuple's field by name),
+            or a tree of labels shaped like the parameters.
+        optimizers: ``{label: optimizer}``, optimizers with the same state
+            slots (e.g. AdamW with and without weight decay).
+
+    Returns:
+        An optimizer with ``init`` and ``update``, in the state format of the
+        optimizers it holds.
+
+    Raises:
+        ValueError: a leaf's label is not in ``optimizers``, or the
+            optimizers' state slots differ.
+
+    Example:
+        >>> import torch, fdp
+        >>> no_decay = lambda name, t: "no_decay" if t.ndim <= 1 else "decay"
+        >>> opt = fdp.optim.param_groups(
+        ...     no_decay,
+        ...     {"decay": fdp.optim.sgd(0.1, weight_decay=1.0), "no_decay": fdp.optim.sgd(0.1)},
+        ... )
+        >>> params = {"w": torch.ones(1, 1), "b": torch.ones(1)}
+        >>> zeros = {"w": torch.zeros(1, 1), "b": torch.zeros(1)}
+        >>> new, _ = opt.update(zeros, opt.init(params), params)
+        >>> new["w"].item(), new["b"].item()
+        (0.8999999761581421, 1.0)
+    """
+    return ParamGroups(label, optimizers)
