@@ -33,7 +33,7 @@ def tests(session: nox.Session) -> None:
 # The supported torch range, tested end to end: the floor, a middle release,
 # the pin CI runs, and the newest release on the registry. Run before
 # resolving anything that touches torch APIs: ``nox -s torch_range``.
-TORCH_RANGE = ["2.10.0", "2.12.1", "2.13.0", "2.15.0"]
+TORCH_RANGE = ["2.11.0", "2.12.1", "2.13.0", "2.15.0"]
 
 
 @nox.session

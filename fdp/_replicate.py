@@ -185,11 +185,20 @@ def _unique_leaves(
                 f"{call}: `params` leaf {_tree.path(params, i, 'params')} expected a tensor "
                 f"or None; got {_tree.describe(leaf)}"
             )
-        s = slot.setdefault(id(leaf), len(unique))
+        s = _slot_of(leaf, unique, slot)
         if s == len(unique):
             unique.append(leaf)
         leaf_slots.append(s)
     return unique, leaf_slots
+
+
+def _slot_of(leaf: torch.Tensor, unique: list[torch.Tensor], slot: dict[int, int]) -> int:
+    """``leaf``'s index in ``unique`` if it is there (by identity), else ``len(unique)``."""
+    if torch.compiler.is_compiling():
+        # A scan by ``is``, at trace time only: dynamo before torch 2.13 cannot take
+        # the id() of a tensor made inside the trace (under a torch.func transform).
+        return next((j for j, u in enumerate(unique) if u is leaf), len(unique))
+    return slot.setdefault(id(leaf), len(unique))
 
 
 def _replicate(
