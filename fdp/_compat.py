@@ -2,9 +2,10 @@
 
 Every function says what it needs and what to do when torch changes: most
 degrade to the safe answer (run replicas in a loop, never reuse a buffer)
-rather than fail. All are present from torch 2.4 (fdp's lower bound) to
-2.13, the version they were checked on; no other fdp module touches
-``torch._*``, so a torch upgrade is checked here and by the tests.
+rather than fail, and pick by capability (``getattr`` on the API), never by
+version number. All are present in every release of the supported range,
+torch 2.11 to 2.15, which ``nox -s torch_range`` runs the whole suite on. A
+torch upgrade is checked here and by that session.
 """
 
 from __future__ import annotations
