@@ -1,0 +1,157 @@
+"""fdp._compat picks each private torch API by capability: both branches, against a reference.
+
+Every torch release of the supported range (``nox -s torch_range``) runs the
+branch it has; here the other branch is forced (the API patched away) and
+must give the same answer, or the documented safe one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import types
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fdp import _compat
+from tests import ranks
+
+
+def test_storage_users_counts_the_tensors_that_share_a_storage() -> None:
+    t = torch.ones(4)
+    assert _compat.storage_users(t) == 1
+    views = [t[:2], t.view(2, 2)]
+    assert _compat.storage_users(t) == 1 + len(views)
+    del views
+    assert _compat.storage_users(t) == 1
+
+
+def test_storage_users_without_the_api_never_allows_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    assert _compat.storage_users(torch.ones(2)) >= 1 << 30
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_foreach_copy_equals_copy_either_way(
+    available: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not available:
+        monkeypatch.delattr(torch, "_foreach_copy_")
+    src = [torch.randn(3), torch.randn(2, 2).t(), torch.randn(1, dtype=torch.float64)]
+    dst = [torch.empty(3), torch.empty(2, 2), torch.empty(1, dtype=torch.float64)]
+    _compat.foreach_copy_(dst, src)
+    for d, s in zip(dst, src, strict=True):
+        torch.testing.assert_close(d, s)
+    _compat.foreach_copy_([], [])  # foreach ops refuse empty lists; this must not
+
+
+def test_current_autograd_node_inside_and_outside_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _compat.current_autograd_node() is None
+    seen: list[Any] = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        seen.append(_compat.current_autograd_node())
+        return g
+
+    y.register_hook(hook)  # type: ignore[no-untyped-call]
+    torch.autograd.backward(y.sum())
+    assert seen[0] is not None  # the node running the hook
+    monkeypatch.delattr(torch._C, "_current_autograd_node")
+    assert _compat.current_autograd_node() is None  # the documented fallback
+
+
+def test_compiler_disable_with_and_without_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def eager(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)  # a side effect dynamo would refuse to trace under fullgraph
+        return x + 1
+
+    disabled = _compat.compiler_disable(eager, reason="test")
+    compiled = torch.compile(lambda x: disabled(x) * 2, backend="eager")
+    torch.testing.assert_close(compiled(torch.ones(2)), torch.full((2,), 4.0))
+    assert calls
+
+    real = torch.compiler.disable
+
+    def old_disable(fn: Any = None, recursive: bool = True) -> Any:  # no `reason` (torch < 2.7)
+        return real(fn, recursive=recursive)  # type: ignore[no-untyped-call]
+
+    monkeypatch.setattr(torch.compiler, "disable", old_disable)
+    again = _compat.compiler_disable(eager, reason="test")
+    torch.testing.assert_close(again(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_is_compiled_module() -> None:
+    net = torch.nn.Linear(2, 2)
+    assert not _compat.is_compiled_module(net)
+    assert _compat.is_compiled_module(torch.compile(net))
+
+
+def test_order_effects_answers_false_without_the_api() -> None:
+    assert _compat.order_effects(types.SimpleNamespace()) is False
+
+
+def test_inductor_overlap_passes_fall_back_to_the_older_pair(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch._inductor import comms
+
+    preferred = _compat.inductor_overlap_passes()
+    assert preferred
+    assert all(hasattr(comms, name) for name in preferred)
+    monkeypatch.delattr(comms, "reorder_communication_preserving_peak_memory", raising=False)
+    fallback = _compat.inductor_overlap_passes()
+    assert set(fallback) <= {"sink_waits", "raise_comms"}
+    assert all(hasattr(comms, name) for name in fallback)
+
+
+def _collectives_both_names(rank: int, size: int) -> list[list[float]]:
+    out = []
+    for new_names in (True, False):
+        patched: dict[str, Any] = {}
+        if not new_names:  # torch before 2.13: only the old names exist
+            for name in ("reduce_scatter_single", "all_gather_single"):
+                if hasattr(dist, name):
+                    patched[name] = getattr(dist, name)
+                    delattr(dist, name)
+        try:
+            flat = torch.arange(2.0 * size) + rank
+            mine = torch.empty(2)
+            _compat.reduce_scatter_single(mine, flat, None).wait()
+            full = torch.empty(2 * size)
+            _compat.all_gather_single(full, mine, None).wait()
+            out.append(full.tolist())
+        finally:
+            for name, fn in patched.items():
+                setattr(dist, name, fn)
+    return out
+
+
+def test_reduce_scatter_and_all_gather_under_either_name() -> None:
+    size = 2
+    # Every rank's flat is arange + rank: the sum over ranks, gathered back whole.
+    expected = (torch.arange(2.0 * size) * size + sum(range(size))).tolist()
+    for results in ranks.world(size).run(_collectives_both_names):
+        assert results == [expected, expected]
+
+
+def _timeouts(rank: int, size: int) -> tuple[float | None, float | None]:
+    timeout = _compat.group_timeout(None)
+    broken = _compat.group_timeout(types.SimpleNamespace(_device_types=["cpu"]))
+    return (
+        None if timeout is None else timeout.total_seconds(),
+        None if broken is None else broken.total_seconds(),
+    )
+
+
+def test_group_timeout_reads_the_groups_timeout_or_answers_none() -> None:
+    for timeout, broken in ranks.world(2).run(_timeouts):
+        assert timeout == datetime.timedelta(seconds=ranks.PG_TIMEOUT_S).total_seconds()
+        assert broken is None
