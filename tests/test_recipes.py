@@ -9,6 +9,7 @@ under ZeroRedundancy, where one rank alone overflows.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
@@ -90,6 +91,54 @@ def test_an_hf_style_module_trains_as_one_process_on_the_whole_batch() -> None:
         assert got.keys() == expected.keys()  # both tied names, as torch saves them
         for name, tensor in expected.items():
             torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+class ModelOutput(collections.OrderedDict):  # type: ignore[type-arg]
+    """transformers' ModelOutput in brief: a dataclass whose set fields are also its items."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is not None:
+                self[f.name] = value
+
+
+@dataclasses.dataclass
+class CausalLMOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+class Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> CausalLMOutput:
+        return CausalLMOutput(logits=self.head(self.embed(input_ids)) * attention_mask[..., None])
+
+
+def test_data_parallel_gathers_an_hf_style_output_with_keyword_inputs() -> None:
+    """``data_parallel`` over a module: keyword inputs split, a ModelOutput gathered whole."""
+    ids, mask = lm_batch(2)
+    model = Classifier()
+    fn, state = fdp.make_functional(model)
+    out = fdp.data_parallel(
+        fn, state, (ids,), kwargs={"attention_mask": mask}, devices=["cpu", "cpu"]
+    )
+    assert type(out) is CausalLMOutput
+    assert list(out.keys()) == ["logits"]  # None fields stay out of the items, as in HF
+    assert out.loss is None
+    ref = model(ids, attention_mask=mask)
+    assert out.logits is not None
+    assert ref.logits is not None
+    torch.testing.assert_close(out.logits, ref.logits)
+    grads = torch.autograd.grad(out.logits.square().sum(), list(state.values()))
+    expected = torch.autograd.grad(ref.logits.square().sum(), list(state.values()))
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e)
 
 
 N, BATCH = 13, 2  # 3 ranks: 5, 4 and 4 samples, so 3, 2 and 2 batches
