@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def save_plot(losses: list[float], path: str, *, title: str) -> None:
+def save_plot(losses: list[float], path: str, *, title: str, first_epoch: int = 1) -> None:
     """Writes the per-epoch training loss to a PNG (every digits example's ``--plot``)."""
     import matplotlib
 
@@ -157,7 +157,7 @@ def save_plot(losses: list[float], path: str, *, title: str) -> None:
 
     fig: Any
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses)
+    ax.plot(range(first_epoch, first_epoch + len(losses)), losses)
     ax.set_xlabel("epoch")
     ax.set_ylabel("training loss (cross-entropy)")
     ax.set_yscale("log")

@@ -111,10 +111,12 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
             print(f"--resume: no complete checkpoint in {args.checkpoint_dir}; starting at step 0")
     data = (x_train, y_train, x_test, y_test)
     start = time.perf_counter()
+    first_epoch = state["step"] // -(-len(x_train) // args.batch_size) + 1
     state, losses = run(args, zero, state, data, device)
     elapsed = time.perf_counter() - start
     if args.plot and rank == 0 and losses:
-        save_plot(losses, args.plot, title=f"fdp.ZeroRedundancy (ZeRO-{args.stage}), {world} ranks")
+        title = f"fdp.ZeroRedundancy (ZeRO-{args.stage}), {world} ranks"
+        save_plot(losses, args.plot, title=title, first_epoch=first_epoch)
         print(f"loss curve written to {args.plot}")
     return report(state["params"], args, data, elapsed)
 
