@@ -490,3 +490,31 @@ def _bad_max_norm(rank: int, size: int) -> str:
 def test_a_negative_max_norm_raises_the_same_error_on_every_rank() -> None:
     messages = ranks.world(2).run(_bad_max_norm)
     assert messages[0] == messages[1]
+
+
+def _differentiable_clip(rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    params = {"w": torch.linspace(-1.0, 1.0, 7)}
+    lr = torch.tensor(0.1, requires_grad=True)
+    zero = fdp.ZeroRedundancy(fdp.optim.sgd(lr), params, bucket_cap_mb=SMALL_CAP)
+    grads = {"w": torch.linspace(0.0, 1.0, 7) * (rank + 1)}
+    new, _ = zero.step(grads, zero.init(params), params, max_norm=0.5)
+    (d_lr,) = torch.autograd.grad(new["w"].square().sum(), lr)
+    assert zero.last_grad_norm is not None
+    return new["w"].detach(), d_lr, zero.last_grad_norm.detach()
+
+
+def test_max_norm_in_a_differentiable_step_gives_the_clipped_hypergradient() -> None:
+    """A hypergradient (lr requires grad) through a clipped step: the ranks' shares average
+    to the single-process derivative (docs/transforms.md's rule for ZeroRedundancy)."""
+    world = 2
+    lr = torch.tensor(0.1, requires_grad=True)
+    w = torch.linspace(-1.0, 1.0, 7)
+    avg = torch.linspace(0.0, 1.0, 7) * sum(r + 1 for r in range(world)) / world
+    (clipped,), norm = fdp.optim.clip_by_global_norm([avg], 0.5)
+    new = w - lr * clipped
+    (expected,) = torch.autograd.grad(new.square().sum(), lr)
+    results = ranks.world(world).run(_differentiable_clip)
+    for got_w, _, got_norm in results:
+        torch.testing.assert_close(got_w, new.detach())
+        torch.testing.assert_close(got_norm, norm)
+    torch.testing.assert_close(torch.stack([d for _, d, _ in results]).mean(), expected)
