@@ -84,9 +84,7 @@ def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None
     grad_mode = torch.is_grad_enabled()
     if _compat.functorch_active() or any(
         t is not None
-        and (
-            _transforms.has_tangent(t) or (grad_mode and t.requires_grad and t.grad_fn is not None)
-        )
+        and (_compat.has_tangent(t) or (grad_mode and t.requires_grad and t.grad_fn is not None))
         for t in tensors
     ):
         _broadcast_differentiable(tensors, src, group)

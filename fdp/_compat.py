@@ -221,6 +221,17 @@ def is_transformed(t: torch.Tensor) -> bool:
     return bool(functorch.is_functorch_wrapped_tensor(t))
 
 
+def has_tangent(t: torch.Tensor) -> bool:
+    """Whether ``t`` carries a tangent of ``torch.autograd.forward_ad`` (a dual tensor).
+
+    Public API, kept here beside :func:`is_transformed` so that the
+    single-process modules need no distributed one to ask.
+    """
+    import torch.autograd.forward_ad as fwAD
+
+    return fwAD.unpack_dual(t).tangent is not None  # type: ignore[no-untyped-call]
+
+
 def functorch_disabled() -> Any:
     """A context in which functorch does not intercept ops (collectives in backward hooks).
 

@@ -340,8 +340,7 @@ class DistributedDataParallel:
         outside, is an ordinary backward.
         """
         return any(
-            isinstance(t, torch.Tensor)
-            and (_compat.is_transformed(t) or _transforms.has_tangent(t))
+            isinstance(t, torch.Tensor) and (_compat.is_transformed(t) or _compat.has_tangent(t))
             for t in (leaves[i] for i in self._layout.where)
         )
 
@@ -398,7 +397,7 @@ class DistributedDataParallel:
         if not _compat.functorch_active():
             for i in self._layout.where:
                 t = leaves[i]
-                if t.requires_grad and t.grad_fn is not None and not _transforms.has_tangent(t):
+                if t.requires_grad and t.grad_fn is not None and not _compat.has_tangent(t):
                     raise ValueError(
                         f"{call}: `params` leaf {_tree.path(params, i, 'params')} expected a "
                         f"leaf of the autograd graph; got a tensor computed by "

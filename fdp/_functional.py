@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from fdp import _replica, _sync_batch_norm
+from fdp import _replica
 
 __all__ = ["make_functional"]
 
@@ -61,6 +61,9 @@ def _shells(
         shell = object.__new__(type(m))
         shell.__dict__.update(m.__dict__)
         if sync_batch_norm and isinstance(m, _BATCH_NORMS):
+            # Imported here: the single-process core imports nothing distributed.
+            from fdp import _sync_batch_norm
+
             _sync_batch_norm.synced(shell, group)
         shells[id(m)] = shell
     for m in modules:

@@ -24,8 +24,6 @@ zeros from the others would give.
 
 from __future__ import annotations
 
-import contextvars
-import dataclasses
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -36,59 +34,9 @@ import torch.distributed as dist
 
 from fdp import _bucket, _compat
 from fdp._buffers import Buffers
+from fdp._training import ALONE, TRAINING, Group, Training
 
 ProcessGroup = dist.ProcessGroup
-
-
-class Alone:
-    """The group of this rank alone: a collective over it is the identity."""
-
-
-ALONE = Alone()
-Group = ProcessGroup | None | Alone
-
-
-@dataclasses.dataclass
-class _Training:
-    """The ranks of ``group`` still training, and a process group of them (None: none made)."""
-
-    group: ProcessGroup | None
-    ranks: tuple[int, ...]
-    sub: Group
-
-
-_TRAINING: contextvars.ContextVar[_Training | None] = contextvars.ContextVar(
-    "fdp_join_training", default=None
-)
-
-
-def _same(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:
-    world = dist.group.WORLD
-    return (a if a is not None else world) is (b if b is not None else world)
-
-
-def training_group(group: ProcessGroup | None) -> Group:
-    """The group ``fdp.sync_batch_norm`` over ``group`` runs in: the ranks still training."""
-    if torch.compiler.is_compiling():  # join is eager; dynamo cannot read a ContextVar
-        return group
-    training = _TRAINING.get()
-    if training is None:
-        return group
-    if len(training.ranks) == dist.get_world_size(training.group):
-        return group
-    if not _same(group, training.group):
-        raise NotImplementedError(
-            "fdp.sync_batch_norm: inside DistributedDataParallel.join, after a rank has left, "
-            "`group` must be ddp's group (the one the ranks still training are taken from); "
-            f"got {group}, expected {training.group}"
-        )
-    if training.sub is None:
-        raise NotImplementedError(
-            "fdp.sync_batch_norm: inside DistributedDataParallel.join, after a rank has left, "
-            "the ranks still training need a group of their own, which fdp makes only when "
-            "ddp's group holds every process; got a smaller group"
-        )
-    return training.sub
 
 
 def weak(leaves: Sequence[Any]) -> list[weakref.ref[torch.Tensor] | None]:
@@ -121,7 +69,7 @@ class Joiner:
         self.counted = counted  # the length of a step's usage-count all-reduce
         self.buffers = buffers
         self.by_initial = divide_by_initial_world_size
-        self.training = _Training(group, tuple(range(self.world)), group)
+        self.training = Training(group, tuple(range(self.world)), group)
         self.made: list[ProcessGroup] = []
         self.final, self.meta, self.refs = final, list(meta), refs
         self.last = self.training.ranks  # the last ranks seen training
@@ -133,11 +81,11 @@ class Joiner:
     @contextmanager
     def active(self) -> Iterator[None]:
         """The block: ``fdp.sync_batch_norm`` inside it runs among the ranks still training."""
-        token = _TRAINING.set(self.training)
+        token = TRAINING.set(self.training)
         try:
             yield
         finally:
-            _TRAINING.reset(token)
+            TRAINING.reset(token)
             for pg in self.made:
                 dist.destroy_process_group(pg)
 

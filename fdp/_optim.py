@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from fdp import _compat, _transforms, _tree
+from fdp import _compat, _tree
 
 T = TypeVar("T")
 Lists = tuple[torch.Tensor, ...] | list[torch.Tensor]
@@ -344,7 +344,7 @@ def _differentiable(lr: Any, p: list[Any], g: list[Any], s: dict[str, list[Any]]
         t for t in (lr, *g, *(t for v in s.values() for t in v)) if isinstance(t, torch.Tensor)
     ]
     computed = [t for t in p if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    if any(_transforms.has_tangent(t) for t in (*tensors, *p) if isinstance(t, torch.Tensor)):
+    if any(_compat.has_tangent(t) for t in (*tensors, *p) if isinstance(t, torch.Tensor)):
         return True
     return torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *computed))
 

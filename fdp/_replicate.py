@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fdp import _bucket, _compat, _transforms, _tree
+from fdp import _bucket, _compat, _tree
 from fdp._device import DeviceLike, as_devices
 
 __all__ = ["replicate"]
@@ -228,7 +228,7 @@ def _replicate(
         _refuse_compiled_transform(call)
         if use_autograd:
             forward_mode = not torch.compiler.is_compiling() and (
-                _compat.functorch_active() or any(_transforms.has_tangent(t) for t in tensors)
+                _compat.functorch_active() or any(_compat.has_tangent(t) for t in tensors)
             )
             fn = _BroadcastForward if forward_mode else _Broadcast
             outputs: Sequence[torch.Tensor] = fn.apply(copies, *tensors)  # type: ignore[no-untyped-call]

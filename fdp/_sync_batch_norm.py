@@ -28,15 +28,15 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from fdp import _compat, _join, _traced, _transforms
+from fdp import _compat, _traced, _training, _transforms
 
 ProcessGroup = dist.ProcessGroup
-Group = _join.Group
+Group = _training.Group
 
 
 def _summed(t: torch.Tensor, group: Group) -> torch.Tensor:
     """The sum over the ranks of ``group`` of ``t`` (a new tensor)."""
-    if group is _join.ALONE:
+    if group is _training.ALONE:
         return t
     if torch.compiler.is_compiling():
         pg = group if group is not None else dist.group.WORLD
@@ -50,7 +50,7 @@ def _summed(t: torch.Tensor, group: Group) -> torch.Tensor:
 
 def _gathered(t: torch.Tensor, group: Group) -> torch.Tensor:
     """``t`` (1-d) from every rank of ``group``, one row per rank."""
-    if group is _join.ALONE:
+    if group is _training.ALONE:
         return t.view(1, -1)
     if torch.compiler.is_compiling():
         pg = group if group is not None else dist.group.WORLD
@@ -101,7 +101,7 @@ def _composite(
     else:  # zeros that depend on x, so that every rank runs the same derivatives
         mean = var = wide.sum(dims)
     row = torch.cat([torch.full((1,), float(n), dtype=wide.dtype, device=x.device), mean, var])
-    if group is _join.ALONE:
+    if group is _training.ALONE:
         rows = row.view(1, -1)
     else:
         rows = _transforms.all_gather(row, cast(ProcessGroup | None, group))
@@ -237,8 +237,8 @@ def sync_batch_norm(
     c = x.shape[1]
     w = weight if weight is not None else torch.ones(c, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else torch.zeros(c, dtype=x.dtype, device=x.device)
-    group_ = _join.training_group(group)
-    if _compat.functorch_active() or any(_transforms.has_tangent(t) for t in (x, w, b)):
+    group_ = _training.training_group(group)
+    if _compat.functorch_active() or any(_compat.has_tangent(t) for t in (x, w, b)):
         y, mean, var, n = _composite(x, w, b, eps, group_)
     else:
         y, mean, var, n = _SyncBatchNorm.apply(x, w, b, eps, group_)  # type: ignore[no-untyped-call]

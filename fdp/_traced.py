@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from fdp import _bucket, _comm_hooks, _compat, _transforms, _tree
+from fdp import _bucket, _comm_hooks, _compat, _tree
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -301,7 +301,7 @@ def _transformed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if _compat.functorch_active():
         return True
     leaves, _ = _tree.flatten((args, kwargs))
-    return any(isinstance(t, torch.Tensor) and _transforms.has_tangent(t) for t in leaves)
+    return any(isinstance(t, torch.Tensor) and _compat.has_tangent(t) for t in leaves)
 
 
 def eager_only(leaves: Sequence[Any], *, buffers: bool) -> bool:
@@ -319,7 +319,7 @@ def eager_only(leaves: Sequence[Any], *, buffers: bool) -> bool:
     return (
         buffers
         or not _compat.one_jvp()
-        or any(isinstance(t, torch.Tensor) and _transforms.has_tangent(t) for t in leaves)
+        or any(isinstance(t, torch.Tensor) and _compat.has_tangent(t) for t in leaves)
     )
 
 

@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
 
 from fdp import _bucket, _compat
@@ -108,14 +107,11 @@ def needs_rule(leaves: Sequence[Any]) -> bool:
         return True
     grad_mode = torch.is_grad_enabled()
     for t in leaves:
-        if isinstance(t, torch.Tensor) and ((grad_mode and t.requires_grad) or has_tangent(t)):
+        if isinstance(t, torch.Tensor) and (
+            (grad_mode and t.requires_grad) or _compat.has_tangent(t)
+        ):
             return True
     return False
-
-
-def has_tangent(t: torch.Tensor) -> bool:
-    """Whether ``t`` carries a tangent of ``torch.autograd.forward_ad`` (a dual tensor)."""
-    return fwAD.unpack_dual(t).tangent is not None  # type: ignore[no-untyped-call]
 
 
 def pieces(

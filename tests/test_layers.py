@@ -1,0 +1,86 @@
+"""The module layers of docs/design.md, checked on fdp's import graph.
+
+The single-process core must work, and import, without any of fdp's
+distributed modules: a module-level ``from fdp import ...`` is an edge, an
+import inside a function (asked for by an option) is not.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+FDP = Path(__file__).resolve().parent.parent / "fdp"
+
+CORE = {
+    "_data_parallel",
+    "_functional",
+    "_replica",
+    "_scatter_gather",
+    "_batch",
+    "_replicate",
+    "_parallel_apply",
+    "_device",
+    "_tree",
+    "_bucket",
+    "_compat",
+    "_optim",
+    "_param_groups",
+    "_clip",
+}
+DISTRIBUTED = {
+    "_distributed",
+    "_reducer",
+    "_traced",
+    "_join",
+    "_training",
+    "_buffers",
+    "_sync_batch_norm",
+    "_collectives",
+    "_agreement",
+    "_comm_hooks",
+    "_transforms",
+    "_zero",
+    "_zero_comm",
+    "_shards",
+    "_checkpoint",
+}
+
+
+def module_imports(name: str) -> set[str]:
+    """The fdp modules ``fdp/<name>.py`` imports at module level."""
+    tree = ast.parse((FDP / f"{name}.py").read_text())
+    found: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module == "fdp":
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fdp."):
+            found.add((node.module or "").removeprefix("fdp."))
+    return found
+
+
+def closure(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name in seen or not (FDP / f"{name}.py").exists():
+            continue
+        seen.add(name)
+        todo.extend(module_imports(name))
+    return seen - {start}
+
+
+def test_the_core_imports_nothing_distributed() -> None:
+    reached = {name: closure(name) & DISTRIBUTED for name in sorted(CORE)}
+    assert {k: v for k, v in reached.items() if v} == {}
+
+
+def test_every_module_is_in_a_layer() -> None:
+    modules = {p.stem for p in FDP.glob("_*.py")} - {"__init__"}
+    others = {"_caches", "_grad_scaler", "_version"}  # public glue that may reach both layers
+    assert modules == CORE | DISTRIBUTED | others
+
+
+def test_the_graph_has_no_cycle() -> None:
+    for name in {p.stem for p in FDP.glob("_*.py")} - {"__init__"}:
+        assert name not in closure(name), name
