@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fdp import _bucket, _compat, _tree
-
-ProcessGroup = dist.ProcessGroup
+from fdp._groups import ProcessGroup
 
 
 def require_member(call: str, group: object) -> None:

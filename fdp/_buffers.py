@@ -25,9 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fdp import _bucket, _compat
-
-ProcessGroup = dist.ProcessGroup
+from fdp import _bucket, _compat, _groups
+from fdp._groups import ProcessGroup
 
 # Buffers are small next to gradients; one broadcast per device and dtype.
 _CAP_BYTES = 250 * _bucket.MB
@@ -82,7 +81,7 @@ class Buffers:
                 dist.broadcast(bucket.empty(), src=self._global(src), group=self.group)
 
     def _global(self, src: int) -> int:
-        return dist.get_global_rank(self.group, src) if self.group is not None else src
+        return _groups.global_rank(self.group, src)
 
     def _eager(self, targets: list[torch.Tensor], src: int) -> None:
         with torch.no_grad(), _compat.functorch_disabled():
@@ -96,7 +95,7 @@ class Buffers:
 
     def _traced(self, targets: list[torch.Tensor]) -> None:
         # Not under a compiled transform: ddp(params) runs eagerly there.
-        group = self.group if self.group is not None else dist.group.WORLD
+        group = _groups.resolve(self.group)
         if group is None:
             raise RuntimeError("fdp.DistributedDataParallel: the default process group is gone")
         with torch.no_grad():

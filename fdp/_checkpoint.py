@@ -36,10 +36,10 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fdp import _compat, _shards
+from fdp._groups import ProcessGroup
 from fdp._shards import Shards, ZeroState
 
 T = TypeVar("T")
-ProcessGroup = dist.ProcessGroup
 _RNG = "_fdp/rng/"
 
 

@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fdp import _agreement, _bucket, _compat, _traced, _transforms, _tree
+from fdp import _agreement, _bucket, _compat, _groups, _traced, _transforms, _tree
+from fdp._groups import ProcessGroup
 
 __all__ = ["all_reduce_grads", "broadcast_params"]
 
 T = TypeVar("T")
-ProcessGroup = dist.ProcessGroup
 
 # torch's own default for broadcasting module states.
 _BROADCAST_CAP_BYTES = 250 * _bucket.MB
@@ -232,10 +232,9 @@ def _all_reduce_traceable(
     """
     out = list(leaves)
     buckets = _bucket.plan(tensors, cap_bytes=cap)
-    pg = dist.group.WORLD if group is None else group
+    pg = _groups.resolve(group)
     reduced = [
-        funcol.all_reduce(b.pack([tensors[i] for i in b.indices]), "sum", pg)  # type: ignore[arg-type]
-        for b in buckets
+        funcol.all_reduce(b.pack([tensors[i] for i in b.indices]), "sum", pg) for b in buckets
     ]
     for bucket, flat in zip(buckets, reduced, strict=True):
         total: torch.Tensor = funcol.wait_tensor(flat)  # type: ignore[no-untyped-call]

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-__all__ = ["CommHook", "GradBucket", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
+from fdp._groups import ProcessGroup
 
-ProcessGroup = dist.ProcessGroup
+__all__ = ["CommHook", "GradBucket", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
 
 
 class GradBucket:

@@ -34,6 +34,7 @@ from fdp import (
 )
 from fdp._collectives import _tensor_leaves
 from fdp._comm_hooks import CommHook
+from fdp._groups import ProcessGroup
 from fdp._join import Joiner
 from fdp._reducer import Reduction, Step
 
@@ -56,7 +57,6 @@ _UNDER_TRANSFORM = _compat.compiler_disable(_ddp_eagerly, reason=_traced.UNDER_T
 _IN_JOIN = _compat.compiler_disable(_ddp_eagerly, reason=_traced.IN_JOIN)
 
 T = TypeVar("T")
-ProcessGroup = dist.ProcessGroup
 
 
 class DistributedDataParallel:

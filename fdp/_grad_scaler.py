@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from fdp import _tree
+from fdp._groups import ProcessGroup
 
 T = TypeVar("T")
-ProcessGroup = dist.ProcessGroup
 
 
 class GradScaler:

@@ -32,11 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fdp import _bucket, _compat
+from fdp import _bucket, _compat, _groups
 from fdp._buffers import Buffers
+from fdp._groups import ProcessGroup
 from fdp._training import ALONE, TRAINING, Group, Training
-
-ProcessGroup = dist.ProcessGroup
 
 
 def weak(leaves: Sequence[Any]) -> list[weakref.ref[torch.Tensor] | None]:
@@ -97,8 +96,7 @@ class Joiner:
         elif len(ranks) == 1:
             sub = ALONE
         elif self.world == dist.get_world_size():
-            parent = self.group if self.group is not None else dist.group.WORLD
-            members = [dist.get_global_rank(parent, r) for r in ranks]  # type: ignore[arg-type]
+            members = [_groups.global_rank(self.group, r) for r in ranks]
             made = dist.new_group(members, timeout=_compat.group_timeout(self.group))
             if self.rank in ranks:
                 self.made.append(made)
@@ -157,7 +155,7 @@ class Joiner:
         src = max(self.last)
         targets: list[Any] = [None if ref is None else ref() for ref in self.refs]
         held = torch.tensor([float(all(targets[i] is not None for i in self.final.indices))])
-        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        global_src = _groups.global_rank(self.group, src)
         dist.broadcast(held, src=global_src, group=self.group)
         if not held.item():
             return

@@ -28,8 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fdp import _bucket, _tree
-
-ProcessGroup = dist.ProcessGroup
+from fdp._groups import ProcessGroup
 
 
 @dataclasses.dataclass(frozen=True)

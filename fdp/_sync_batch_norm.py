@@ -28,19 +28,19 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from fdp import _compat, _traced, _training, _transforms
+from fdp import _compat, _groups, _traced, _training, _transforms
+from fdp._groups import ProcessGroup
 
-ProcessGroup = dist.ProcessGroup
 Group = _training.Group
 
 
 def _summed(t: torch.Tensor, group: Group) -> torch.Tensor:
     """The sum over the ranks of ``group`` of ``t`` (a new tensor)."""
-    if group is _training.ALONE:
+    if isinstance(group, _training.Alone):
         return t
     if torch.compiler.is_compiling():
-        pg = group if group is not None else dist.group.WORLD
-        out: torch.Tensor = funcol.all_reduce(t, "sum", pg)  # type: ignore[arg-type]
+        pg = _groups.resolve(group)
+        out: torch.Tensor = funcol.all_reduce(t, "sum", pg)
         return out
     with torch.no_grad(), _compat.functorch_disabled():
         plain = _compat.unwrap_functorch(t).clone()
@@ -50,15 +50,15 @@ def _summed(t: torch.Tensor, group: Group) -> torch.Tensor:
 
 def _gathered(t: torch.Tensor, group: Group) -> torch.Tensor:
     """``t`` (1-d) from every rank of ``group``, one row per rank."""
-    if group is _training.ALONE:
+    if isinstance(group, _training.Alone):
         return t.view(1, -1)
     if torch.compiler.is_compiling():
-        pg = group if group is not None else dist.group.WORLD
-        out: torch.Tensor = funcol.all_gather_tensor(t, 0, pg)  # type: ignore[arg-type]
+        pg = _groups.resolve(group)
+        out: torch.Tensor = funcol.all_gather_tensor(t, 0, pg)
         return out.view(-1, t.numel())
     with torch.no_grad(), _compat.functorch_disabled():
         plain = _compat.unwrap_functorch(t).contiguous()
-        rows = plain.new_empty(dist.get_world_size(group), plain.numel())  # type: ignore[arg-type]
+        rows = plain.new_empty(dist.get_world_size(group), plain.numel())
         # The list form: torch 2.13 deprecates all_gather_into_tensor, and
         # its successor all_gather_single is newer than torch 2.4.
         dist.all_gather(list(rows.unbind()), plain, group=group)

@@ -42,11 +42,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from fdp import _bucket, _comm_hooks, _compat, _tree
+from fdp import _bucket, _comm_hooks, _compat, _groups, _tree
+from fdp._groups import ProcessGroup
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-ProcessGroup = dist.ProcessGroup
 
 # Hooks that have a traced equivalent: the dtype they reduce in (None: the
 # bucket's own). Any other hook cannot run inside a compiled graph.
@@ -359,7 +359,7 @@ def average(
         for b in layout.buckets
     )
     folded = [s for s, t in enumerate(tensors) if t.grad is not None]
-    pg = dist.group.WORLD if group is None else group
+    pg = _groups.resolve(group)
     how = (dist.get_world_size(group), dtype, pg)
     olds = [tensors[s].grad for s in folded]
     outputs = _Average.apply(buckets, tuple(folded), how, len(tensors), *tensors, *olds)  # type: ignore[no-untyped-call]

@@ -14,7 +14,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-ProcessGroup = dist.ProcessGroup
+from fdp import _groups
+from fdp._groups import ProcessGroup
 
 
 class Alone:
@@ -39,11 +40,6 @@ TRAINING: contextvars.ContextVar[Training | None] = contextvars.ContextVar(
 )
 
 
-def _same(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:
-    world = dist.group.WORLD
-    return (a if a is not None else world) is (b if b is not None else world)
-
-
 def training_group(group: ProcessGroup | None) -> Group:
     """The group ``fdp.sync_batch_norm`` over ``group`` runs in: the ranks still training."""
     if torch.compiler.is_compiling():  # join is eager; dynamo cannot read a ContextVar
@@ -53,7 +49,7 @@ def training_group(group: ProcessGroup | None) -> Group:
         return group
     if len(training.ranks) == dist.get_world_size(training.group):
         return group
-    if not _same(group, training.group):
+    if not _groups.same(group, training.group):
         raise NotImplementedError(
             "fdp.sync_batch_norm: inside DistributedDataParallel.join, after a rank has left, "
             "`group` must be ddp's group (the one the ranks still training are taken from); "

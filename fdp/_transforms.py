@@ -31,8 +31,7 @@ import torch
 import torch.distributed as dist
 
 from fdp import _bucket, _compat
-
-ProcessGroup = dist.ProcessGroup
+from fdp._groups import ProcessGroup
 
 
 class _AllReduce(torch.autograd.Function):

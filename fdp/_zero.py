@@ -18,15 +18,14 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from fdp import _agreement, _clip, _optim, _shards, _traced, _tree, _zero_comm
 from fdp._collectives import _tensor_leaves
+from fdp._groups import ProcessGroup
 from fdp._optim import _check_grad
 from fdp._shards import Part, Shards, ZeroState
 
 T = TypeVar("T")
-ProcessGroup = dist.ProcessGroup
 
 
 class ZeroRedundancy:

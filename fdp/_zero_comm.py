@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fdp import _compat, _transforms
-
-ProcessGroup = dist.ProcessGroup
+from fdp import _compat, _groups, _transforms
+from fdp._groups import ProcessGroup
 
 
 class Pool:
@@ -93,7 +92,7 @@ class Eager:
         works = [
             dist.broadcast(
                 full[q * size : (q + 1) * size],
-                src=q if self.group is None else dist.get_global_rank(self.group, q),
+                src=_groups.global_rank(self.group, q),
                 group=self.group,
                 async_op=True,
             )
@@ -125,7 +124,7 @@ class Traced:
 
     def __init__(self, group: ProcessGroup | None, stage: int, rank: int, world: int) -> None:
         self.stage, self.rank, self.world = stage, rank, world
-        self.pg: Any = dist.group.WORLD if group is None else group
+        self.pg: Any = _groups.resolve(group)
 
     def reduce(self, k: int, pieces: list[torch.Tensor]) -> Any:
         flat = torch.cat(pieces)

@@ -44,6 +44,7 @@ DISTRIBUTED = {
     "_zero_comm",
     "_shards",
     "_checkpoint",
+    "_groups",
 }
 
 
