@@ -351,8 +351,7 @@ class DistributedDataParallel:
                 "fdp.DistributedDataParallel.join: ddp(params) under a torch.func transform is "
                 "not supported in a join block; call it on plain tensors there"
             )
-        dtype = self._traced_hook
-        if isinstance(dtype, str):
+        if self._traced_hook.refusal is not None:
             raise NotImplementedError(
                 "fdp.DistributedDataParallel: ddp(params) under a torch.func transform (or on "
                 "forward-mode dual tensors) reduces with the exact average, or in fp16/bf16 with "
@@ -366,7 +365,7 @@ class DistributedDataParallel:
             self._layout.buckets,
             scale=1.0 / world,
             group=self._reduction.group,
-            dtype=dtype,
+            dtype=self._traced_hook.dtype,
         )
 
     def _checked_leaves(self, params: Any) -> list[Any]:

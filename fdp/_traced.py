@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -60,19 +60,30 @@ _TRACEABLE: dict[Callable[..., Any], torch.dtype | None] = {
 }
 
 
+class TracedReduction(NamedTuple):
+    """How a DDP's comm hook reduces inside compiled code.
+
+    ``dtype``: the dtype buckets travel in (None: their own); ``refusal``: why
+    the hook cannot run there (None: it can), raised when compiled code needs it.
+    """
+
+    dtype: torch.dtype | None
+    refusal: str | None = None
+
+
 def traced_hook(
     hook: Callable[..., Any] | None, state: Any, group: ProcessGroup | None
-) -> torch.dtype | str | None:
-    """How ``hook(state, ...)`` reduces while compiling: its dtype (None: the bucket's), or why not.
+) -> TracedReduction:
+    """How ``hook(state, ...)`` reduces while compiling.
 
     Decided eagerly, at registration: dynamo reads a function's name wrongly.
     """
     if hook is None:
-        return None
+        return TracedReduction(None)
     if hook in _TRACEABLE and (state is None or state is group):
-        return _TRACEABLE[hook]
+        return TracedReduction(_TRACEABLE[hook])
     name = getattr(hook, "__qualname__", None) or repr(hook)
-    return (
+    refusal = (
         f"fdp.DistributedDataParallel: `comm_hook` {name} cannot run inside torch.compile: "
         "a hook returns a torch.futures.Future, which dynamo cannot trace. Inside compiled "
         "code fdp reduces with the default hook, or with fdp's or torch's allreduce_hook, "
@@ -80,6 +91,7 @@ def traced_hook(
         "(or None). To keep this hook, call ddp(params) outside the compiled function and "
         "pass its result in: its hooks then run eagerly after the compiled backward"
     )
+    return TracedReduction(None, refusal=refusal)
 
 
 def overlap_options() -> dict[str, Any]:
@@ -327,7 +339,7 @@ def average(
     leaves: Sequence[Any],
     layout: _bucket.Layout,
     *,
-    hook: torch.dtype | str | None,
+    hook: TracedReduction,
     group: ProcessGroup | None,
     ties: dict[int, int],
 ) -> list[Any]:
@@ -336,9 +348,9 @@ def average(
     ``hook`` is :func:`traced_hook`'s answer for the DDP's comm hook;
     ``ties`` maps a leaf to the first leaf holding the same tensor.
     """
-    if isinstance(hook, str):
-        raise NotImplementedError(hook)
-    dtype = hook
+    if hook.refusal is not None:
+        raise NotImplementedError(hook.refusal)
+    dtype = hook.dtype
     tensors: list[torch.Tensor] = []  # each distinct tensor once (tied weights)
     first: dict[int, int] = {}  # leaf -> its tensor's input slot, for its first leaf only
     uses: dict[int, int] = {}  # every synced leaf -> its tensor's input slot
