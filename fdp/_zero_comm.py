@@ -21,7 +21,7 @@ all-reduce) and all-gather, whatever the backend."""
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,13 @@ class Pool:
             self._kept.clear()
 
 
+class Pending(NamedTuple):
+    """A collective in flight: the flat buffer it writes and the works to wait for."""
+
+    buffer: torch.Tensor
+    works: list[Any]
+
+
 class Eager:
     """``torch.distributed``'s asynchronous collectives; see the module docstring."""
 
@@ -66,29 +73,30 @@ class Eager:
         self.group, self.stage, self.rank, self.world, self.pool = group, stage, rank, world, pool
         self.gloo = is_gloo(group)
 
-    def reduce(self, k: int, pieces: list[torch.Tensor]) -> Any:
+    def reduce(self, k: int, pieces: list[torch.Tensor]) -> Pending:
         total = sum(p.numel() for p in pieces)
         flat = torch.cat(pieces, out=self.pool.take(("grads", k), total, pieces[0]))
         if self.stage == 1 or self.gloo:
-            return flat, dist.all_reduce(flat, group=self.group, async_op=True)
+            return Pending(flat, [dist.all_reduce(flat, group=self.group, async_op=True)])
         # In place: this rank's part of the packed buffer receives its reduced slice.
         size = total // self.world
         mine = flat[self.rank * size : (self.rank + 1) * size]
-        return flat, _compat.reduce_scatter_single(mine, flat, self.group)
+        return Pending(flat, [_compat.reduce_scatter_single(mine, flat, self.group)])
 
-    def reduced(self, started: Any) -> torch.Tensor:
-        flat: torch.Tensor = started[0]
-        started[1].wait()
+    def reduced(self, started: Pending) -> torch.Tensor:
+        flat = started.buffer
+        for work in started.works:
+            work.wait()
         size = flat.numel() // self.world
         return flat[self.rank * size : (self.rank + 1) * size].div_(self.world)
 
-    def gather(self, k: int, pieces: list[torch.Tensor]) -> Any:
+    def gather(self, k: int, pieces: list[torch.Tensor]) -> Pending:
         size = sum(p.numel() for p in pieces)
         full = self.pool.take(("params", k), size * self.world, pieces[0])
         torch.cat(pieces, out=full[self.rank * size : (self.rank + 1) * size])
         if not self.gloo:
             mine = full[self.rank * size : (self.rank + 1) * size]
-            return full, [_compat.all_gather_single(full, mine, self.group)]
+            return Pending(full, [_compat.all_gather_single(full, mine, self.group)])
         works = [
             dist.broadcast(
                 full[q * size : (q + 1) * size],
@@ -98,13 +106,12 @@ class Eager:
             )
             for q in range(self.world)
         ]
-        return full, works
+        return Pending(full, works)
 
-    def gathered(self, started: Any) -> torch.Tensor:
-        full: torch.Tensor = started[0]
-        for work in started[1]:
+    def gathered(self, started: Pending) -> torch.Tensor:
+        for work in started.works:
             work.wait()
-        return full
+        return started.buffer
 
     def total(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of ``t`` over the group."""
