@@ -27,7 +27,7 @@ T = TypeVar("T")
 _BROADCAST_CAP_BYTES = 250 * _bucket.MB
 
 
-def _tensor_leaves(
+def tensor_leaves(
     tree: Any, *, call: str, arg: str, float_only: bool
 ) -> tuple[list[Any], Any, list[torch.Tensor | None]]:
     """Leaves, spec, and per leaf the tensor to communicate (None: not communicated)."""
@@ -75,7 +75,7 @@ def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None
     """
     call = "fdp.broadcast_params"
     _agreement.require_member(call, group)
-    leaves, _spec, tensors = _tensor_leaves(tree, call=call, arg="tree", float_only=False)
+    leaves, _spec, tensors = tensor_leaves(tree, call=call, arg="tree", float_only=False)
     described = _agreement.signature(tree, leaves, "tree", requires_grad=False)
     with _compat.functorch_disabled():
         _agreement.check(described, group=group, call=call, arg="tree")
@@ -156,7 +156,7 @@ def all_reduce_grads(
     call = "fdp.all_reduce_grads"
     cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
     _agreement.require_member(call, group)
-    leaves, spec, tensors = _tensor_leaves(grads, call=call, arg="grads", float_only=False)
+    leaves, spec, tensors = tensor_leaves(grads, call=call, arg="grads", float_only=False)
     for i, t in enumerate(tensors):
         if t is not None and not (t.is_floating_point() or t.is_complex()):
             raise TypeError(

@@ -8,9 +8,9 @@ from typing import Any, TypeVar
 import torch
 
 from fdp._device import DeviceLike, as_device, as_devices
-from fdp._parallel_apply import _parallel_apply
-from fdp._replicate import _replicate
-from fdp._scatter_gather import _gather, _scatter_kwargs
+from fdp._parallel_apply import parallel_apply_on
+from fdp._replicate import replicate_on
+from fdp._scatter_gather import gather_to, scatter_kwargs_to
 
 __all__ = ["data_parallel"]
 
@@ -73,13 +73,15 @@ def data_parallel(
         if output_device is None
         else as_device(output_device, call=call, arg="output_device")
     )
-    chunks, kw_chunks = _scatter_kwargs(inputs, kwargs, devs, dim=dim, chunk_sizes=None, call=call)
+    chunks, kw_chunks = scatter_kwargs_to(
+        inputs, kwargs, devs, dim=dim, chunk_sizes=None, call=call
+    )
     used = devs[: len(chunks)]
     copied_state: list[tuple[torch.Tensor, torch.Tensor]] = []
-    replicas = _replicate(params, used, call=call, copied_state=copied_state)
-    outputs = _parallel_apply(fn, replicas, chunks, kw_chunks, used)
+    replicas = replicate_on(params, used, call=call, copied_state=copied_state)
+    outputs = parallel_apply_on(fn, replicas, chunks, kw_chunks, used)
     _write_back(copied_state)
-    gathered: T = _gather(outputs, target, dim=dim, call=call)
+    gathered: T = gather_to(outputs, target, dim=dim, call=call)
     return gathered
 
 

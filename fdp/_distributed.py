@@ -32,7 +32,7 @@ from fdp import (
     _transforms,
     _tree,
 )
-from fdp._collectives import _tensor_leaves
+from fdp._collectives import tensor_leaves
 from fdp._comm_hooks import CommHook
 from fdp._groups import ProcessGroup
 from fdp._join import Joiner
@@ -146,7 +146,7 @@ class DistributedDataParallel:
         if comm_hook is not None:
             _comm_hooks.check_hook(comm_hook, call=call, arg="comm_hook")
         _agreement.require_member(call, group)
-        leaves, spec, tensors = _tensor_leaves(params, call=call, arg="params", float_only=True)
+        leaves, spec, tensors = tensor_leaves(params, call=call, arg="params", float_only=True)
         if all(t is None for t in tensors):
             raise ValueError(
                 f"{call}: `params` expected at least one floating-point tensor leaf; got none "

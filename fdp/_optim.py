@@ -89,14 +89,14 @@ class Optimizer:
             if _is_param(pi) and gi is not None
         ]
         for i in live:
-            _check_grad(call, params, i, p[i], g[i])
+            check_grad(call, params, i, p[i], g[i])
             # A slot of another dtype would be promoted silently (a float64
             # parameter out of a float32 one); other corruption fails in the step.
             if any(getattr(s[k][i], "dtype", None) is not p[i].dtype for k in self.slots):
                 _explain_state(call, params, p, s, live)
         if not live:  # nothing to step (foreach ops refuse empty lists)
             return params, {k: state[k] for k in self._keys()}
-        if _differentiable(self.lr, p, g, s):
+        if differentiable(self.lr, p, g, s):
             if donate:
                 raise ValueError(
                     f"{call}: `donate=True` writes in place, which cannot carry a derivative; "
@@ -331,7 +331,7 @@ class Adam(Optimizer):
         return p - (self.lr / correction1).to(p.dtype) * exp_avg / denom, new_slots
 
 
-def _differentiable(lr: Any, p: list[Any], g: list[Any], s: dict[str, list[Any]]) -> bool:
+def differentiable(lr: Any, p: list[Any], g: list[Any], s: dict[str, list[Any]]) -> bool:
     """Whether a step must carry derivatives: see :meth:`Optimizer._differentiable_update`.
 
     Parameters that are leaves of the autograd graph do not count: a
@@ -488,7 +488,7 @@ def _matching(call: str, arg: str, tree: Any, spec: Any, params: Any) -> list[An
     return leaves
 
 
-def _check_grad(call: str, params: Any, i: int, p: torch.Tensor, g: Any) -> None:
+def check_grad(call: str, params: Any, i: int, p: torch.Tensor, g: Any) -> None:
     if not isinstance(g, torch.Tensor) or g.shape != p.shape or g.dtype != p.dtype:
         raise ValueError(
             f"{call}: `grads` leaf {_tree.path(params, i, 'grads')} expected a tensor of shape "

@@ -346,10 +346,10 @@ def parallel_apply(
     """
     call = "fdp.parallel_apply"
     _, kws, devs = _check_arguments(replicas, inputs, kwargs, devices, call=call)
-    return _parallel_apply(fn, replicas, inputs, kws, devs)
+    return parallel_apply_on(fn, replicas, inputs, kws, devs)
 
 
-def _parallel_apply(
+def parallel_apply_on(
     fn: Callable[..., Any],
     replicas: Sequence[Any],
     inputs: Sequence[Any],

@@ -162,7 +162,7 @@ def replicate(params: Any, devices: Sequence[DeviceLike]) -> list[Any]:
         [3.0, 3.0, 3.0]
     """
     call = "fdp.replicate"
-    return _replicate(params, as_devices(devices, call=call), call=call)
+    return replicate_on(params, as_devices(devices, call=call), call=call)
 
 
 def _unique_leaves(
@@ -201,7 +201,7 @@ def _slot_of(leaf: torch.Tensor, unique: list[torch.Tensor], slot: dict[int, int
     return slot.setdefault(id(leaf), len(unique))
 
 
-def _replicate(
+def replicate_on(
     params: Any,
     devs: list[torch.device],
     *,

@@ -209,12 +209,12 @@ def scatter_kwargs(
         ([2, 2], [2, 2])
     """
     call = "fdp.scatter_kwargs"
-    return _scatter_kwargs(
+    return scatter_kwargs_to(
         inputs, kwargs, as_devices(devices, call=call), dim=dim, chunk_sizes=chunk_sizes, call=call
     )
 
 
-def _scatter_kwargs(
+def scatter_kwargs_to(
     inputs: Any,
     kwargs: Mapping[str, Any] | None,
     devs: list[torch.device],
@@ -279,11 +279,11 @@ def gather(outputs: Sequence[T], output_device: DeviceLike, *, dim: int = 0) -> 
     """
     call = "fdp.gather"
     target = as_device(output_device, call=call, arg="output_device")
-    gathered: T = _gather(outputs, target, dim=dim, call=call)
+    gathered: T = gather_to(outputs, target, dim=dim, call=call)
     return gathered
 
 
-def _gather(outputs: Sequence[Any], target: torch.device, *, dim: int, call: str) -> Any:
+def gather_to(outputs: Sequence[Any], target: torch.device, *, dim: int, call: str) -> Any:
     if isinstance(outputs, (str, bytes)) or not isinstance(outputs, Sequence) or not outputs:
         raise ValueError(f"{call}: `outputs` expected a non-empty sequence of per-replica outputs")
     if isinstance(dim, bool) or not isinstance(dim, int):

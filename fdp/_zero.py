@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 import torch
 
 from fdp import _agreement, _clip, _optim, _shards, _traced, _tree, _zero_comm
-from fdp._collectives import _tensor_leaves
+from fdp._collectives import tensor_leaves
 from fdp._groups import ProcessGroup
-from fdp._optim import _check_grad
+from fdp._optim import check_grad
 from fdp._shards import Part, Shards, ZeroState
 
 T = TypeVar("T")
@@ -82,7 +82,7 @@ class ZeroRedundancy:
             raise ValueError(f"{call}: `stage` expected 1 or 2; got {stage!r}")
         cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
         _agreement.require_member(call, group)
-        leaves, self._spec, tensors = _tensor_leaves(
+        leaves, self._spec, tensors = tensor_leaves(
             params, call=call, arg="params", float_only=True
         )
         trained = [t if t is not None and t.numel() > 0 else None for t in tensors]
@@ -161,7 +161,7 @@ class ZeroRedundancy:
             raise
         slots_now = _tree.flatten(state.slots)[0]
         lr = getattr(self.optimizer, "lr", None)
-        differentiable = not torch.compiler.is_compiling() and _optim._differentiable(
+        differentiable = not torch.compiler.is_compiling() and _optim.differentiable(
             lr, p, g, {"slots": slots_now}
         )
         if differentiable:  # checked before the first collective, as on the fast path
@@ -295,7 +295,7 @@ class ZeroRedundancy:
         out: list[torch.Tensor | None] = [None] * len(leaves)
         for i in self._trained:
             if leaves[i] is not None:
-                _check_grad(call, params, i, p[i], leaves[i])
+                check_grad(call, params, i, p[i], leaves[i])
                 out[i] = leaves[i]
         return out
 

@@ -85,3 +85,30 @@ def test_every_module_is_in_a_layer() -> None:
 def test_the_graph_has_no_cycle() -> None:
     for name in {p.stem for p in FDP.glob("_*.py")} - {"__init__"}:
         assert name not in closure(name), name
+
+
+def test_no_private_helper_is_used_across_modules() -> None:
+    """A module uses another's names without a leading underscore: those are its API."""
+    crossings = []
+    for path in sorted(FDP.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        modules = set()
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module == "fdp":
+                modules |= {alias.asname or alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fdp._"):
+                crossings += [
+                    f"{path.name}: from {node.module} import {a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                crossings.append(f"{path.name}: {node.value.id}.{node.attr}")
+    assert crossings == []
