@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fdp import _agreement, _bucket, _compat, _groups, _traced, _transforms, _tree
+from fdp import _agreement, _bucket, _caches, _compat, _groups, _traced, _transforms, _tree
 from fdp._groups import ProcessGroup
 
 __all__ = ["all_reduce_grads", "broadcast_params"]
@@ -293,6 +293,7 @@ def _cached_plan(
     return plan
 
 
+@_caches.register
 def clear_plans() -> None:
     """Drops every cached plan and its buffers (see :func:`fdp.clear_caches`)."""
     with _plans_lock:

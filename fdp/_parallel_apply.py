@@ -28,7 +28,7 @@ from typing import Any, NoReturn, TypeVar
 
 import torch
 
-from fdp import _compat, _replica, _tree
+from fdp import _caches, _compat, _replica, _tree
 from fdp._device import DeviceLike, as_device
 
 __all__ = ["parallel_apply"]
@@ -262,6 +262,7 @@ def _hint_key(fn: Callable[..., Any]) -> Any:
 _warm: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+@_caches.register
 def forget_compiled() -> None:
     """Forgets which compiled functions were called (see :func:`fdp.clear_caches`)."""
     _warm.clear()
