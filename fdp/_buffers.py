@@ -28,9 +28,6 @@ import torch.distributed._functional_collectives as funcol
 from fdp import _bucket, _compat, _groups
 from fdp._groups import ProcessGroup
 
-# Buffers are small next to gradients; one broadcast per device and dtype.
-_CAP_BYTES = 250 * _bucket.MB
-
 
 class Buffers:
     """The buffer leaves of a DDP's tree, broadcast from rank 0 on every call.
@@ -61,7 +58,9 @@ class Buffers:
             for i, t in enumerate(tensors)
             if t is not None and (with_params or not t.requires_grad)
         ]
-        self.buckets = _bucket.plan([tensors[i] for i in self.indices], cap_bytes=_CAP_BYTES)
+        self.buckets = _bucket.plan(
+            [tensors[i] for i in self.indices], cap_bytes=_groups.BROADCAST_CAP_BYTES
+        )
         self.group = group
 
     def sync(self, leaves: Sequence[Any], *, src: int = 0) -> None:
@@ -84,14 +83,9 @@ class Buffers:
         return _groups.global_rank(self.group, src)
 
     def _eager(self, targets: list[torch.Tensor], src: int) -> None:
-        with torch.no_grad(), _compat.functorch_disabled():
+        with _compat.functorch_disabled():
             plain = [_compat.unwrap_functorch(t) for t in targets]
-            flats = [b.pack([plain[i] for i in b.indices]) for b in self.buckets]
-            works = [dist.broadcast(f, src=src, group=self.group, async_op=True) for f in flats]
-            for bucket, flat, work in zip(self.buckets, flats, works, strict=True):
-                work.wait()
-                views = bucket.views(flat)
-                _compat.foreach_copy_([plain[i] for i in bucket.indices], views)
+            _groups.broadcast_coalesced(self.buckets, plain, src=src, group=self.group)
 
     def _traced(self, targets: list[torch.Tensor]) -> None:
         # Not under a compiled transform: ddp(params) runs eagerly there.

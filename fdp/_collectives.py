@@ -24,7 +24,6 @@ __all__ = ["all_reduce_grads", "broadcast_params"]
 T = TypeVar("T")
 
 # torch's own default for broadcasting module states.
-_BROADCAST_CAP_BYTES = 250 * _bucket.MB
 
 
 def tensor_leaves(
@@ -89,16 +88,8 @@ def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None
     ):
         _broadcast_differentiable(tensors, src, group)
         return tree
-    buckets = _bucket.plan(tensors, cap_bytes=_BROADCAST_CAP_BYTES)
-    with torch.no_grad():
-        flats = [b.pack([tensors[i] for i in b.indices]) for b in buckets]
-        works = [dist.broadcast(f, src=src, group=group, async_op=True) for f in flats]
-        for bucket, flat, work in zip(buckets, flats, works, strict=True):
-            work.wait()
-            for i, view in zip(bucket.indices, bucket.views(flat), strict=True):
-                target = tensors[i]
-                if target is not None:
-                    target.copy_(view)
+    buckets = _bucket.plan(tensors, cap_bytes=_groups.BROADCAST_CAP_BYTES)
+    _groups.broadcast_coalesced(buckets, tensors, src=src, group=group)
     return tree
 
 
