@@ -412,7 +412,6 @@ class DistributedDataParallel:
         step = Step(
             self._reduction,
             leaves,
-            capture=False,
             prescale=prescale,
             always_count=self._joiner is not None,
             compiled_since=functools.partial(_compiled_since, weakref.ref(self)),

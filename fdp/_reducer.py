@@ -31,6 +31,7 @@ disabled: the c10d ops are differentiable and would otherwise be recorded
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,6 +79,14 @@ class Reduction:
         return 1.0 / dist.get_world_size(self.group) if self.hook is None else 1.0
 
 
+class Delivery(enum.Enum):
+    """How one backward hands out the reduced gradients; its first hook decides."""
+
+    UNDECIDED = "undecided"
+    RETURNED = "returned"  # autograd.grad, torch.func.grad: each hook's return value
+    ACCUMULATED = "accumulated"  # loss.backward(): into .grad
+
+
 class Step:
     """The reduction state of one synchronised forward/backward."""
 
@@ -86,12 +95,11 @@ class Step:
         reduction: Reduction,
         leaves: list[Any],
         *,
-        capture: bool,
         prescale: float | None = None,
         always_count: bool = False,
         compiled_since: Callable[[], bool] | None = None,
     ) -> None:
-        self.r = reduction
+        self.reduction = reduction
         # After the backward, the hooks stay (until the next eager
         # ddp(params)) to refuse a second backward through the same call;
         # ``compiled_since`` says whether a compiled call came since, whose
@@ -114,18 +122,19 @@ class Step:
         # Gradients that came after their bucket was launched (see _late).
         self.late: dict[int, torch.Tensor] = {}
         self.next_launch = 0
-        # Under a torch.func transform the engine runs with grad mode on.
-        self.functorch = capture
-        # None until the first hook decides: True = grads are captured and
-        # returned (autograd.grad, torch.func.grad), False = accumulated in .grad.
-        self.capture: bool | None = True if capture else None
+        self.delivery = Delivery.UNDECIDED
         self.queued = False
         self.handles: list[RemovableHandle] = []
         self.lock = threading.Lock()
 
+    @property
+    def returned(self) -> bool:
+        """Whether gradients are returned (not accumulated in ``.grad``)."""
+        return self.delivery is Delivery.RETURNED
+
     def register(self) -> None:
         seen: set[int] = set()
-        for k, bucket in enumerate(self.r.layout.buckets):
+        for k, bucket in enumerate(self.reduction.layout.buckets):
             for i in bucket.indices:
                 leaf = self.leaves[i]
                 # A tensor at several leaves (tied weights) is hooked once; its
@@ -151,27 +160,27 @@ class Step:
     def _flat(self, k: int) -> torch.Tensor:
         flat = self.flats[k]
         if flat is None:
-            flat = self.flats[k] = self.r.layout.buffer(k)
+            flat = self.flats[k] = self.reduction.layout.buffer(k)
             # Made once per step and bucket: a view per hook call cost 50 us
             # of Python each, twice per leaf (pack, hand-out).
-            self.views[k] = self.r.layout.buckets[k].views(flat)
+            self.views[k] = self.reduction.layout.buckets[k].views(flat)
         return flat
 
     def _view(self, i: int) -> torch.Tensor:
-        k, j = self.r.layout.where[i]
+        k, j = self.reduction.layout.where[i]
         self._flat(k)
         return self.views[k][j]
 
     def _refuse(self, i: int, grad: torch.Tensor | None) -> None:
         """Raises, inside backward, for what the reduction cannot give the reference for."""
-        where = f"params leaf {self.r.paths[i]}"
+        where = f"params leaf {self.reduction.paths[i]}"
         if grad is not None and (grad.layout != torch.strided or grad.is_sparse):
             raise RuntimeError(
                 f"fdp.DistributedDataParallel: {where} got a gradient with layout "
                 f"{grad.layout} (e.g. nn.Embedding(sparse=True)); fdp reduces dense gradients "
                 "only: use dense gradients (sparse=False)"
             )
-        if not self.functorch and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             raise RuntimeError(
                 f"fdp.DistributedDataParallel: backward with create_graph=True reached {where}; "
                 "the reduced gradients cannot carry a graph for double backward (a gradient "
@@ -185,8 +194,8 @@ class Step:
             if self.compiled_since is not None and self.compiled_since():
                 return grad  # a compiled ddp(params) since: its graph reduces
             raise RuntimeError(
-                f"fdp.DistributedDataParallel: params leaf {self.r.paths[i]} got a gradient "
-                "in a second backward through one ddp(params) call; its gradients were "
+                f"fdp.DistributedDataParallel: params leaf {self.reduction.paths[i]} got a "
+                "gradient in a second backward through one ddp(params) call; its gradients were "
                 "reduced in the first, so these would stay this rank's own. Call "
                 "ddp(params) in every step, in the function that computes the loss (not "
                 "once before the loop), or under ddp.no_sync() to accumulate locally"
@@ -194,16 +203,17 @@ class Step:
         self._refuse(i, grad)
         with self.lock, torch.no_grad(), _compat.functorch_disabled():
             leaf = self.leaves[i]
-            if self.capture is None:
-                self.capture = _compat.engine_captures_grads(leaf)
+            if self.delivery is Delivery.UNDECIDED:
+                returned = _compat.engine_captures_grads(leaf)
+                self.delivery = Delivery.RETURNED if returned else Delivery.ACCUMULATED
             if not self.queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
                 self.queued = True
-            k = self.r.layout.where[i][0]
+            k = self.reduction.layout.where[i][0]
             if grad is not None and i in self.filled[k] and self._again(i, k, grad):
                 return grad
             view = self._view(i)
-            old = None if self.capture else leaf.grad
+            old = None if self.returned else leaf.grad
             scale = self.prescale
             if grad is None:  # an undefined gradient: zero, as if unused here
                 _pack_old(view, old, scale)
@@ -221,7 +231,7 @@ class Step:
                 self._launch(self.next_launch)
         if grad is None:
             return None
-        return view if self.capture else grad
+        return view if self.returned else grad
 
     def _again(self, i: int, k: int, grad: torch.Tensor) -> bool:
         """Whether a second gradient for leaf ``i`` in one backward was set aside.
@@ -232,9 +242,9 @@ class Step:
         engine accumulated, holds the earlier ones); after, it is kept aside
         and reduced at the end (see :meth:`_reduce_late`).
         """
-        if self.capture:
+        if self.returned:
             raise RuntimeError(
-                f"fdp.DistributedDataParallel: params leaf {self.r.paths[i]} got a second "
+                f"fdp.DistributedDataParallel: params leaf {self.reduction.paths[i]} got a second "
                 "gradient in one backward (a nested backward, as reentrant activation "
                 "checkpointing runs) under torch.autograd.grad or torch.func.grad, which "
                 "return one gradient per leaf; use checkpoint(..., use_reentrant=False), or "
@@ -243,41 +253,45 @@ class Step:
         if k >= self.next_launch:
             return False
         grad = _compat.unwrap_functorch(grad)
-        scale = self.prescale if self.r.hook is None else 1.0 / dist.get_world_size(self.r.group)
+        scale = (
+            self.prescale
+            if self.reduction.hook is None
+            else 1.0 / dist.get_world_size(self.reduction.group)
+        )
         late = self.late.get(i)
         self.late[i] = grad * scale if late is None else late.add_(grad, alpha=scale)
         return True
 
     def _reduce_late(self) -> None:
         """Reduces the gradients that missed their bucket, on every rank (some had them)."""
-        for k, bucket in enumerate(self.r.layout.buckets):
+        for k, bucket in enumerate(self.reduction.layout.buckets):
             extra = bucket.empty().view(-1).zero_()
             for j, view in enumerate(bucket.views(extra)):
                 late = self.late.get(bucket.indices[j])
                 if late is not None:
                     view.copy_(late)
-            dist.all_reduce(extra, group=self.r.group)
+            dist.all_reduce(extra, group=self.reduction.group)
             flat = self.flats[k]
             if flat is not None:
                 flat.add_(extra)
         self.late.clear()
 
     def _launch(self, k: int) -> None:
-        if self.r.serial and k > 0:
+        if self.reduction.serial and k > 0:
             previous = self.futures[k - 1]
             if previous is not None:
                 previous.wait()
         flat = self._flat(k)
-        bucket = self.r.layout.buckets[k]
+        bucket = self.reduction.layout.buckets[k]
         bucket.zero_pads(flat)
         for j, i in enumerate(bucket.indices):
             if i in self.filled[k]:
                 continue
             leaf = self.leaves[i]
-            old = None if self.capture or not leaf.requires_grad else leaf.grad
+            old = None if self.returned or not leaf.requires_grad else leaf.grad
             _pack_old(self.views[k][j], old, self.prescale)
-        if self.r.hook is None:
-            future: Any = sum_hook(flat, self.r.group)
+        if self.reduction.hook is None:
+            future: Any = sum_hook(flat, self.reduction.group)
         else:
             grad_bucket = GradBucket(
                 flat,
@@ -286,7 +300,7 @@ class Step:
                 gradients=self.views[k],
                 parameters=[self.leaves[i] for i in bucket.indices],
             )
-            future = self.r.hook(self.r.state, grad_bucket)
+            future = self.reduction.hook(self.reduction.state, grad_bucket)
         if not callable(getattr(future, "wait", None)):
             raise TypeError(
                 f"fdp.DistributedDataParallel: `comm_hook` expected to return a "
@@ -300,12 +314,15 @@ class Step:
         with self.lock:
             if self._defer_to_outer_backward():
                 return
-        with self.lock, torch.no_grad(), _compat.functorch_disabled():
+            self._finish()
+
+    def _finish(self) -> None:
+        with torch.no_grad(), _compat.functorch_disabled():
             try:
                 while self.next_launch < len(self.flats):
                     self._launch(self.next_launch)
-                counting = not self.capture or self.always_count
-                usage = self._launch_usage() if counting and not self.r.serial else None
+                counting = not self.returned or self.always_count
+                usage = self._launch_usage() if counting and not self.reduction.serial else None
                 for k, fut in enumerate(self.futures):
                     flat = self.flats[k]
                     if fut is None or flat is None:
@@ -313,9 +330,9 @@ class Step:
                     result = fut.wait()
                     if result is not flat:
                         flat.copy_(result)
-                if usage is None and self.r.serial and counting:
+                if usage is None and self.reduction.serial and counting:
                     usage = self._launch_usage()  # after every hook's last collective
-                if usage is not None and self.capture:
+                if usage is not None and self.returned:
                     usage[1].wait()  # counted for join's shadowing ranks only
                 elif usage is not None:
                     self._hand_out(usage)
@@ -337,7 +354,7 @@ class Step:
         backward: a post-hook on the node that ran the nested backward queues
         it again there.
         """
-        if all(i in self.filled[self.r.layout.where[i][0]] for i in self.hooked):
+        if all(i in self.filled[self.reduction.layout.where[i][0]] for i in self.hooked):
             return False
         outer = _compat.current_autograd_node()
         if outer is None:
@@ -351,7 +368,7 @@ class Step:
 
     def _launch_usage(self) -> tuple[torch.Tensor, Any]:
         """Counts, over ranks, which hooked leaves had a gradient (one small all-reduce)."""
-        device = self.r.layout.buckets[0].device
+        device = self.reduction.layout.buckets[0].device
         counts = torch.tensor(
             [
                 *(
@@ -362,7 +379,7 @@ class Step:
             ],
             device=device,
         )
-        return counts, dist.all_reduce(counts, group=self.r.group, async_op=True)
+        return counts, dist.all_reduce(counts, group=self.reduction.group, async_op=True)
 
     def _hand_out(self, usage: tuple[torch.Tensor, Any]) -> None:
         """``.grad`` becomes the reduced view; it stays ``None`` where no rank had one."""
