@@ -161,7 +161,6 @@ class DistributedDataParallel:
         self._buffers = _buffers.Buffers(every, group) if broadcast_buffers else None
         if self._buffers is not None:  # as torch's DDP at construction: no_sync calls use them
             self._buffers.sync(leaves, src=0)
-        self._every = _buffers.Buffers(every, group, with_params=True)  # join's final sync
         self._refs = _join.weak(leaves)  # the tensors join synchronises if none come later
         self._layout = _bucket.Layout(tensors, cap_bytes=cap, first_cap_bytes=first_cap)
         paths = _tree.paths(params, "params")
@@ -185,8 +184,16 @@ class DistributedDataParallel:
         self._joiner: Joiner | None = None
         # How many leaves a step's usage all-reduce counts (hooked: needing
         # grad, each tensor once), for join's mirroring ranks.
-        self._counted = sum(1 for i in self._layout.where if leaves[i].requires_grad) - len(
+        counted = sum(1 for i in self._layout.where if leaves[i].requires_grad) - len(
             [i for i in self._ties if leaves[i].requires_grad]
+        )
+        self._join_plan = _join.JoinPlan(
+            group=group,
+            buckets=tuple(self._layout.buckets),
+            counted=counted,
+            buffers=self._buffers,
+            final=_buffers.Buffers(every, group, with_params=True),  # the final sync
+            meta=tuple(self._meta),
         )
         self._step: Step | None = None
 
@@ -260,14 +267,7 @@ class DistributedDataParallel:
         if self._joiner is not None:
             raise RuntimeError("fdp.DistributedDataParallel.join: already inside join")
         self._joiner = Joiner(
-            group=self._reduction.group,
-            buckets=self._layout.buckets,
-            counted=self._counted,
-            buffers=self._buffers,
-            final=self._every,
-            meta=self._meta,
-            refs=self._refs,
-            divide_by_initial_world_size=divide_by_initial_world_size,
+            self._join_plan, self._refs, divide_by_initial_world_size=divide_by_initial_world_size
         )
         try:
             with self._joiner.active():

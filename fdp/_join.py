@@ -24,6 +24,7 @@ zeros from the others would give.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -46,31 +47,45 @@ def weak(leaves: Sequence[Any]) -> list[weakref.ref[torch.Tensor] | None]:
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class JoinPlan:
+    """What a DDP fixes at construction for its ``join`` blocks.
+
+    ``counted``: the length of a step's usage-count all-reduce; ``buffers``:
+    the buffer broadcast to mirror (None without ``broadcast_buffers``);
+    ``final``: every tensor leaf, for the final synchronisation; ``meta``:
+    each leaf's (shape, dtype, device), None for non-tensors.
+    """
+
+    group: ProcessGroup | None
+    buckets: tuple[_bucket.Bucket, ...]
+    counted: int
+    buffers: Buffers | None
+    final: Buffers
+    meta: tuple[tuple[torch.Size, torch.dtype, torch.device] | None, ...]
+
+
 class Joiner:
     """One ``join`` block's state: this rank's flag vector and how to mirror a step."""
 
     def __init__(
         self,
-        *,
-        group: ProcessGroup | None,
-        buckets: Sequence[_bucket.Bucket],
-        counted: int,
-        buffers: Buffers | None,
-        final: Buffers,
-        meta: Sequence[tuple[torch.Size, torch.dtype, torch.device] | None],
+        plan: JoinPlan,
         refs: list[weakref.ref[torch.Tensor] | None],
+        *,
         divide_by_initial_world_size: bool,
     ) -> None:
+        group = plan.group
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.buckets = list(buckets)
-        self.counted = counted  # the length of a step's usage-count all-reduce
-        self.buffers = buffers
+        self.buckets = list(plan.buckets)
+        self.counted = plan.counted
+        self.buffers = plan.buffers
         self.by_initial = divide_by_initial_world_size
         self.training = Training(group, tuple(range(self.world)), group)
         self.made: list[ProcessGroup] = []
-        self.final, self.meta, self.refs = final, list(meta), refs
+        self.final, self.meta, self.refs = plan.final, list(plan.meta), refs
         self.last = self.training.ranks  # the last ranks seen training
 
     def remember(self, leaves: Sequence[Any]) -> None:
