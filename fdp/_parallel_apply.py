@@ -154,10 +154,8 @@ def _one_busy_cpu(devices: list[torch.device]) -> bool:
     """Whether every replica is on the CPU and torch already spreads each op over cores.
 
     Then concurrent replicas only compete for the same cores (two OpenMP
-    teams spinning on two cores). Measured on a 2-core machine with a 6-layer
-    512-wide MLP and two CPU replicas: threads made the forward pass
-    1.5-1.75x and the whole step 1.2-1.4x as slow as a loop, and the loop
-    was within 5% of one direct call (docs/performance.md).
+    teams spinning on two cores): threads are slower than a loop there
+    (docs/performance.md, "Measurements behind design choices").
     """
     return torch.get_num_threads() > 1 and all(d.type == "cpu" for d in devices)
 

@@ -161,8 +161,8 @@ class Step:
         flat = self.flats[k]
         if flat is None:
             flat = self.flats[k] = self.reduction.layout.buffer(k)
-            # Made once per step and bucket: a view per hook call cost 50 us
-            # of Python each, twice per leaf (pack, hand-out).
+            # Made once per step and bucket, not per hook call (twice per leaf:
+            # pack, hand-out); docs/performance.md has the cost.
             self.views[k] = self.reduction.layout.buckets[k].views(flat)
         return flat
 

@@ -163,7 +163,7 @@ def _pack(
     Each piece is converted (``hook``'s dtype) and divided by the world size
     before the ``cat``, so that inductor fuses both into the one copy that
     packs the bucket (dividing the ``cat`` instead is a second pass over the
-    bucket: measured 15 ms of a 110 ms step here). ``anchor`` (see
+    bucket; docs/performance.md has the cost). ``anchor`` (see
     :func:`_zero_after`) is added to the first piece, fused the same way.
 
     Eager DDP packs each leaf in its memory order so that ``.grad`` can be a

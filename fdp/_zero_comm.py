@@ -8,12 +8,11 @@ Eagerly, which collectives depends on the backend. With NCCL (and any
 backend but gloo): stage 2 reduce-scatters the packed buffer in place (this
 rank's part of it receives the reduced slice), stage 1 all-reduces it in
 place, and the new slices are all-gathered. gloo's reduce-scatter and
-all-gather are slow on CPU tensors; measured on 2 ranks, 34 MB: all-reduce
-30 ms, reduce-scatter 64 ms, all-gather 53 ms, one broadcast per rank's
-slice 12-14 ms. So on gloo both stages all-reduce in place (the same
-memory) and each rank's new slice is broadcast by its owner. Flat buffers
-are reused from step to step once nothing else views them: a fresh 34 MB
-buffer costs 15 ms of page faults here.
+all-gather are slower on CPU tensors than its all-reduce and broadcasts
+(docs/performance.md, "Measurements behind design choices"), so on gloo
+both stages all-reduce in place (the same memory) and each rank's new slice
+is broadcast by its owner. Flat buffers are reused from step to step once
+nothing else views them: a fresh buffer costs page faults.
 
 Traced (``torch.compile``), the functional reduce-scatter (stage 1:
 all-reduce) and all-gather, whatever the backend."""
