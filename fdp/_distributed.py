@@ -62,52 +62,62 @@ T = TypeVar("T")
 class DistributedDataParallel:
     """Averages the gradients of a parameter tree across ranks, overlapping backward.
 
-    ``ddp = DistributedDataParallel(params)`` plans buckets once: tensor
-    leaves grouped by device and dtype in reverse leaf order, a first bucket
-    of about ``first_bucket_cap_mb`` so communication starts early, then
-    buckets of about ``bucket_cap_mb``. Construction is collective: all ranks
-    check that they hold the same tree and raise the same ``ValueError``,
-    naming the first differing leaf, if not.
+    Construction:
+        ``ddp = DistributedDataParallel(params)`` plans buckets once: tensor
+        leaves grouped by device and dtype in reverse leaf order, a first
+        bucket of about ``first_bucket_cap_mb`` so communication starts
+        early, then buckets of about ``bucket_cap_mb``. Construction is
+        collective: all ranks check that they hold the same tree and raise
+        the same ``ValueError``, naming the first differing leaf, if not.
 
-    ``ddp(params)`` returns ``params`` unchanged. The backward that follows
-    all-reduces (averages) each bucket as soon as all its gradients exist,
-    while the rest of backward runs, launching buckets in the same order on
-    every rank. Gradients are handed out only once reduced:
+    Each step:
+        ``ddp(params)`` returns ``params`` unchanged; call it in every step.
+        The backward that follows all-reduces (averages) each bucket as soon
+        as all its gradients exist, while the rest of backward runs,
+        launching buckets in the same order on every rank. Gradients are
+        handed out only once reduced:
 
-    - ``loss.backward()``: every leaf's ``.grad`` holds the average over
-      ranks, including leaves this rank did not use (they count as zero);
-      a leaf that no rank used keeps ``.grad`` ``None``, as in local
-      training. Gradients keep their parameter's strides
-      (``channels_last``); complex parameters are reduced as their real
-      view.
-    - ``torch.autograd.grad``: the returned gradients are averaged. A leaf
-      this rank did not use at all comes back ``None``, while the other
-      ranks still receive its contribution as zero.
-    - ``torch.func`` transforms (``grad``, ``jacrev``, ``hessian``, ``vmap``,
-      ``jvp`` and their nests) of a function that calls ``ddp(params)`` on
-      what they transform: ``ddp(params)`` is an identity whose backward
-      averages each bucket through a differentiable all-reduce (the psum
-      rule, ``docs/transforms.md``), after the model's backward; every rank
-      gets the average, also of leaves it did not use.
+        - ``loss.backward()``: every leaf's ``.grad`` holds the average over
+          ranks, including leaves this rank did not use (they count as
+          zero); a leaf that no rank used keeps ``.grad`` ``None``, as in
+          local training. Gradients keep their parameter's strides
+          (``channels_last``); complex parameters are reduced as their real
+          view.
+        - ``torch.autograd.grad``: the returned gradients are averaged. A
+          leaf this rank did not use at all comes back ``None``, while the
+          other ranks still receive its contribution as zero.
 
-    Inside ``torch.compile`` (``fullgraph=True`` included) ``ddp(params)``
-    is traced: the same buckets are all-reduced by functional collectives in
-    the compiled backward (``fdp/_traced.py``), with the default hook or
-    the fp16/bf16 ones; there a leaf that no rank used gets a zero ``.grad``.
+    Transforms and compile:
+        Under ``torch.func`` transforms (``grad``, ``jacrev``, ``hessian``,
+        ``vmap``, ``jvp`` and their nests) of a function that calls
+        ``ddp(params)`` on what they transform, ``ddp(params)`` is an
+        identity whose backward averages each bucket through a
+        differentiable all-reduce (the psum rule, ``docs/transforms.md``),
+        after the model's backward; every rank gets the average, also of
+        leaves it did not use. Inside ``torch.compile`` (``fullgraph=True``
+        included) ``ddp(params)`` is traced: the same buckets are
+        all-reduced by functional collectives in the compiled backward
+        (``fdp/_traced.py``), with the default hook or the fp16/bf16 ones;
+        there a leaf that no rank used gets a zero ``.grad``.
 
-    Buffers, the tensor leaves that do not require grad (BatchNorm's running
-    statistics, integer counters), get rank 0's values in place at
-    construction and on every synchronised call (grad enabled, not under ``no_sync``) when
-    ``broadcast_buffers`` is true, coalesced into one broadcast per device
-    and dtype, eagerly, under ``torch.func`` and while compiling; as torch's
-    DDP, a call under ``torch.no_grad`` or ``no_sync`` communicates nothing,
-    so one rank may evaluate alone. Reentrant activation checkpointing
-    (``use_reentrant=True``) works: the reduction finishes when the outermost
-    backward does. Refused with a clear error: backward with
-    ``create_graph=True`` (double backward through the reduced gradients),
-    sparse gradients, a ``params`` tree with no floating-point leaf, and
-    trees whose structure, shapes, dtypes or ``requires_grad`` differ
-    across ranks.
+    Buffers:
+        The tensor leaves that do not require grad (BatchNorm's running
+        statistics, integer counters) get rank 0's values in place at
+        construction and on every synchronised call (grad enabled, not
+        under ``no_sync``) when ``broadcast_buffers`` is true, coalesced
+        into one broadcast per device and dtype, eagerly, under
+        ``torch.func`` and while compiling. As in torch's DDP, a call under
+        ``torch.no_grad`` or ``no_sync`` communicates nothing, so one rank
+        may evaluate alone.
+
+    Refused, with a clear error:
+        Backward with ``create_graph=True`` (double backward through the
+        reduced gradients), sparse gradients, a second backward through one
+        ``ddp(params)`` call, a ``params`` tree with no floating-point leaf,
+        and trees whose structure, shapes, dtypes or ``requires_grad``
+        differ across ranks. Reentrant activation checkpointing
+        (``use_reentrant=True``) works: the reduction finishes when the
+        outermost backward does.
 
     Args:
         params: the parameter tree (tensors and ``None``).
