@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fdp import _agreement, _bucket, _caches, _compat, _groups, _traced, _transforms, _tree
+from fdp import _agreement, _bucket, _caches, _compat, _groups, _transforms, _tree
 from fdp._groups import ProcessGroup
 
 __all__ = ["all_reduce_grads", "broadcast_params"]
@@ -51,7 +51,7 @@ def tensor_leaves(
     return leaves, spec, selected
 
 
-@_traced.eager_under_transforms("fdp.broadcast_params")
+@_transforms.eager_under_transforms("fdp.broadcast_params")
 def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None) -> T:
     """Gives every rank's tensor leaves rank ``src``'s values, in place.
 
@@ -107,7 +107,7 @@ def _broadcast_differentiable(
             t.copy_(_transforms.broadcast(t, mine, group))
 
 
-@_traced.eager_under_transforms("fdp.all_reduce_grads")
+@_transforms.eager_under_transforms("fdp.all_reduce_grads")
 def all_reduce_grads(
     grads: T,
     *,

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from fdp import _compat, _groups, _traced, _training, _transforms
+from fdp import _compat, _groups, _training, _transforms
 from fdp._groups import ProcessGroup
 
 Group = _training.Group
@@ -195,7 +195,7 @@ def _double_backward(
     return dx, dw, db, None, None  # type: ignore[return-value]
 
 
-@_traced.eager_under_transforms("fdp.sync_batch_norm")
+@_transforms.eager_under_transforms("fdp.sync_batch_norm")
 def sync_batch_norm(
     x: torch.Tensor,
     running_mean: torch.Tensor | None,

@@ -24,14 +24,17 @@ tangents forward (a tangent of replicated parameters is itself replicated).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
-from fdp import _bucket, _compat
+from fdp import _bucket, _compat, _tree
 from fdp._groups import ProcessGroup
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _AllReduce(torch.autograd.Function):
@@ -237,3 +240,41 @@ def replicated(
     for s, i in enumerate(order):
         result[i] = outputs[s]
     return result
+
+
+def eager_under_transforms(call: str) -> Callable[[F], F]:
+    """Decorates an entry point that runs collectives: compiled under a
+    ``torch.func`` transform or on forward-mode dual tensors, it runs eagerly.
+
+    Dynamo drops, refuses or miscomputes the derivatives of collectives
+    there (measured on torch 2.13: a jvp through ``all_reduce_grads`` came
+    back zero, a vmap of it wrong); eagerly fdp's psum rule is right.
+    Without ``fullgraph=True`` this is a graph break; with it, dynamo
+    raises and shows the reason below.
+    """
+    reason = (
+        f"{call} is not compiled under a torch.func transform or on forward-mode dual "
+        "tensors: torch 2.13 drops or refuses the derivatives of collectives there "
+        "(pytorch/pytorch#193279). Without fullgraph=True, fdp runs it eagerly here (a graph "
+        "break) and the result is right; or call it outside the compiled function"
+    )
+
+    def wrap(fn: F) -> F:
+        eager = _compat.compiler_disable(fn, reason=reason)
+
+        @functools.wraps(fn)
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling() and _transformed(args, kwargs):
+                return eager(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        return cast(F, entry)
+
+    return wrap
+
+
+def _transformed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if _compat.functorch_active():
+        return True
+    leaves, _ = _tree.flatten((args, kwargs))
+    return any(isinstance(t, torch.Tensor) and _compat.has_tangent(t) for t in leaves)

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from fdp import _agreement, _clip, _optim, _shards, _traced, _tree, _zero_comm
+from fdp import _agreement, _clip, _optim, _shards, _transforms, _tree, _zero_comm
 from fdp._collectives import tensor_leaves
 from fdp._groups import ProcessGroup
 from fdp._optim import check_grad
@@ -118,7 +118,7 @@ class ZeroRedundancy:
         slots = {k: [st[k] for st in per_part] for k in self._keys}
         return ZeroState(slots, self.shards)
 
-    @_traced.eager_under_transforms("fdp.ZeroRedundancy.step")
+    @_transforms.eager_under_transforms("fdp.ZeroRedundancy.step")
     def step(
         self,
         grads: Any,

@@ -1,8 +1,10 @@
 """The module layers of docs/design.md, checked on fdp's import graph.
 
-The single-process core must work, and import, without any of fdp's
-distributed modules: a module-level ``from fdp import ...`` is an edge, an
-import inside a function (asked for by an option) is not.
+Three layers: the single-process core imports nothing distributed; the
+building blocks (groups, the psum-rule collectives, agreement checks, comm
+hooks, sync batch norm) import neither DDP nor sharding; DDP and sharding
+do not import each other. A module-level ``from fdp import ...`` is an
+edge, an import inside a function (asked for by an option) is not.
 """
 
 from __future__ import annotations
@@ -29,24 +31,19 @@ CORE = {
     "_clip",
     "_caches",
 }
-DISTRIBUTED = {
-    "_distributed",
-    "_reducer",
-    "_traced",
-    "_join",
-    "_training",
-    "_buffers",
-    "_sync_batch_norm",
-    "_collectives",
+# The building blocks: buckets' collectives, agreement, hooks, sync batch norm.
+BLOCKS = {
+    "_groups",
+    "_transforms",
     "_agreement",
     "_comm_hooks",
-    "_transforms",
-    "_zero",
-    "_zero_comm",
-    "_shards",
-    "_checkpoint",
-    "_groups",
+    "_sync_batch_norm",
+    "_training",
+    "_collectives",
 }
+DDP = {"_distributed", "_reducer", "_traced", "_buffers", "_join"}
+SHARDING = {"_zero", "_zero_comm", "_shards", "_checkpoint"}
+DISTRIBUTED = BLOCKS | DDP | SHARDING
 
 
 def module_imports(name: str) -> set[str]:
@@ -74,6 +71,17 @@ def closure(start: str) -> set[str]:
 
 def test_the_core_imports_nothing_distributed() -> None:
     reached = {name: closure(name) & DISTRIBUTED for name in sorted(CORE)}
+    assert {k: v for k, v in reached.items() if v} == {}
+
+
+def test_the_building_blocks_serve_ddp_and_sharding_without_importing_them() -> None:
+    reached = {name: closure(name) & (DDP | SHARDING) for name in sorted(BLOCKS)}
+    assert {k: v for k, v in reached.items() if v} == {}
+
+
+def test_ddp_and_sharding_do_not_import_each_other() -> None:
+    reached = {name: closure(name) & SHARDING for name in sorted(DDP)}
+    reached |= {name: closure(name) & DDP for name in sorted(SHARDING)}
     assert {k: v for k, v in reached.items() if v} == {}
 
 
