@@ -100,27 +100,42 @@ def float_paths(params: Any) -> list[int]:
 # --------------------------------------------------------------------------- bodies
 
 
-def _ddp_grads(rank: int, size: int, mode: str, caps: dict[str, Any]) -> Any:
+def _setup(
+    rank: int, size: int, caps: dict[str, Any], *, detach: bool = False
+) -> tuple[Any, fdp.DistributedDataParallel, torch.Tensor, torch.Tensor]:
     params: Any = make_params()
-    x, y = (shard(t, rank) for t in data(size))
-    if mode in ("func_grad", "grad_and_value"):
+    if detach:
         params = detached(params)
-    ddp = fdp.DistributedDataParallel(params, **caps)
-    if mode == "backward":
-        torch.autograd.backward(loss_fn(ddp(params), x, y))
-        return grad_tree(params), ddp.buckets
-    if mode == "backward_inputs":
-        ws = [layer["w"] for layer in params["layers"]]
-        torch.autograd.backward(loss_fn(ddp(params), x, y), inputs=ws)
-        return grad_tree(params), ddp.buckets
-    if mode == "autograd_grad":
-        flat, spec = optree.tree_flatten(params, none_is_leaf=True)
-        indices = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        got = torch.autograd.grad(loss_fn(ddp(params), x, y), [flat[i] for i in indices])
-        out: list[Any] = [None] * len(flat)
-        for i, g in zip(indices, got, strict=True):
-            out[i] = g
-        return optree.tree_unflatten(spec, out), ddp.buckets
+    x, y = (shard(t, rank) for t in data(size))
+    return params, fdp.DistributedDataParallel(params, **caps), x, y
+
+
+def _grads_by_backward(rank: int, size: int, caps: dict[str, Any]) -> Any:
+    params, ddp, x, y = _setup(rank, size, caps)
+    torch.autograd.backward(loss_fn(ddp(params), x, y))
+    return grad_tree(params), ddp.buckets
+
+
+def _grads_by_backward_inputs(rank: int, size: int, caps: dict[str, Any]) -> Any:
+    params, ddp, x, y = _setup(rank, size, caps)
+    ws = [layer["w"] for layer in params["layers"]]
+    torch.autograd.backward(loss_fn(ddp(params), x, y), inputs=ws)
+    return grad_tree(params), ddp.buckets
+
+
+def _grads_by_autograd_grad(rank: int, size: int, caps: dict[str, Any]) -> Any:
+    params, ddp, x, y = _setup(rank, size, caps)
+    flat, spec = optree.tree_flatten(params, none_is_leaf=True)
+    indices = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    got = torch.autograd.grad(loss_fn(ddp(params), x, y), [flat[i] for i in indices])
+    out: list[Any] = [None] * len(flat)
+    for i, g in zip(indices, got, strict=True):
+        out[i] = g
+    return optree.tree_unflatten(spec, out), ddp.buckets
+
+
+def _func_grads(rank: int, size: int, caps: dict[str, Any], *, with_value: bool) -> Any:
+    params, ddp, x, y = _setup(rank, size, caps, detach=True)
     # torch.func.grad refuses None and integer leaves in what it differentiates.
     diff = {"layers": params["layers"], "first": params["head"].first, "scale": params["scale"]}
 
@@ -131,18 +146,26 @@ def _ddp_grads(rank: int, size: int, mode: str, caps: dict[str, Any]) -> Any:
     def loss(d: dict[str, Any]) -> torch.Tensor:
         return loss_fn(ddp(full(d)), x, y)
 
-    if mode == "func_grad":
-        grads = torch.func.grad(loss)(diff)
-    else:
+    if with_value:
         grads, value = torch.func.grad_and_value(loss)(diff)
         torch.testing.assert_close(value, loss_fn(params, x, y))
+    else:
+        grads = torch.func.grad(loss)(diff)
     return {**full(grads), "steps": None}, ddp.buckets
+
+
+def _grads_by_func_grad(rank: int, size: int, caps: dict[str, Any]) -> Any:
+    return _func_grads(rank, size, caps, with_value=False)
+
+
+def _grads_by_grad_and_value(rank: int, size: int, caps: dict[str, Any]) -> Any:
+    return _func_grads(rank, size, caps, with_value=True)
 
 
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("caps", ["tiny", "small", "default"])
 def test_backward_grads_equal_full_batch_reference(size: int, caps: str) -> None:
-    results = ranks.world(size).run(_ddp_grads, "backward", CAPS[caps])
+    results = ranks.world(size).run(_grads_by_backward, CAPS[caps])
     expected = reference_grads(size)
     for grads, buckets in results:
         tree_allclose(grads, expected, **TOL)
@@ -157,9 +180,13 @@ def test_backward_grads_equal_full_batch_reference(size: int, caps: str) -> None
         assert 2 < n_buckets < n_float
 
 
-@pytest.mark.parametrize("mode", ["autograd_grad", "func_grad", "grad_and_value"])
-def test_returned_grads_equal_full_batch_reference(mode: str) -> None:
-    results = ranks.world(3).run(_ddp_grads, mode, TINY)
+@pytest.mark.parametrize(
+    "body",
+    [_grads_by_autograd_grad, _grads_by_func_grad, _grads_by_grad_and_value],
+    ids=["autograd_grad", "func_grad", "grad_and_value"],
+)
+def test_returned_grads_equal_full_batch_reference(body: Callable[..., Any]) -> None:
+    results = ranks.world(3).run(body, TINY)
     expected = reference_grads(3)
     for grads, _ in results:
         tree_allclose(grads, expected, **TOL)
@@ -168,7 +195,7 @@ def test_returned_grads_equal_full_batch_reference(mode: str) -> None:
 def test_backward_with_inputs_treats_the_other_leaves_as_unused() -> None:
     # backward(inputs=...) computes grads for the named leaves only; the others
     # are unused on every rank, so their .grad stays None as in local training.
-    results = ranks.world(2).run(_ddp_grads, "backward_inputs", SMALL)
+    results = ranks.world(2).run(_grads_by_backward_inputs, SMALL)
     expected = reference_grads(2)
     for grads, _ in results:
         for layer, ref in zip(grads["layers"], expected["layers"], strict=True):
@@ -178,7 +205,7 @@ def test_backward_with_inputs_treats_the_other_leaves_as_unused() -> None:
 
 
 def test_bucket_order_and_default_first_bucket() -> None:
-    (_, buckets), *_ = ranks.world(2).run(_ddp_grads, "backward", DEFAULT)
+    (_, buckets), *_ = ranks.world(2).run(_grads_by_backward, DEFAULT)
     # Reverse leaf order (optree sorts dict keys): float64 'scale' comes first,
     # then the float32 leaves, all within the 1 MiB first bucket.
     assert buckets == [
