@@ -12,18 +12,18 @@ from fdp._comm_hooks import allreduce_hook as allreduce_hook
 from fdp._comm_hooks import bf16_compress_hook as bf16_compress_hook
 from fdp._comm_hooks import fp16_compress_hook as fp16_compress_hook
 from fdp._data_parallel import data_parallel as data_parallel
-from fdp._distributed import DistributedDataParallel as DistributedDataParallel
+from fdp._ddp import DistributedDataParallel as DistributedDataParallel
+from fdp._ddp import overlap_options as overlap_options
 from fdp._functional import make_functional as make_functional
 from fdp._parallel_apply import parallel_apply as parallel_apply
 from fdp._replicate import replicate as replicate
 from fdp._scatter_gather import gather as gather
 from fdp._scatter_gather import scatter as scatter
 from fdp._scatter_gather import scatter_kwargs as scatter_kwargs
-from fdp._shards import ZeroState as ZeroState
 from fdp._sync_batch_norm import sync_batch_norm as sync_batch_norm
-from fdp._traced import overlap_options as overlap_options
 from fdp._version import __version__ as __version__
 from fdp._zero import ZeroRedundancy as ZeroRedundancy
+from fdp._zero import ZeroState as ZeroState
 
 __all__ = [
     "CommHook",

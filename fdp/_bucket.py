@@ -47,14 +47,21 @@ class Bucket:
     # 2.10's dynamo rebuilds a frozen dataclass from all its fields.
     _split_sizes: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
 
+    def width(self, j: int) -> int:
+        """How many real elements leaf ``j`` takes in the flat buffer."""
+        return self.shapes[j].numel() * (2 if self.complex_[j] else 1)
+
+    def order(self, j: int) -> tuple[int, ...]:
+        """Leaf ``j``'s dims (a complex leaf's real/imaginary one last) in memory order."""
+        return _order(self.strides[j], complex_=self.complex_[j])
+
     def empty(self) -> torch.Tensor:
         return torch.empty(self.numel, dtype=self.dtype, device=self.device)
 
     def view(self, flat: torch.Tensor, j: int) -> torch.Tensor:
         """Leaf ``j``'s view of ``flat``, with the leaf's shape, strides and dtype."""
         shape, stride, start = self.shapes[j], self.strides[j], self.offsets[j]
-        width = 2 if self.complex_[j] else 1
-        part = flat[start : start + width * shape.numel()]
+        part = flat[start : start + self.width(j)]
         if self.complex_[j]:
             real = part.as_strided((*shape, 2), (*(2 * s for s in stride), 1))
             return torch.view_as_complex(real)
@@ -113,6 +120,54 @@ class Bucket:
             flat = self._fill(tensors, out)
         return flat if scale == 1.0 else flat.mul_(scale)
 
+    def pieces(
+        self,
+        tensors: Sequence[torch.Tensor | None],
+        *,
+        dtype: torch.dtype | None = None,
+        scale: float = 1.0,
+        numel: int | None = None,
+    ) -> list[torch.Tensor]:
+        """The flat buffer's contents as 1-D pieces, functionally: ``torch.cat`` them to pack.
+
+        In the same element order as :meth:`pack` (each leaf in its memory
+        order), so it traces (``torch.compile``) and batches (``vmap``)
+        where the in-place :meth:`pack` cannot. ``None`` packs zeros, and
+        so do the padding and, up to ``numel``, the tail. Each piece is
+        converted to ``dtype`` and multiplied by ``scale`` before the
+        ``cat``, where inductor fuses both into the one copy that packs the
+        bucket (docs/performance.md has the cost of scaling the ``cat``).
+        """
+        dtype = self.dtype if dtype is None else dtype
+        out: list[torch.Tensor] = []
+        pos = 0
+        for j, t in enumerate(tensors):
+            start, n = self.offsets[j], self.width(j)
+            if start > pos:
+                out.append(torch.zeros(start - pos, dtype=dtype, device=self.device))
+            if t is None:
+                out.append(torch.zeros(n, dtype=dtype, device=self.device))
+            else:
+                flat = memory_flat(t, self.order(j)).to(dtype)
+                out.append(flat if scale == 1.0 else flat * scale)
+            pos = start + n
+        if numel is not None and numel > pos:
+            out.append(torch.zeros(numel - pos, dtype=dtype, device=self.device))
+        return out
+
+    def unpack(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each leaf's view of ``flat`` (from :meth:`pieces`), with the leaf's shape and strides.
+
+        The functional counterpart of :meth:`views`: built from ``view`` and
+        ``permute``, which trace and batch, where :meth:`views` uses
+        ``as_strided``.
+        """
+        out = []
+        for j, shape in enumerate(self.shapes):
+            part = flat[self.offsets[j] : self.offsets[j] + self.width(j)]
+            out.append(memory_unflat(part, shape, self.order(j), complex_=self.complex_[j]))
+        return out
+
     def _fill(
         self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor | None
     ) -> torch.Tensor:
@@ -132,6 +187,50 @@ class Bucket:
                 sources.append(t)
         _compat.foreach_copy_(views, sources)
         return flat
+
+
+def real_numel(t: torch.Tensor) -> int:
+    """How many real elements ``t`` holds (a complex element is two)."""
+    return t.numel() * (2 if t.is_complex() else 1)
+
+
+def memory_order(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s dims from the largest planned stride down (ties keep logical order).
+
+    A complex tensor's real/imaginary dim comes last, as in its memory.
+    """
+    return _order(dense_strides(t), complex_=t.is_complex())
+
+
+def _order(strides: tuple[int, ...], *, complex_: bool) -> tuple[int, ...]:
+    real = [2 * s for s in strides] + [1] if complex_ else list(strides)
+    return tuple(sorted(range(len(real)), key=lambda d: -real[d]))
+
+
+def memory_flat(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """``t``'s elements (complex as real pairs) in the memory order ``order``, 1-D.
+
+    A view when ``t`` is laid out as planned; a copy otherwise, same values.
+    """
+    real = torch.view_as_real(t) if t.is_complex() else t
+    return real.permute(order).reshape(-1)
+
+
+def memory_unflat(
+    part: torch.Tensor, shape: torch.Size, order: tuple[int, ...], *, complex_: bool
+) -> torch.Tensor:
+    """The inverse of :func:`memory_flat`: a view of ``part`` shaped like the leaf, its strides."""
+    full = (*shape, 2) if complex_ else tuple(shape)
+    # reshape: a view of a slice of a flat buffer, also of a batched one under vmap
+    view = part.reshape([full[d] for d in order]).permute(_inverse(order))
+    return torch.view_as_complex(view) if complex_ else view
+
+
+def _inverse(order: tuple[int, ...]) -> list[int]:
+    out = [0] * len(order)
+    for pos, d in enumerate(order):
+        out[d] = pos
+    return out
 
 
 def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -218,7 +317,7 @@ def _bucket(indices: list[int], tensors: Sequence[torch.Tensor | None]) -> Bucke
         strides.append(dense_strides(t))
         complex_.append(t.is_complex())
         offsets.append(numel)
-        numel += t.numel() * (2 if t.is_complex() else 1)
+        numel += real_numel(t)
     head = tensors[indices[0]]
     if head is None:
         raise RuntimeError("fdp internal error: a None leaf in a bucket")

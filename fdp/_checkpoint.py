@@ -35,9 +35,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from fdp import _compat, _shards
+from fdp import _bucket, _compat
 from fdp._groups import ProcessGroup
-from fdp._shards import Shards, ZeroState
+from fdp._zero import ZeroState
+from fdp._zero_shards import Shards
 
 T = TypeVar("T")
 _RNG = "_fdp/rng/"
@@ -210,9 +211,9 @@ class _Tensor(_Leaf):
     def reshaped(self, key: str, saved: TensorStorageMetadata) -> Reshaped | None:
         """A ``ZeroState`` entry (the leaf's elements, 1-D) loaded into an unsharded leaf."""
         t = self.tensor
-        if len(saved.size) != 1 or saved.size[0] != t.numel() * (2 if t.is_complex() else 1):
+        if len(saved.size) != 1 or saved.size[0] != _bucket.real_numel(t):
             return None
-        view = _shards.flat(t, _shards.order(t))
+        view = _bucket.memory_flat(t, _bucket.memory_order(t))
         if view.data_ptr() != t.data_ptr() or not view.is_contiguous():
             return None  # not a view: loading into it would not reach t
         return view, lambda: None
@@ -232,7 +233,7 @@ class _Zero(_Leaf):
         # Pieces are saved in each leaf's memory order: saved with it, checked at load.
         self.orders_key = f"{key}.memory_orders"
         self.orders = {
-            shards.paths[i]: part.orders[j]
+            shards.paths[i]: part.bucket.order(j)
             for part in shards.parts
             for j, i in enumerate(part.bucket.indices)
         }
@@ -245,7 +246,7 @@ class _Zero(_Leaf):
                     if isinstance(t, torch.Tensor):
                         entry = f"{key}[{name!r}]{shards.paths[seg.leaf]}"
                         self.entries[entry] = _piece(shards, seg, t)
-                        self.pieces[entry] = (seg, t, part.orders[seg.j])
+                        self.pieces[entry] = (seg, t, part.bucket.order(seg.j))
 
     def result(self, entries: dict[str, Any]) -> Any:
         return self.state
@@ -276,7 +277,7 @@ class _Zero(_Leaf):
         whole = torch.empty(saved.size, dtype=dtype, device=piece.device)
 
         def fill() -> None:
-            piece.copy_(_shards.flat(whole, order)[seg.lo : seg.hi])
+            piece.copy_(_bucket.memory_flat(whole, order)[seg.lo : seg.hi])
 
         return whole, fill
 

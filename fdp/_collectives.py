@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from fdp import _agreement, _bucket, _caches, _compat, _groups, _transforms, _tree
 from fdp._groups import ProcessGroup
@@ -89,7 +88,7 @@ def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None
         _broadcast_differentiable(tensors, src, group)
         return tree
     buckets = _bucket.plan(tensors, cap_bytes=_groups.BROADCAST_CAP_BYTES)
-    _groups.broadcast_coalesced(buckets, tensors, src=src, group=group)
+    _groups.broadcast_coalesced(buckets, tensors, src=_groups.group_rank(group, src), group=group)
     return tree
 
 
@@ -101,7 +100,7 @@ def _broadcast_differentiable(
     ``t.copy_(broadcast(t))`` rebases ``t``'s history on the broadcast, whose
     transpose sums every rank's cotangent onto rank ``src`` (zero elsewhere).
     """
-    mine = dist.get_group_rank(group, src) if group is not None else src
+    mine = _groups.group_rank(group, src)
     for t in tensors:
         if t is not None:
             t.copy_(_transforms.broadcast(t, mine, group))
@@ -223,12 +222,10 @@ def _all_reduce_traceable(
     """
     out = list(leaves)
     buckets = _bucket.plan(tensors, cap_bytes=cap)
-    pg = _groups.resolve(group)
     reduced = [
-        funcol.all_reduce(b.pack([tensors[i] for i in b.indices]), "sum", pg) for b in buckets
+        _groups.all_reduce(b.pack([tensors[i] for i in b.indices]), group=group) for b in buckets
     ]
-    for bucket, flat in zip(buckets, reduced, strict=True):
-        total: torch.Tensor = funcol.wait_tensor(flat)  # type: ignore[no-untyped-call]
+    for bucket, total in zip(buckets, reduced, strict=True):
         for i, view in zip(bucket.indices, bucket.views(total * scale), strict=True):
             out[i] = view
     return out

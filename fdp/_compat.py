@@ -274,7 +274,7 @@ def order_effects(op: Any) -> bool:
     that token is a backward input: the partitioner keeps the op, and all
     that depends on it, in backward, in program order, even when its tensor
     inputs are constants. If ``register_effect`` or ``EffectType`` goes,
-    this returns False and ``_traced`` ties every bucket to all gradients
+    this returns False and ``_ddp_traced`` ties every bucket to all gradients
     instead (correct, without overlap).
     """
     try:

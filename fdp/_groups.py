@@ -1,9 +1,20 @@
-"""Process groups as fdp's calls take them: ``None`` means the default (world) group.
+"""Process groups as fdp's calls take them, and collectives eager or compiled.
 
 One place for what every distributed module needs of a group: its type,
-the group ``None`` stands for, a group rank as a global rank (what
-``src=``/``dst=`` and device-mesh placements take), and whether two
-arguments name the same group.
+the group ``None`` stands for (the default, world group), a group rank as a
+global rank (what ``torch.distributed``'s ``src=``/``dst=`` take), and
+whether two arguments name the same group.
+
+And one place for "a collective, eager or compiled": :func:`all_reduce`,
+:func:`all_gather`, :func:`reduce_scatter` and :func:`broadcast` return a
+new tensor and leave their input alone. While ``torch.compile`` traces, they
+are torch's functional collectives (dynamo puts them in the graph, with a
+wait at first use); eagerly, ``torch.distributed``'s, on a copy, outside
+autograd and ``torch.func`` (the result is a constant to both; the
+collectives that carry derivatives are :mod:`fdp._transforms`'). Ranks given
+to these functions are ranks of ``group``, as the functional collectives
+take them. The in-place, asynchronous, bucketed fast paths of DDP and ZeRO
+keep ``torch.distributed`` calls of their own.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from fdp import _bucket, _compat
 
@@ -32,9 +44,71 @@ def global_rank(group: ProcessGroup | None, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
+def group_rank(group: ProcessGroup | None, rank: int) -> int:
+    """Global rank ``rank`` as a rank of ``group`` (fdp's public ``src`` is global, as torch's)."""
+    return rank if group is None else dist.get_group_rank(group, rank)
+
+
 def same(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:
     """Whether ``a`` and ``b`` are the same group (``None`` and the world are)."""
     return resolve(a) is resolve(b)
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def all_reduce(t: torch.Tensor, *, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
+    """The reduction (``"sum"`` or ``"max"``) of ``t`` over ``group``, as a new tensor."""
+    if torch.compiler.is_compiling():
+        out: torch.Tensor = funcol.all_reduce(t, op, resolve(group))
+        return out
+    with torch.no_grad(), _compat.functorch_disabled():
+        plain = _own(t)
+        dist.all_reduce(plain, op=_OPS[op], group=group)
+        return plain
+
+
+def all_gather(t: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tensor:
+    """Every rank's ``t``, concatenated along dim 0 in rank order."""
+    if torch.compiler.is_compiling():
+        out: torch.Tensor = funcol.all_gather_tensor(t, 0, resolve(group))
+        return out
+    with torch.no_grad(), _compat.functorch_disabled():
+        plain = _compat.unwrap_functorch(t).contiguous()
+        rows = plain.new_empty(dist.get_world_size(group), *plain.shape)
+        # The list form: torch 2.13 deprecates all_gather_into_tensor, and
+        # its successor all_gather_single is newer than the supported floor.
+        dist.all_gather(list(rows.unbind()), plain, group=group)
+        return rows.flatten(0, 1) if plain.dim() else rows
+
+
+def reduce_scatter(t: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tensor:
+    """This rank's part (dim 0 cut in ``world`` equal parts) of the sum of ``t`` over ``group``."""
+    if torch.compiler.is_compiling():
+        out: torch.Tensor = funcol.reduce_scatter_tensor(t, "sum", 0, resolve(group))
+        return out
+    with torch.no_grad(), _compat.functorch_disabled():
+        plain = _compat.unwrap_functorch(t).contiguous()
+        world = dist.get_world_size(group)
+        mine = plain.new_empty(plain.shape[0] // world, *plain.shape[1:])
+        _compat.reduce_scatter_single(mine, plain, group).wait()
+        return mine
+
+
+def broadcast(t: torch.Tensor, *, src: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Rank ``src``'s ``t`` (``src`` a rank of ``group``)."""
+    if torch.compiler.is_compiling():
+        out: torch.Tensor = funcol.broadcast(t, src, resolve(group))
+        return out
+    with torch.no_grad(), _compat.functorch_disabled():
+        plain = _own(t)
+        dist.broadcast(plain, src=global_rank(group, src), group=group)
+        return plain
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of the plain tensor under any ``torch.func`` wrappers."""
+    return torch.clone(_compat.unwrap_functorch(t), memory_format=torch.contiguous_format)
 
 
 def broadcast_coalesced(
@@ -44,14 +118,28 @@ def broadcast_coalesced(
     src: int,
     group: ProcessGroup | None,
 ) -> None:
-    """Gives ``targets`` the values of global rank ``src``, in place, eagerly.
+    """Gives ``targets`` the values of rank ``src`` of ``group``, in place.
 
-    One asynchronous broadcast per bucket (``buckets`` index ``targets``, as
-    :func:`fdp._bucket.plan` made them); ``None`` targets are skipped.
+    One broadcast per bucket (``buckets`` index ``targets``, as
+    :func:`fdp._bucket.plan` made them), asynchronous eagerly; ``None``
+    targets are skipped. Outside autograd; under ``torch.func`` the tensors
+    underneath the wrappers are written.
     """
-    with torch.no_grad():
+    if torch.compiler.is_compiling():  # copy_ into the leaves: an input mutation of the graph
+        with torch.no_grad():
+            for bucket in buckets:  # functional packing: dynamo cannot trace pack's views
+                flat = torch.cat(bucket.pieces([targets[i] for i in bucket.indices]))
+                flat = broadcast(flat, src=src, group=group)
+                for i, view in zip(bucket.indices, bucket.unpack(flat), strict=True):
+                    if targets[i] is not None:
+                        targets[i].copy_(view)  # type: ignore[union-attr]
+        return
+    with torch.no_grad(), _compat.functorch_disabled():
+        # Under torch.func the tensor underneath the wrappers receives the values.
+        targets = [None if t is None else _compat.unwrap_functorch(t) for t in targets]
         flats = [b.pack([targets[i] for i in b.indices]) for b in buckets]
-        works = [dist.broadcast(f, src=src, group=group, async_op=True) for f in flats]
+        root = global_rank(group, src)
+        works = [dist.broadcast(f, src=root, group=group, async_op=True) for f in flats]
         for bucket, flat, work in zip(buckets, flats, works, strict=True):
             work.wait()
             pairs = [

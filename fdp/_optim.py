@@ -24,7 +24,7 @@ not require grad: compile the update in ``torch.func.grad`` loops, or set
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -32,6 +32,46 @@ from fdp import _compat, _tree
 
 T = TypeVar("T")
 Lists = tuple[torch.Tensor, ...] | list[torch.Tensor]
+
+
+@runtime_checkable
+class OptimizerProtocol(Protocol):
+    """The optimizer contract that ``ZeroRedundancy`` and ``param_groups`` rely on.
+
+    Every ``fdp.optim`` optimizer keeps it; an optimizer of your own that
+    keeps it works with both. ``init(params)`` returns a dict with an entry
+    for each name in ``("step", *slots)``, each a tree shaped like
+    ``params`` (``None`` where a leaf has no state); ``update(grads, state,
+    params)`` returns the new parameters and a state of the same form, and
+    may take ``donate=True`` (write in place). ``ZeroRedundancy`` calls both
+    on flat 1-D slices of the parameters, so the update must work per
+    element or per leaf.
+
+    Example::
+
+        >>> import fdp
+        >>> isinstance(fdp.optim.adamw(lr=1e-3), fdp.optim.OptimizerProtocol)
+        True
+    """
+
+    slots: tuple[str, ...]  # the per-leaf state tensors besides "step" (e.g. exp_avg)
+
+    def init(self, params: Any) -> dict[str, Any]:
+        """The state before the first step: ``{"step": tree, slot: tree, ...}``."""
+        ...
+
+    def update(self, grads: Any, state: dict[str, Any], params: Any) -> tuple[Any, Any]:
+        """One step: ``(new params, new state)``, ``state`` in :meth:`init`'s form."""
+        ...
+
+
+@runtime_checkable
+class Grouped(OptimizerProtocol, Protocol):
+    """An optimizer per label of the parameter leaves (``param_groups``)."""
+
+    def labels(self, params: Any) -> list[str | None]: ...
+
+    def bind(self, labels: Any) -> OptimizerProtocol: ...
 
 
 class Optimizer:

@@ -16,7 +16,7 @@ The collectives run eagerly under ``loss.backward()`` and ``torch.func.grad``
 (with functorch's dispatch disabled, on plain tensors: a collective is not
 differentiable), and as functional collectives while compiling. Inside
 ``DistributedDataParallel.join`` they run among the ranks still training
-(``fdp/_join.py``).
+(``fdp/_ddp_join.py``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from fdp import _compat, _groups, _training, _transforms
@@ -38,31 +36,14 @@ def _summed(t: torch.Tensor, group: Group) -> torch.Tensor:
     """The sum over the ranks of ``group`` of ``t`` (a new tensor)."""
     if isinstance(group, _training.Alone):
         return t
-    if torch.compiler.is_compiling():
-        pg = _groups.resolve(group)
-        out: torch.Tensor = funcol.all_reduce(t, "sum", pg)
-        return out
-    with torch.no_grad(), _compat.functorch_disabled():
-        plain = _compat.unwrap_functorch(t).clone()
-        dist.all_reduce(plain, group=group)
-        return plain
+    return _groups.all_reduce(t, group=group)
 
 
 def _gathered(t: torch.Tensor, group: Group) -> torch.Tensor:
     """``t`` (1-d) from every rank of ``group``, one row per rank."""
     if isinstance(group, _training.Alone):
         return t.view(1, -1)
-    if torch.compiler.is_compiling():
-        pg = _groups.resolve(group)
-        out: torch.Tensor = funcol.all_gather_tensor(t, 0, pg)
-        return out.view(-1, t.numel())
-    with torch.no_grad(), _compat.functorch_disabled():
-        plain = _compat.unwrap_functorch(t).contiguous()
-        rows = plain.new_empty(dist.get_world_size(group), plain.numel())
-        # The list form: torch 2.13 deprecates all_gather_into_tensor, and
-        # its successor all_gather_single is newer than torch 2.4.
-        dist.all_gather(list(rows.unbind()), plain, group=group)
-        return rows
+    return _groups.all_gather(t, group=group).view(-1, t.numel())
 
 
 def _statistics(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, ...]:

@@ -31,7 +31,7 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from fdp import _bucket, _compat, _tree
+from fdp import _bucket, _compat, _groups, _tree
 from fdp._groups import ProcessGroup
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -42,12 +42,8 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(t: torch.Tensor, scale: float, group: ProcessGroup | None) -> torch.Tensor:
-        with torch.no_grad(), _compat.functorch_disabled():
-            out = t.contiguous().clone()
-            dist.all_reduce(out, group=group)
-            if scale != 1.0:
-                out.mul_(scale)
-        return out
+        out = _groups.all_reduce(t, group=group)
+        return out if scale == 1.0 else out.mul_(scale)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -116,52 +112,6 @@ def needs_rule(leaves: Sequence[Any]) -> bool:
     return False
 
 
-def pieces(
-    bucket: _bucket.Bucket,
-    tensors: Sequence[torch.Tensor | None],
-    *,
-    dtype: torch.dtype | None = None,
-    scale: float = 1.0,
-) -> list[torch.Tensor]:
-    """The bucket's flat contents as a list of pieces, functionally (``None``: zeros).
-
-    In logical order (not each leaf's memory order), so that it traces and
-    batches; the offsets, and the padding that keeps complex leaves at even
-    offsets, are the bucket's.
-    """
-    dtype = bucket.dtype if dtype is None else dtype
-    out: list[torch.Tensor] = []
-    pos = 0
-    for j, t in enumerate(tensors):
-        start, n = bucket.offsets[j], width(bucket, j)
-        if start > pos:
-            out.append(torch.zeros(start - pos, dtype=dtype, device=bucket.device))
-        if t is None:
-            out.append(torch.zeros(n, dtype=dtype, device=bucket.device))
-        else:
-            flat = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1).to(dtype)
-            out.append(flat if scale == 1.0 else flat * scale)
-        pos = start + n
-    return out
-
-
-def unpack(bucket: _bucket.Bucket, flat: torch.Tensor) -> list[torch.Tensor]:
-    """Each leaf's part of ``flat`` (from :func:`pieces`), shaped like the leaf."""
-    out = []
-    for j, shape in enumerate(bucket.shapes):
-        part = flat[bucket.offsets[j] : bucket.offsets[j] + width(bucket, j)]
-        if bucket.complex_[j]:
-            out.append(torch.view_as_complex(part.reshape(*shape, 2)))
-        else:
-            out.append(part.reshape(shape))
-    return out
-
-
-def width(bucket: _bucket.Bucket, j: int) -> int:
-    """How many real elements leaf ``j`` of ``bucket`` takes."""
-    return bucket.shapes[j].numel() * (2 if bucket.complex_[j] else 1)
-
-
 def reduce_buckets(
     buckets: Sequence[_bucket.Bucket],
     tensors: Sequence[torch.Tensor | None],
@@ -181,8 +131,8 @@ def reduce_buckets(
     out: list[torch.Tensor | None] = [None] * len(tensors)
     for bucket in buckets:
         parts = [tensors[i] for i in bucket.indices]
-        flat = psum(torch.cat(pieces(bucket, parts, scale=scale, dtype=dtype)), group=group)
-        for i, view in zip(bucket.indices, unpack(bucket, flat.to(bucket.dtype)), strict=True):
+        flat = psum(torch.cat(bucket.pieces(parts, scale=scale, dtype=dtype)), group=group)
+        for i, view in zip(bucket.indices, bucket.unpack(flat.to(bucket.dtype)), strict=True):
             out[i] = view
     return out
 

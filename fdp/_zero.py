@@ -1,7 +1,7 @@
 """``fdp.ZeroRedundancy``: ZeRO stages 1 and 2 for a functional optimizer.
 
 The layout (buckets cut into one slice per rank, segments of leaves) is
-``fdp/_shards.py``. A step packs each bucket's local gradients, starts
+``fdp/_zero_shards.py``. A step packs each bucket's local gradients, starts
 every bucket's reduce-scatter (stage 1: all-reduce), then per bucket waits
 for it, updates this rank's segments with the wrapped optimizer and starts
 the all-gather of the new slice, so that bucket k's all-gather travels
@@ -19,13 +19,36 @@ from typing import Any, TypeVar
 
 import torch
 
-from fdp import _agreement, _clip, _optim, _shards, _transforms, _tree, _zero_comm
+from fdp import _agreement, _bucket, _clip, _optim, _transforms, _tree, _zero_comm, _zero_shards
 from fdp._collectives import tensor_leaves
 from fdp._groups import ProcessGroup
-from fdp._optim import check_grad
-from fdp._shards import Part, Shards, ZeroState
+from fdp._optim import OptimizerProtocol, check_grad
+from fdp._zero_shards import Part, Shards
 
 T = TypeVar("T")
+
+
+class ZeroState:
+    """This rank's shard of the optimizer state, from :meth:`ZeroRedundancy.init`.
+
+    ``slots[name][k][s]`` is the optimizer's ``name`` entry (``"step"``,
+    ``"exp_avg"``, ...) for segment ``s`` of bucket ``k``; ``shards`` says
+    which elements of which leaf each segment holds. Pass it back to
+    :meth:`ZeroRedundancy.step`, or to :func:`fdp.save_checkpoint`.
+    """
+
+    __slots__ = ("shards", "slots")
+
+    def __init__(self, slots: dict[str, list[list[Any]]], shards: Shards) -> None:
+        self.slots = slots
+        self.shards = shards
+
+    def __repr__(self) -> str:
+        held = sum(t.numel() for v in self.slots.values() for ts in v for t in ts if t is not None)
+        return (
+            f"fdp.ZeroState(rank {self.shards.rank} of {self.shards.world}, "
+            f"slots {sorted(self.slots)}, {held} elements)"
+        )
 
 
 class ZeroRedundancy:
@@ -62,7 +85,7 @@ class ZeroRedundancy:
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: OptimizerProtocol,
         params: Any,
         *,
         group: ProcessGroup | None = None,
@@ -70,13 +93,10 @@ class ZeroRedundancy:
         bucket_cap_mb: float = 25.0,
     ) -> None:
         call = "fdp.ZeroRedundancy"
-        if not (
-            callable(getattr(optimizer, "init", None))
-            and callable(getattr(optimizer, "update", None))
-        ):
+        if not isinstance(optimizer, _optim.OptimizerProtocol):
             raise TypeError(
-                f"{call}: `optimizer` expected an fdp.optim optimizer (init and update); "
-                f"got {_tree.describe(optimizer)}"
+                f"{call}: `optimizer` expected an fdp.optim optimizer (slots, init and update: "
+                f"fdp.optim.OptimizerProtocol); got {_tree.describe(optimizer)}"
             )
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"{call}: `stage` expected 1 or 2; got {stage!r}")
@@ -93,8 +113,8 @@ class ZeroRedundancy:
         # The structure as flatten() gives it while compiling (None: custom nodes).
         self._traced_spec = _tree.traced_spec(params)
         self._trained = [i for i, t in enumerate(trained) if t is not None]
-        self.shards: Shards = _shards.plan(params, trained, cap=cap, group=group)
-        self._keys = tuple(optimizer.init([]))
+        self.shards: Shards = _zero_shards.plan(params, trained, cap=cap, group=group)
+        self._keys = ("step", *optimizer.slots)
         self._part_optimizers = _bind(optimizer, params, self.shards.parts)
         self.last_grad_norm: torch.Tensor | None = None
         self._fingerprints: dict[tuple[bool, ...], _agreement.Fingerprint] = {}
@@ -114,7 +134,13 @@ class ZeroRedundancy:
         with torch.no_grad():
             for part in self.shards.parts:
                 segs = [_segment(part, leaves, s).clone() for s in part.segments]
-                per_part.append(self.optimizer.init(segs))
+                state = self.optimizer.init(segs)
+                if set(state) != set(self._keys):
+                    raise TypeError(
+                        f"fdp.ZeroRedundancy.init: `optimizer`.init gave a state with entries "
+                        f"{sorted(state)}; expected {sorted(self._keys)} (step and its slots)"
+                    )
+                per_part.append(state)
         slots = {k: [st[k] for st in per_part] for k in self._keys}
         return ZeroState(slots, self.shards)
 
@@ -329,9 +355,9 @@ class ZeroRedundancy:
         return found
 
 
-def _bind(optimizer: Any, params: Any, parts: Sequence[Part]) -> list[Any]:
+def _bind(optimizer: OptimizerProtocol, params: Any, parts: Sequence[Part]) -> list[Any]:
     """Per bucket, the optimizer of its segments (``param_groups`` labels them by leaf)."""
-    if not callable(getattr(optimizer, "bind", None)):
+    if not isinstance(optimizer, _optim.Grouped):
         return [optimizer] * len(parts)
     labels = optimizer.labels(params)
     return [optimizer.bind([labels[s.leaf] for s in part.segments]) for part in parts]
@@ -350,43 +376,23 @@ def _describe_meta(meta: Any) -> str:
 
 
 def _segment(
-    part: Part, leaves: Sequence[Any], s: _shards.Segment, *, detach: bool = True
+    part: Part, leaves: Sequence[Any], s: _zero_shards.Segment, *, detach: bool = True
 ) -> torch.Tensor:
     leaf = leaves[s.leaf].detach() if detach else leaves[s.leaf]
-    return _shards.flat(leaf, part.orders[s.j])[s.lo : s.hi]
+    return _bucket.memory_flat(leaf, part.bucket.order(s.j))[s.lo : s.hi]
 
 
 def _pack(part: Part, g: Sequence[torch.Tensor | None], world: int) -> list[torch.Tensor]:
     """Bucket ``part``'s local gradients in slice order, padded to ``world`` slices, in pieces."""
     bucket = part.bucket
-    pieces: list[torch.Tensor] = []
-    pos = 0
-    for j, i in enumerate(bucket.indices):
-        start = bucket.offsets[j]
-        n = bucket.shapes[j].numel() * (2 if bucket.complex_[j] else 1)
-        if start > pos:
-            pieces.append(torch.zeros(start - pos, dtype=bucket.dtype, device=bucket.device))
-        t = g[i]
-        if t is None:
-            pieces.append(torch.zeros(n, dtype=bucket.dtype, device=bucket.device))
-        else:
-            pieces.append(_shards.flat(t, part.orders[j]))
-        pos = start + n
-    total = part.size * world
-    if total > pos:
-        pieces.append(torch.zeros(total - pos, dtype=bucket.dtype, device=bucket.device))
-    return pieces
+    return bucket.pieces([g[i] for i in bucket.indices], numel=part.size * world)
 
 
 def _unpack(
     part: Part, full: torch.Tensor, p: Sequence[Any], out: list[Any], *, leaf: bool
 ) -> None:
     """Leaves of the gathered bucket ``full`` into ``out``: views, with the old leaves' strides."""
-    bucket = part.bucket
-    for j, i in enumerate(bucket.indices):
-        n = bucket.shapes[j].numel() * (2 if bucket.complex_[j] else 1)
-        piece = full[bucket.offsets[j] : bucket.offsets[j] + n]
-        new = _shards.unflat(piece, bucket.shapes[j], part.orders[j], complex_=bucket.complex_[j])
+    for i, new in zip(part.bucket.indices, part.bucket.unpack(full), strict=True):
         if leaf and p[i].requires_grad:  # a new leaf for the next loss.backward()
             new.requires_grad_()
         out[i] = new

@@ -15,7 +15,7 @@ is broadcast by its owner. Flat buffers are reused from step to step once
 nothing else views them: a fresh buffer costs page faults.
 
 Traced (``torch.compile``), the functional reduce-scatter (stage 1:
-all-reduce) and all-gather, whatever the backend."""
+all-reduce) and all-gather of :mod:`fdp._groups`, whatever the backend."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from fdp import _compat, _groups, _transforms
 from fdp._groups import ProcessGroup
@@ -124,19 +123,18 @@ def is_gloo(group: ProcessGroup | None) -> bool:
 
 
 class Traced:
-    """Functional collectives, for ``torch.compile``."""
+    """Functional collectives (:mod:`fdp._groups`), for ``torch.compile``."""
 
     traced = True
 
     def __init__(self, group: ProcessGroup | None, stage: int, rank: int, world: int) -> None:
-        self.stage, self.rank, self.world = stage, rank, world
-        self.pg: Any = _groups.resolve(group)
+        self.group, self.stage, self.rank, self.world = group, stage, rank, world
 
     def reduce(self, k: int, pieces: list[torch.Tensor]) -> Any:
         flat = torch.cat(pieces)
         if self.stage == 1:
-            return funcol.all_reduce(flat, "sum", self.pg)
-        return funcol.reduce_scatter_tensor(flat, "sum", 0, self.pg)
+            return _groups.all_reduce(flat, group=self.group)
+        return _groups.reduce_scatter(flat, group=self.group)
 
     def reduced(self, started: Any) -> torch.Tensor:
         flat: torch.Tensor = started
@@ -146,7 +144,7 @@ class Traced:
         return flat / self.world
 
     def gather(self, k: int, pieces: list[torch.Tensor]) -> Any:
-        return funcol.all_gather_tensor(torch.cat(pieces), 0, self.pg)
+        return _groups.all_gather(torch.cat(pieces), group=self.group)
 
     def gathered(self, started: Any) -> torch.Tensor:
         full: torch.Tensor = started
@@ -154,8 +152,7 @@ class Traced:
 
     def total(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of ``t`` over the group."""
-        total: torch.Tensor = funcol.all_reduce(t, "sum", self.pg)
-        return total
+        return _groups.all_reduce(t, group=self.group)
 
 
 class Differentiable:

@@ -12,6 +12,7 @@ from fdp._grad_scaler import GradScaler as GradScaler
 from fdp._optim import SGD as SGD
 from fdp._optim import Adam as Adam
 from fdp._optim import Optimizer as Optimizer
+from fdp._optim import OptimizerProtocol as OptimizerProtocol
 from fdp._optim import adam as adam
 from fdp._optim import adamw as adamw
 from fdp._optim import sgd as sgd
@@ -23,6 +24,7 @@ __all__ = [
     "Adam",
     "GradScaler",
     "Optimizer",
+    "OptimizerProtocol",
     "ParamGroups",
     "adam",
     "adamw",

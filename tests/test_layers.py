@@ -41,8 +41,8 @@ BLOCKS = {
     "_training",
     "_collectives",
 }
-DDP = {"_distributed", "_reducer", "_traced", "_buffers", "_join"}
-SHARDING = {"_zero", "_zero_comm", "_shards", "_checkpoint"}
+DDP = {"_ddp", "_ddp_reducer", "_ddp_traced", "_ddp_buffers", "_ddp_join"}
+SHARDING = {"_zero", "_zero_comm", "_zero_shards", "_checkpoint"}
 DISTRIBUTED = BLOCKS | DDP | SHARDING
 
 

@@ -286,7 +286,23 @@ def _bad_input(rank: int, size: int) -> None:
     with pytest.raises(ValueError, match=r"`stage` expected 1 or 2; got 3"):
         fdp.ZeroRedundancy(fdp.optim.adam(0.1), params, stage=3)
     with pytest.raises(TypeError, match=r"`optimizer` expected an fdp.optim optimizer"):
-        fdp.ZeroRedundancy(torch.optim.SGD, params)
+        fdp.ZeroRedundancy(torch.optim.SGD, params)  # type: ignore[arg-type]
+
+    class NoSlots:  # init and update, but no slots: its state's entries are unknown
+        def init(self, params: Any) -> dict[str, Any]:
+            return {}
+
+        def update(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+            return params, state
+
+    with pytest.raises(TypeError, match=r"`optimizer` expected .*OptimizerProtocol\); got"):
+        fdp.ZeroRedundancy(NoSlots(), params)  # type: ignore[arg-type]
+
+    class WrongSlots(NoSlots):
+        slots: tuple[str, ...] = ("momentum",)
+
+    with pytest.raises(TypeError, match=r"gave a state with entries \[\]; expected \['momentum'"):
+        fdp.ZeroRedundancy(WrongSlots(), params).init(params)
     with pytest.raises(
         ValueError, match=r"`grads` leaf grads\['b'\]\[0\] expected a tensor of shape \(2, 2\)"
     ):

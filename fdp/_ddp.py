@@ -4,8 +4,8 @@ It overlaps the gradient all-reduce with backward, as
 ``torch.nn.parallel.DistributedDataParallel`` does for modules. The bucket
 layout lives in ``fdp/_bucket.py``, the cross-rank agreement checks in
 ``fdp/_agreement.py``, the per-step reduction (how DDP hooks into backward)
-in ``fdp/_reducer.py``, the compiled reduction in ``fdp/_traced.py``,
-buffers in ``fdp/_buffers.py`` and ``join`` in ``fdp/_join.py``;
+in ``fdp/_ddp_reducer.py``, the compiled reduction in ``fdp/_ddp_traced.py``,
+buffers in ``fdp/_ddp_buffers.py`` and ``join`` in ``fdp/_ddp_join.py``;
 ``docs/design.md`` draws the data flow.
 """
 
@@ -24,19 +24,19 @@ import torch.distributed as dist
 from fdp import (
     _agreement,
     _bucket,
-    _buffers,
     _comm_hooks,
     _compat,
-    _join,
-    _traced,
+    _ddp_buffers,
+    _ddp_join,
+    _ddp_traced,
     _transforms,
     _tree,
 )
 from fdp._collectives import tensor_leaves
 from fdp._comm_hooks import CommHook
+from fdp._ddp_join import Joiner
+from fdp._ddp_reducer import Reduction, Step
 from fdp._groups import ProcessGroup
-from fdp._join import Joiner
-from fdp._reducer import Reduction, Step
 
 __all__ = ["DistributedDataParallel"]
 
@@ -53,8 +53,8 @@ def _ddp_eagerly(ddp: DistributedDataParallel, params: Any) -> Any:
 
 # Where ddp(params) cannot be compiled, dynamo calls it eagerly (a graph
 # break) and, under fullgraph=True, reports fdp's reason.
-_UNDER_TRANSFORM = _compat.compiler_disable(_ddp_eagerly, reason=_traced.UNDER_TRANSFORM)
-_IN_JOIN = _compat.compiler_disable(_ddp_eagerly, reason=_traced.IN_JOIN)
+_UNDER_TRANSFORM = _compat.compiler_disable(_ddp_eagerly, reason=_ddp_traced.UNDER_TRANSFORM)
+_IN_JOIN = _compat.compiler_disable(_ddp_eagerly, reason=_ddp_traced.IN_JOIN)
 
 T = TypeVar("T")
 
@@ -97,7 +97,7 @@ class DistributedDataParallel:
         leaves it did not use. Inside ``torch.compile`` (``fullgraph=True``
         included) ``ddp(params)`` is traced: the same buckets are
         all-reduced by functional collectives in the compiled backward
-        (``fdp/_traced.py``), with the default hook or the fp16/bf16 ones;
+        (``fdp/_ddp_traced.py``), with the default hook or the fp16/bf16 ones;
         there a leaf that no rank used gets a zero ``.grad``.
 
     Buffers:
@@ -168,10 +168,10 @@ class DistributedDataParallel:
         self._spec = spec
         every = [t if isinstance(t, torch.Tensor) else None for t in leaves]
         self._meta = [None if t is None else (t.shape, t.dtype, t.device) for t in every]
-        self._buffers = _buffers.Buffers(every, group) if broadcast_buffers else None
+        self._buffers = _ddp_buffers.Buffers(every, group) if broadcast_buffers else None
         if self._buffers is not None:  # as torch's DDP at construction: no_sync calls use them
             self._buffers.sync(leaves, src=0)
-        self._refs = _join.weak(leaves)  # the tensors join synchronises if none come later
+        self._refs = _ddp_join.weak(leaves)  # the tensors join synchronises if none come later
         self._layout = _bucket.Layout(tensors, cap_bytes=cap, first_cap_bytes=first_cap)
         paths = _tree.paths(params, "params")
         # Without a hook the division by the world size is folded into
@@ -184,7 +184,7 @@ class DistributedDataParallel:
         ]
         """The leaf paths of each bucket, in reduction order."""
         self._traced_spec = _tree.traced_spec(params)
-        self._traced_hook = _traced.traced_hook(comm_hook, group, group)
+        self._traced_hook = _ddp_traced.traced_hook(comm_hook, group, group)
         firsts: dict[int, int] = {}
         self._ties = {i: firsts.setdefault(id(leaves[i]), i) for i in sorted(self._layout.where)}
         self._ties = {i: j for i, j in self._ties.items() if i != j}
@@ -197,12 +197,12 @@ class DistributedDataParallel:
         counted = sum(1 for i in self._layout.where if leaves[i].requires_grad) - len(
             [i for i in self._ties if leaves[i].requires_grad]
         )
-        self._join_plan = _join.JoinPlan(
+        self._join_plan = _ddp_join.JoinPlan(
             group=group,
             buckets=tuple(self._layout.buckets),
             counted=counted,
             buffers=self._buffers,
-            final=_buffers.Buffers(every, group, with_params=True),  # the final sync
+            final=_ddp_buffers.Buffers(every, group, with_params=True),  # the final sync
             meta=tuple(self._meta),
         )
         self._step: Step | None = None
@@ -237,7 +237,7 @@ class DistributedDataParallel:
                 "ddp(params); got a second registration (as torch's DDP refuses)"
             )
         self._reduction = dataclasses.replace(self._reduction, hook=hook, state=state)
-        self._traced_hook = _traced.traced_hook(hook, state, self._reduction.group)
+        self._traced_hook = _ddp_traced.traced_hook(hook, state, self._reduction.group)
 
     @contextmanager
     def join(self, *, divide_by_initial_world_size: bool = True) -> Iterator[None]:
@@ -259,7 +259,7 @@ class DistributedDataParallel:
         agree. An optimizer's own state (Adam's moments) is not synchronised,
         as in torch. ``fdp.sync_batch_norm`` inside the block takes its
         statistics over the ranks still training. Eager only, with the default reduction
-        (``fdp/_join.py``).
+        (``fdp/_ddp_join.py``).
 
         Example::
 
@@ -314,7 +314,7 @@ class DistributedDataParallel:
         if torch.compiler.is_compiling():
             if self._joiner is not None:
                 return cast(T, _IN_JOIN(self, params))
-            if _traced.eager_only(
+            if _ddp_traced.eager_only(
                 leaves, buffers=self._buffers is not None and len(self._buffers.buckets) > 0
             ):
                 return cast(T, _UNDER_TRANSFORM(self, params))
@@ -326,7 +326,7 @@ class DistributedDataParallel:
             return params
         if torch.compiler.is_compiling():
             # No hooks in a compiled graph: the reduction becomes part of it.
-            synced = _traced.average(
+            synced = _ddp_traced.average(
                 leaves,
                 self._layout,
                 hook=self._traced_hook,
@@ -430,3 +430,30 @@ class DistributedDataParallel:
         if step.hooked:
             self._step = step
         return params
+
+
+def overlap_options() -> dict[str, Any]:
+    """Inductor options that overlap DDP's all-reduces with the rest of backward.
+
+    Inside a compiled loss, ``ddp(params)`` puts one all-reduce per bucket in
+    the compiled backward, each depending only on its own bucket's
+    gradients. Autograd still records them after the last gradient; these
+    options let inductor's scheduler issue each one as soon as its
+    gradients exist and wait for it as late as possible. They are options
+    of ``torch.compile``, for the user to pass (fdp sets no global config).
+
+    Returns:
+        A new dict for ``torch.compile(..., options=...)`` with the
+        inductor backend: ``reorder_for_compute_comm_overlap`` and the passes
+        this torch provides.
+
+    Example:
+        >>> import fdp, torch
+        >>> loss = torch.compile(lambda x: x.sum(), fullgraph=True, options=fdp.overlap_options())
+        >>> sorted(fdp.overlap_options())
+        ['reorder_for_compute_comm_overlap', 'reorder_for_compute_comm_overlap_passes']
+    """
+    return {
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": _compat.inductor_overlap_passes(),
+    }

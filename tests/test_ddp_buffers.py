@@ -1,4 +1,4 @@
-"""DistributedDataParallel(broadcast_buffers=...): rank 0's buffers on every rank (fdp._buffers).
+"""DistributedDataParallel(broadcast_buffers=...): rank 0's buffers on every rank (_ddp_buffers).
 
 Every body runs on spawned gloo ranks (tests/ranks.py). The reference for
 buffers is torch's own DDP on the same module and data; for gradients, the

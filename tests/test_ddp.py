@@ -300,11 +300,25 @@ def test_no_sync_accumulates_locally_then_reduces_the_total() -> None:
         tree_allclose(synced, average, **TOL)
 
 
-def _different_leaves(rank: int, size: int, mode: str) -> Any:
+def _grads_by_backward_of(
+    ddp: fdp.DistributedDataParallel, params: dict[str, torch.Tensor], loss: Any
+) -> dict[str, torch.Tensor | None]:
+    for t in params.values():
+        t.grad = None
+    torch.autograd.backward(loss(ddp(params)))
+    return {k: t.grad for k, t in params.items()}
+
+
+def _grads_by_func_grad_of(
+    ddp: fdp.DistributedDataParallel, params: dict[str, torch.Tensor], loss: Any
+) -> dict[str, torch.Tensor]:
+    grads: dict[str, torch.Tensor] = torch.func.grad(lambda p: loss(ddp(p)))(detached(params))
+    return grads
+
+
+def _different_leaves(rank: int, size: int, grads_of: Any) -> Any:
     g = torch.Generator().manual_seed(0)
     params = {name: torch.randn(5, generator=g).requires_grad_() for name in "abcd"}
-    if mode == "func_grad":
-        params = detached(params)
     used = {0: "a", 1: "ab", 2: "bc"}[rank]  # d: used by no rank
     ddp = fdp.DistributedDataParallel(params, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
     results = []
@@ -313,20 +327,16 @@ def _different_leaves(rank: int, size: int, mode: str) -> Any:
         def loss(p: dict[str, torch.Tensor], step: int = step) -> torch.Tensor:
             return sum((p[k] * (rank + step + 1)).sin().sum() for k in used)  # type: ignore[return-value]
 
-        if mode == "func_grad":
-            results.append(torch.func.grad(lambda p, loss=loss: loss(ddp(p)))(params))
-        else:
-            for t in params.values():
-                t.grad = None
-            torch.autograd.backward(loss(ddp(params)))
-            results.append({k: t.grad for k, t in params.items()})
+        results.append(grads_of(ddp, params, loss))
     return results
 
 
-@pytest.mark.parametrize("mode", ["backward", "func_grad"])
-def test_ranks_using_different_leaves(mode: str) -> None:
+@pytest.mark.parametrize(
+    "grads_of", [_grads_by_backward_of, _grads_by_func_grad_of], ids=["backward", "func_grad"]
+)
+def test_ranks_using_different_leaves(grads_of: Any) -> None:
     size = 3
-    results = ranks.world(size).run(_different_leaves, mode)
+    results = ranks.world(size).run(_different_leaves, grads_of)
     g = torch.Generator().manual_seed(0)
     params = {name: torch.randn(5, generator=g) for name in "abcd"}
     used = {0: "a", 1: "ab", 2: "bc"}
@@ -340,13 +350,13 @@ def test_ranks_using_different_leaves(mode: str) -> None:
             average[k] = sum(local) / size
         for per_step in results:
             got = per_step[step]
-            for k in "abcd":
-                if k == "d" and mode == "backward":  # used by no rank: None, as locally
-                    assert got[k] is None
-                elif k == "d":  # torch.func.grad's zeros: the average of nothing used
-                    torch.testing.assert_close(got[k], torch.zeros(5))
-                else:  # the average on every rank, also where this rank used no leaf
-                    torch.testing.assert_close(got[k], average[k])
+            torch.testing.assert_close(got["a"], average["a"])  # the average on every rank,
+            torch.testing.assert_close(got["b"], average["b"])  # also where this rank used
+            torch.testing.assert_close(got["c"], average["c"])  # no leaf
+            if grads_of is _grads_by_backward_of:  # used by no rank: None, as locally
+                assert got["d"] is None
+            else:  # torch.func.grad's zeros: the average of nothing used
+                torch.testing.assert_close(got["d"], torch.zeros(5))
 
 
 def _tied(rank: int, size: int) -> Any:

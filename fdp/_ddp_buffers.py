@@ -13,7 +13,8 @@ of packed buffers; under ``torch.func`` the leaves are functorch wrappers, so
 the copy goes to the tensor underneath, with functorch's dispatch disabled
 (the collective would otherwise be recorded). While compiling it uses
 functional broadcasts and ``copy_`` into the leaves: an input mutation,
-which ``torch.compile`` applies after the graph.
+which ``torch.compile`` applies after the graph. Both are
+:func:`fdp._groups.broadcast_coalesced`.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
-from fdp import _bucket, _compat, _groups
+from fdp import _bucket, _groups
 from fdp._groups import ProcessGroup
 
 
@@ -68,33 +68,11 @@ class Buffers:
         if not self.buckets:
             return
         targets = [leaves[i] for i in self.indices]
-        if torch.compiler.is_compiling():
-            self._traced(targets)
-        else:
-            self._eager(targets, self._global(src))
+        _groups.broadcast_coalesced(self.buckets, targets, src=src, group=self.group)
 
     def shadow(self, *, src: int) -> None:
         """Takes part in the broadcast of rank ``src``'s buffers, keeping nothing (``join``)."""
         with torch.no_grad():
             for bucket in self.buckets:
-                dist.broadcast(bucket.empty(), src=self._global(src), group=self.group)
-
-    def _global(self, src: int) -> int:
-        return _groups.global_rank(self.group, src)
-
-    def _eager(self, targets: list[torch.Tensor], src: int) -> None:
-        with _compat.functorch_disabled():
-            plain = [_compat.unwrap_functorch(t) for t in targets]
-            _groups.broadcast_coalesced(self.buckets, plain, src=src, group=self.group)
-
-    def _traced(self, targets: list[torch.Tensor]) -> None:
-        # Not under a compiled transform: ddp(params) runs eagerly there.
-        group = _groups.resolve(self.group)
-        if group is None:
-            raise RuntimeError("fdp.DistributedDataParallel: the default process group is gone")
-        with torch.no_grad():
-            for bucket in self.buckets:
-                flat = bucket.pack([targets[i] for i in bucket.indices])
-                flat = funcol.broadcast(flat, 0, group)  # the group's rank 0, as eagerly
-                for i, view in zip(bucket.indices, bucket.views(flat), strict=True):
-                    targets[i].copy_(view)
+                root = _groups.global_rank(self.group, src)
+                dist.broadcast(bucket.empty(), src=root, group=self.group)

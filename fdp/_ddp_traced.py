@@ -1,6 +1,6 @@
 """``DistributedDataParallel`` inside ``torch.compile``: the reduction as part of the graph.
 
-Eager DDP hooks every leaf and reduces from the hooks (``_reducer.py``). A
+Eager DDP hooks every leaf and reduces from the hooks (``_ddp_reducer.py``). A
 compiled function cannot register hooks, and hooks would fire only after the
 compiled backward has finished. So while dynamo traces ``ddp(params)``, the
 leaves go through one identity :class:`_Average` Function instead. Its
@@ -13,7 +13,7 @@ all-reduce depends only on its own gradients (and keeps bucket order, see
 gradient, because autograd runs this node last; inductor's comm/compute
 reordering moves each all-reduce up to where its gradients exist and each
 wait down to where its result is needed, when the user asks for it
-(``torch.compile(..., options=fdp.overlap_options())``; ``tests/test_traced.py``
+(``torch.compile(..., options=fdp.overlap_options())``; ``tests/test_ddp_traced.py``
 checks the order in the generated code).
 
 Why one Function over every leaf, not one per bucket: a bucket none of whose
@@ -93,33 +93,6 @@ def traced_hook(
     return TracedReduction(None, refusal=refusal)
 
 
-def overlap_options() -> dict[str, Any]:
-    """Inductor options that overlap DDP's all-reduces with the rest of backward.
-
-    Inside a compiled loss, ``ddp(params)`` puts one all-reduce per bucket in
-    the compiled backward, each depending only on its own bucket's
-    gradients. Autograd still records them after the last gradient; these
-    options let inductor's scheduler issue each one as soon as its
-    gradients exist and wait for it as late as possible. They are options
-    of ``torch.compile``, for the user to pass (fdp sets no global config).
-
-    Returns:
-        A new dict for ``torch.compile(..., options=...)`` with the
-        inductor backend: ``reorder_for_compute_comm_overlap`` and the passes
-        this torch provides.
-
-    Example:
-        >>> import fdp, torch
-        >>> loss = torch.compile(lambda x: x.sum(), fullgraph=True, options=fdp.overlap_options())
-        >>> sorted(fdp.overlap_options())
-        ['reorder_for_compute_comm_overlap', 'reorder_for_compute_comm_overlap_passes']
-    """
-    return {
-        "reorder_for_compute_comm_overlap": True,
-        "reorder_for_compute_comm_overlap_passes": _compat.inductor_overlap_passes(),
-    }
-
-
 @torch.library.custom_op("fdp::zero_after", mutates_args=())
 def _zero_after(deps: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """A scalar zero on ``device`` that a graph computes only after every tensor of ``deps``.
@@ -159,50 +132,18 @@ def _pack(
 ) -> torch.Tensor:
     """The bucket's flat buffer, scaled for the average, functionally: one ``cat``.
 
-    Each piece is converted (``hook``'s dtype) and divided by the world size
-    before the ``cat``, so that inductor fuses both into the one copy that
-    packs the bucket (dividing the ``cat`` instead is a second pass over the
-    bucket; docs/performance.md has the cost). ``anchor`` (see
-    :func:`_zero_after`) is added to the first piece, fused the same way.
-
-    Eager DDP packs each leaf in its memory order so that ``.grad`` can be a
-    view; here the gradients are new tensors anyway, and every rank runs the
-    same graph, so logical order is as good and traces without in-place
-    copies into strided or complex views. Offsets (and the padding that keeps
-    complex leaves at even offsets) are the bucket's.
+    :meth:`fdp._bucket.Bucket.pieces` converts (``hook``'s dtype) and
+    scales each piece, which inductor fuses into the copy that packs the
+    bucket, in the bucket's one element order (each leaf's memory order:
+    docs/performance.md has what that costs against logical order).
+    ``anchor`` (see :func:`_zero_after`) is added to the first piece,
+    fused the same way.
     """
     world, dtype, _ = how
     dtype = bucket.dtype if dtype is None else dtype
-    pieces: list[torch.Tensor] = []
-    pos = 0
-    for j, g in enumerate(grads):
-        start, n = bucket.offsets[j], _width(bucket, j)
-        if start > pos:
-            pieces.append(torch.zeros(start - pos, dtype=dtype, device=bucket.device))
-        if g is None:
-            pieces.append(torch.zeros(n, dtype=dtype, device=bucket.device))
-        else:
-            flat = (torch.view_as_real(g) if g.is_complex() else g).reshape(-1)
-            pieces.append(flat.to(dtype) / world)
-        pos = start + n
+    pieces = bucket.pieces(grads, dtype=dtype, scale=1.0 / world)
     pieces[0] = pieces[0] + anchor.to(dtype)
     return torch.cat(pieces)
-
-
-def _unpack(bucket: _bucket.Bucket, flat: torch.Tensor) -> list[torch.Tensor]:
-    """Each leaf's part of ``flat`` (from :func:`_pack`), shaped like the leaf."""
-    out = []
-    for j, shape in enumerate(bucket.shapes):
-        part = flat[bucket.offsets[j] : bucket.offsets[j] + _width(bucket, j)]
-        if bucket.complex_[j]:
-            out.append(torch.view_as_complex(part.view(*shape, 2)))
-        else:
-            out.append(part.view(shape))
-    return out
-
-
-def _width(bucket: _bucket.Bucket, j: int) -> int:
-    return bucket.shapes[j].numel() * (2 if bucket.complex_[j] else 1)
 
 
 class _Average(torch.autograd.Function):
@@ -255,7 +196,7 @@ class _Average(torch.autograd.Function):
         out: list[torch.Tensor | None] = [None] * ctx.n
         for bucket, pending in issued:
             reduced = _compat.wait(pending).to(bucket.dtype)
-            for s, view in zip(bucket.indices, _unpack(bucket, reduced), strict=True):
+            for s, view in zip(bucket.indices, bucket.unpack(reduced), strict=True):
                 if s >= 0:
                     out[s] = view - old[s] if s in old else view
         return (None, None, None, None, *out, *(None for _ in ctx.folded))

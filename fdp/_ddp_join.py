@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from fdp import _bucket, _compat, _groups
-from fdp._buffers import Buffers
+from fdp._ddp_buffers import Buffers
 from fdp._groups import ProcessGroup
 from fdp._training import ALONE, TRAINING, Group, Training
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -87,6 +87,17 @@ class Delivery(enum.Enum):
     ACCUMULATED = "accumulated"  # loss.backward(): into .grad
 
 
+@dataclass
+class InFlight:
+    """One bucket of a :class:`Step`, from its first gradient to its reduced result."""
+
+    flat: torch.Tensor | None = None  # the flat buffer, taken at the first gradient
+    views: list[torch.Tensor] = field(default_factory=list)  # of flat, per leaf
+    filled: set[int] = field(default_factory=set)  # leaves packed so far
+    expected: int = 0  # leaves hooked on this rank (a tied tensor counts once)
+    future: torch.futures.Future[torch.Tensor] | None = None  # the reduction, once launched
+
+
 class Step:
     """The reduction state of one synchronised forward/backward."""
 
@@ -111,12 +122,7 @@ class Step:
         self.prescale = reduction.prescale if prescale is None else prescale
         self.always_count = always_count
         self.leaves = leaves
-        n = len(reduction.layout.buckets)
-        self.flats: list[torch.Tensor | None] = [None] * n
-        self.views: list[list[torch.Tensor]] = [[] for _ in range(n)]  # of each flat, per leaf
-        self.filled: list[set[int]] = [set() for _ in range(n)]
-        self.expected: list[int] = [0] * n
-        self.futures: list[torch.futures.Future[torch.Tensor] | None] = [None] * n
+        self.buckets = [InFlight() for _ in reduction.layout.buckets]
         self.hooked: list[int] = []
         self.used: set[int] = set()  # leaves that got a gradient on this rank
         # Gradients that came after their bucket was launched (see _late).
@@ -142,7 +148,7 @@ class Step:
                 if not leaf.requires_grad or id(leaf) in seen:
                     continue
                 seen.add(id(leaf))
-                self.expected[k] += 1
+                self.buckets[k].expected += 1
                 self.hooked.append(i)
                 self.handles.append(leaf.register_hook(self._hook(i)))
 
@@ -158,18 +164,18 @@ class Step:
         return hook
 
     def _flat(self, k: int) -> torch.Tensor:
-        flat = self.flats[k]
-        if flat is None:
-            flat = self.flats[k] = self.reduction.layout.buffer(k)
+        state = self.buckets[k]
+        if state.flat is None:
+            state.flat = self.reduction.layout.buffer(k)
             # Made once per step and bucket, not per hook call (twice per leaf:
             # pack, hand-out); docs/performance.md has the cost.
-            self.views[k] = self.reduction.layout.buckets[k].views(flat)
-        return flat
+            state.views = self.reduction.layout.buckets[k].views(state.flat)
+        return state.flat
 
     def _view(self, i: int) -> torch.Tensor:
         k, j = self.reduction.layout.where[i]
         self._flat(k)
-        return self.views[k][j]
+        return self.buckets[k].views[j]
 
     def _refuse(self, i: int, grad: torch.Tensor | None) -> None:
         """Raises, inside backward, for what the reduction cannot give the reference for."""
@@ -210,7 +216,7 @@ class Step:
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
                 self.queued = True
             k = self.reduction.layout.where[i][0]
-            if grad is not None and i in self.filled[k] and self._again(i, k, grad):
+            if grad is not None and i in self.buckets[k].filled and self._again(i, k, grad):
                 return grad
             view = self._view(i)
             old = None if self.returned else leaf.grad
@@ -223,15 +229,16 @@ class Step:
                     torch.mul(_compat.unwrap_functorch(grad), scale, out=view)
                 else:  # fold what earlier backwards (under no_sync) accumulated
                     torch.add(_compat.unwrap_functorch(grad), old, out=view).mul_(scale)
-            self.filled[k].add(i)
-            while (
-                self.next_launch < len(self.flats)
-                and len(self.filled[self.next_launch]) == self.expected[self.next_launch]
-            ):
+            self.buckets[k].filled.add(i)
+            while self.next_launch < len(self.buckets) and self._complete(self.next_launch):
                 self._launch(self.next_launch)
         if grad is None:
             return None
         return view if self.returned else grad
+
+    def _complete(self, k: int) -> bool:
+        """Whether bucket ``k`` holds every gradient this rank will give it."""
+        return len(self.buckets[k].filled) == self.buckets[k].expected
 
     def _again(self, i: int, k: int, grad: torch.Tensor) -> bool:
         """Whether a second gradient for leaf ``i`` in one backward was set aside.
@@ -271,33 +278,33 @@ class Step:
                 if late is not None:
                     view.copy_(late)
             dist.all_reduce(extra, group=self.reduction.group)
-            flat = self.flats[k]
+            flat = self.buckets[k].flat
             if flat is not None:
                 flat.add_(extra)
         self.late.clear()
 
     def _launch(self, k: int) -> None:
         if self.reduction.serial and k > 0:
-            previous = self.futures[k - 1]
+            previous = self.buckets[k - 1].future
             if previous is not None:
                 previous.wait()
         flat = self._flat(k)
         bucket = self.reduction.layout.buckets[k]
         bucket.zero_pads(flat)
         for j, i in enumerate(bucket.indices):
-            if i in self.filled[k]:
+            if i in self.buckets[k].filled:
                 continue
             leaf = self.leaves[i]
             old = None if self.returned or not leaf.requires_grad else leaf.grad
-            _pack_old(self.views[k][j], old, self.prescale)
+            _pack_old(self.buckets[k].views[j], old, self.prescale)
         if self.reduction.hook is None:
             future: Any = sum_hook(flat, self.reduction.group)
         else:
             grad_bucket = GradBucket(
                 flat,
                 index=k,
-                is_last=k == len(self.flats) - 1,
-                gradients=self.views[k],
+                is_last=k == len(self.buckets) - 1,
+                gradients=self.buckets[k].views,
                 parameters=[self.leaves[i] for i in bucket.indices],
             )
             future = self.reduction.hook(self.reduction.state, grad_bucket)
@@ -307,7 +314,7 @@ class Step:
                 f"torch.futures.Future of the reduced bucket; got {type(future).__name__} "
                 f"{future!r:.80}"
             )
-        self.futures[k] = future
+        self.buckets[k].future = future
         self.next_launch = k + 1
 
     def finish(self) -> None:
@@ -319,12 +326,12 @@ class Step:
     def _finish(self) -> None:
         with torch.no_grad(), _compat.functorch_disabled():
             try:
-                while self.next_launch < len(self.flats):
+                while self.next_launch < len(self.buckets):
                     self._launch(self.next_launch)
                 counting = not self.returned or self.always_count
                 usage = self._launch_usage() if counting and not self.reduction.serial else None
-                for k, fut in enumerate(self.futures):
-                    flat = self.flats[k]
+                for state in self.buckets:
+                    fut, flat = state.future, state.flat
                     if fut is None or flat is None:
                         raise RuntimeError("fdp internal error: a bucket was never launched")
                     result = fut.wait()
@@ -341,8 +348,8 @@ class Step:
                     self.remove()
                 else:
                     self.spent = True
-                self.flats = [None] * len(self.flats)  # the buffers may be reused now
-                self.views = [[] for _ in self.flats]
+                for state in self.buckets:  # the buffers may be reused now
+                    state.flat, state.views = None, []
 
     def _defer_to_outer_backward(self) -> bool:
         """Whether this is a nested backward's end, with gradients still to come.
@@ -354,7 +361,7 @@ class Step:
         backward: a post-hook on the node that ran the nested backward queues
         it again there.
         """
-        if all(i in self.filled[self.reduction.layout.where[i][0]] for i in self.hooked):
+        if all(i in self.buckets[self.reduction.layout.where[i][0]].filled for i in self.hooked):
             return False
         outer = _compat.current_autograd_node()
         if outer is None:

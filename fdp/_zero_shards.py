@@ -13,9 +13,10 @@ them and keeps its slice), updates its segments, and all-gathers the new
 parameters; bucket k's all-gather is in flight while bucket k+1 is updated
 (``fdp/_zero.py``).
 
-Eager and compiled steps use the same element order (:func:`flat`) and
-segments, so a state built eagerly steps compiled and the other way round,
-and a checkpoint (``fdp/_checkpoint.py``) reshards it by element ranges.
+Eager and compiled steps use the bucket's one element order (each leaf in
+its memory order, :meth:`fdp._bucket.Bucket.pieces`) and segments, so a
+state built eagerly steps compiled and the other way round, and a
+checkpoint (``fdp/_checkpoint.py``) reshards it by element ranges.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from fdp._groups import ProcessGroup
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """Elements ``[lo, hi)`` of leaf ``leaf`` (in :func:`flat` order), at ``at`` in the slice."""
+    """Elements ``[lo, hi)`` of leaf ``leaf`` (in memory order), at ``at`` in the slice."""
 
     leaf: int
     j: int  # the leaf's position in its bucket
@@ -48,13 +49,12 @@ class Part:
 
     bucket: _bucket.Bucket
     size: int
-    orders: tuple[tuple[int, ...], ...]  # per leaf of the bucket: its dims in memory order
     segments: tuple[Segment, ...]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Shards:
-    """How one ``ZeroRedundancy`` splits its tree; a :class:`ZeroState` carries it.
+    """How one ``ZeroRedundancy`` splits its tree; a ``ZeroState`` carries it.
 
     ``placements[i]`` lists, for leaf ``i``, every rank's piece as
     ``(rank, start, length)`` over the leaf's ``numel[i]`` (real) elements:
@@ -71,69 +71,12 @@ class Shards:
     placements: dict[int, tuple[tuple[int, int, int], ...]]
 
 
-class ZeroState:
-    """This rank's shard of the optimizer state, from :meth:`ZeroRedundancy.init`.
-
-    ``slots[name][k][s]`` is the optimizer's ``name`` entry (``"step"``,
-    ``"exp_avg"``, ...) for segment ``s`` of bucket ``k``; ``shards`` says
-    which elements of which leaf each segment holds. Pass it back to
-    :meth:`ZeroRedundancy.step`, or to :func:`fdp.save_checkpoint`.
-    """
-
-    __slots__ = ("shards", "slots")
-
-    def __init__(self, slots: dict[str, list[list[Any]]], shards: Shards) -> None:
-        self.slots = slots
-        self.shards = shards
-
-    def __repr__(self) -> str:
-        held = sum(t.numel() for v in self.slots.values() for ts in v for t in ts if t is not None)
-        return (
-            f"fdp.ZeroState(rank {self.shards.rank} of {self.shards.world}, "
-            f"slots {sorted(self.slots)}, {held} elements)"
-        )
-
-
-def flat(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
-    """``t``'s elements (complex as real pairs) in the memory order ``order``, 1-D.
-
-    A view when ``t`` is laid out as planned; a copy otherwise, same values.
-    """
-    real = torch.view_as_real(t) if t.is_complex() else t
-    return real.permute(order).reshape(-1)
-
-
-def unflat(
-    part: torch.Tensor, shape: torch.Size, order: tuple[int, ...], *, complex_: bool
-) -> torch.Tensor:
-    """The inverse of :func:`flat`: a view of ``part`` shaped like the leaf, its strides."""
-    full = (*shape, 2) if complex_ else tuple(shape)
-    view = part.view([full[d] for d in order]).permute(_inverse(order))
-    return torch.view_as_complex(view) if complex_ else view
-
-
-def _inverse(order: tuple[int, ...]) -> list[int]:
-    out = [0] * len(order)
-    for pos, d in enumerate(order):
-        out[d] = pos
-    return out
-
-
-def order(t: torch.Tensor) -> tuple[int, ...]:
-    """``t``'s dims from the largest planned stride down (ties keep logical order)."""
-    strides = list(_bucket.dense_strides(t))
-    if t.is_complex():
-        strides = [2 * s for s in strides] + [1]
-    dims = range(len(strides))
-    return tuple(sorted(dims, key=lambda d: -strides[d]))
-
-
 def _segments(bucket: _bucket.Bucket, size: int, rank: int) -> tuple[Segment, ...]:
     start, stop = rank * size, (rank + 1) * size
     out = []
     for j, i in enumerate(bucket.indices):
         off = bucket.offsets[j]
-        n = bucket.shapes[j].numel() * (2 if bucket.complex_[j] else 1)
+        n = bucket.width(j)
         lo, hi = max(off, start), min(off + n, stop)
         if lo < hi:
             out.append(Segment(i, j, lo - off, hi - off, lo - start))
@@ -149,14 +92,11 @@ def plan(
     placements: dict[int, list[tuple[int, int, int]]] = {}
     for bucket in _bucket.plan(tensors, cap_bytes=cap):
         size = -(-bucket.numel // world)
-        orders = tuple(order(tensors[i]) for i in bucket.indices)  # type: ignore[arg-type]
-        parts.append(Part(bucket, size, orders, _segments(bucket, size, rank)))
+        parts.append(Part(bucket, size, _segments(bucket, size, rank)))
         for r in range(world):
             for s in _segments(bucket, size, r):
                 placements.setdefault(s.leaf, []).append((r, s.lo, s.hi - s.lo))
-    numel = {
-        i: t.numel() * (2 if t.is_complex() else 1) for i, t in enumerate(tensors) if t is not None
-    }
+    numel = {i: _bucket.real_numel(t) for i, t in enumerate(tensors) if t is not None}
     dtypes = {i: part.bucket.dtype for part in parts for i in part.bucket.indices}
     return Shards(
         rank=rank,
