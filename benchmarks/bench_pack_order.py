@@ -39,10 +39,10 @@ def gradients(layout: torch.memory_format) -> list[torch.Tensor]:
 
 def packer(bucket: _bucket.Bucket, *, memory: bool) -> Callable[[list[torch.Tensor]], torch.Tensor]:
     def logical(gs: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([g.reshape(-1) * 0.5 for g in gs])
+        return torch.cat([gs[i].reshape(-1) * 0.5 for i in bucket.indices])
 
     def in_memory_order(gs: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(bucket.pieces(gs, scale=0.5))
+        return torch.cat(bucket.pieces([gs[i] for i in bucket.indices], scale=0.5))
 
     return torch.compile(in_memory_order if memory else logical, fullgraph=True)
 

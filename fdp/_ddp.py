@@ -166,6 +166,7 @@ class DistributedDataParallel:
         described = _agreement.signature(params, leaves, "params", requires_grad=True)
         _agreement.check(described, group=group, call=call, arg="params")
         self._spec = spec
+        self._planned = _tree.Planned(params, owner="this DistributedDataParallel")
         every = [t if isinstance(t, torch.Tensor) else None for t in leaves]
         self._meta = [None if t is None else (t.shape, t.dtype, t.device) for t in every]
         self._buffers = _ddp_buffers.Buffers(every, group) if broadcast_buffers else None
@@ -381,28 +382,7 @@ class DistributedDataParallel:
     def _checked_leaves(self, params: Any) -> list[Any]:
         """``params``' leaves, checked against the tree the buckets were planned for."""
         call = "fdp.DistributedDataParallel.__call__"
-        leaves, spec = _tree.flatten(params)
-        expected = self._traced_spec if torch.compiler.is_compiling() else self._spec
-        if expected is None:
-            raise ValueError(
-                f"{call}: `params` holds custom pytree nodes, which are leaves while "
-                "compiling; inside torch.compile pass params in dicts, lists, tuples and "
-                "namedtuples, or call ddp(params) outside the compiled function"
-            )
-        if spec != expected:
-            raise ValueError(
-                f"{call}: `params` has a different structure from the tree the buckets were "
-                f"planned for; expected {self._spec}, got {spec}"
-            )
-        for i, meta in enumerate(self._meta):
-            leaf = leaves[i]
-            got = (leaf.shape, leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor) else None
-            if meta is not None and got != meta:
-                raise ValueError(
-                    f"{call}: `params` leaf {_tree.path(params, i, 'params')} expected a tensor "
-                    f"of shape {tuple(meta[0])}, dtype {meta[1]} on {meta[2]}; "
-                    f"got {_tree.describe(leaf)}"
-                )
+        leaves = self._planned.leaves(call, "params", params)
         if not _compat.functorch_active():
             for i in self._layout.where:
                 t = leaves[i]

@@ -523,8 +523,7 @@ def _matching(call: str, arg: str, tree: Any, spec: Any, params: Any) -> list[An
     if tree is None:
         raise ValueError(f"{call}: `{arg}` expected a tree shaped like `params`; got None")
     leaves, got = _tree.flatten(tree)
-    if got != spec:
-        raise ValueError(f"{call}: `{arg}` expected the structure of `params` ({spec}); got {got}")
+    _tree.require_structure(call, arg, got, spec, of="`params`")
     return leaves
 
 

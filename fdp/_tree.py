@@ -108,6 +108,64 @@ def paths(tree: Any, root: str) -> list[str]:
     return [accessor.codify(root) for accessor in accessors]
 
 
+class Planned:
+    """The tree a DDP or a ZeroRedundancy was planned for, that later trees must match.
+
+    Its structure (eagerly, and as :func:`flatten` gives it while compiling)
+    and each leaf's kind: a tensor's shape, dtype and device, another
+    leaf's type. One check, one message, for every caller.
+    """
+
+    def __init__(self, tree: Any, *, owner: str) -> None:
+        leaves, self.spec = flatten(tree)
+        self.traced = traced_spec(tree)
+        self.kinds = [_kind(leaf) for leaf in leaves]
+        self.owner = owner
+
+    def structure(self, call: str) -> Spec:
+        """The spec :func:`flatten` gives a matching tree here (eager or compiling)."""
+        if not torch.compiler.is_compiling():
+            return self.spec
+        if self.traced is None:
+            raise TypeError(
+                f"{call}: inside torch.compile the tree {self.owner} was planned for must be "
+                "built from dicts, lists, tuples and namedtuples (a custom pytree node is a "
+                "leaf there); call it outside the compiled function"
+            )
+        return self.traced
+
+    def leaves(self, call: str, arg: str, tree: Any, *, kinds: bool = True) -> list[Any]:
+        """``tree``'s leaves, or a ValueError naming ``arg`` (and the leaf) where it differs."""
+        leaves, spec = flatten(tree)
+        of = f"the tree {self.owner} was planned for"
+        require_structure(call, arg, spec, self.structure(call), of=of)
+        for i, leaf in enumerate(leaves if kinds else ()):
+            if _kind(leaf) != self.kinds[i]:
+                raise ValueError(
+                    f"{call}: `{arg}` leaf {path(tree, i, arg)} expected "
+                    f"{_describe_kind(self.kinds[i])}; got {describe(leaf)}"
+                )
+        return leaves
+
+
+def require_structure(call: str, arg: str, got: Spec, expected: Spec, *, of: str) -> None:
+    """A ValueError naming ``arg`` unless ``got`` is ``expected``, the structure of ``of``."""
+    if got != expected:
+        raise ValueError(f"{call}: `{arg}` expected the structure of {of} ({expected}); got {got}")
+
+
+def _kind(leaf: Any) -> tuple[Any, ...]:
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", leaf.shape, leaf.dtype, leaf.device)
+    return ("other", type(leaf))
+
+
+def _describe_kind(kind: tuple[Any, ...]) -> str:
+    if kind[0] == "tensor":
+        return f"a tensor of shape {tuple(kind[1])}, dtype {kind[2]} on {kind[3]}"
+    return "None" if kind[1] is type(None) else f"a {kind[1].__name__}"
+
+
 def path(tree: Any, index: int, root: str) -> str:
     """The path of leaf ``index``; computed only when an error needs it."""
     return paths(tree, root)[index]

@@ -109,7 +109,7 @@ class ZeroRedundancy:
         described = _agreement.signature(params, leaves, "params", requires_grad=False)
         _agreement.check(described, group=group, call=call, arg="params")
         self.optimizer, self.group, self.stage = optimizer, group, stage
-        self._metas = [_meta(t) for t in leaves]
+        self._planned = _tree.Planned(params, owner="this ZeroRedundancy")
         # The structure as flatten() gives it while compiling (None: custom nodes).
         self._traced_spec = _tree.traced_spec(params)
         self._trained = [i for i, t in enumerate(trained) if t is not None]
@@ -224,7 +224,7 @@ class ZeroRedundancy:
                 _unpack(
                     part, comm.gathered(handle), p, out, leaf=not (comm.traced or differentiable)
                 )
-        spec = self._expected_spec(call)
+        spec = self._planned.structure(call)
         return _tree.unflatten(spec, out), ZeroState(slots, self.shards)
 
     def _clip(
@@ -285,39 +285,13 @@ class ZeroRedundancy:
             pieces.append(reduced.new_zeros(part.size - pos))
         return pieces
 
-    def _expected_spec(self, call: str) -> Any:
-        if not torch.compiler.is_compiling():
-            return self._spec
-        if self._traced_spec is None:
-            raise TypeError(
-                f"{call}: inside torch.compile `params` must be built from dicts, lists, "
-                "tuples and namedtuples (a custom pytree node is a leaf there); step eagerly"
-            )
-        return self._traced_spec
-
     def _checked_params(self, call: str, params: Any) -> list[Any]:
-        leaves, spec = _tree.flatten(params)
-        if spec != self._expected_spec(call):
-            raise ValueError(
-                f"{call}: `params` expected the structure ZeroRedundancy was built with "
-                f"({self._spec}); got {spec}"
-            )
-        for i, leaf in enumerate(leaves):
-            if _meta(leaf) != self._metas[i]:
-                raise ValueError(
-                    f"{call}: `params` leaf {_tree.path(params, i, 'params')} expected "
-                    f"{_describe_meta(self._metas[i])}; got {_tree.describe(leaf)}"
-                )
-        return leaves
+        return self._planned.leaves(call, "params", params)
 
     def _checked_grads(
         self, call: str, grads: Any, params: Any, p: list[Any]
     ) -> list[torch.Tensor | None]:
-        leaves, spec = _tree.flatten(grads)
-        if spec != self._expected_spec(call):
-            raise ValueError(
-                f"{call}: `grads` expected the structure of `params` ({self._spec}); got {spec}"
-            )
+        leaves = self._planned.leaves(call, "grads", grads, kinds=False)
         out: list[torch.Tensor | None] = [None] * len(leaves)
         for i in self._trained:
             if leaves[i] is not None:
@@ -361,18 +335,6 @@ def _bind(optimizer: OptimizerProtocol, params: Any, parts: Sequence[Part]) -> l
         return [optimizer] * len(parts)
     labels = optimizer.labels(params)
     return [optimizer.bind([labels[s.leaf] for s in part.segments]) for part in parts]
-
-
-def _meta(leaf: Any) -> Any:
-    if isinstance(leaf, torch.Tensor):
-        return ("tensor", leaf.shape, leaf.dtype, leaf.device)
-    return ("other", type(leaf))
-
-
-def _describe_meta(meta: Any) -> str:
-    if meta[0] == "tensor":
-        return f"a tensor of shape {tuple(meta[1])}, dtype {meta[2]} on {meta[3]}"
-    return f"a {meta[1].__name__}"
 
 
 def _segment(

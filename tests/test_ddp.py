@@ -7,6 +7,7 @@ single-process, full-batch computation and compares every rank's results.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import time
@@ -537,7 +538,9 @@ def test_call_errors_name_the_leaf() -> None:
     messages = ranks.world(2).run(_call_errors)[0]
     assert "params['scale']" in messages[0]
     assert "shape ()" in messages[0]
-    assert "different structure" in messages[1]
+    assert (
+        "expected the structure of the tree this DistributedDataParallel was planned" in messages[1]
+    )
     assert "params['head'].first" in messages[2]
     assert "MulBackward0" in messages[2]
 
@@ -714,3 +717,19 @@ def test_a_reused_ddp_result_refuses_the_second_backward() -> None:
         assert "second backward through one ddp(params) call" in out[1]
         assert "Call ddp(params) in every step" in out[1]
     assert results[0][2:] == results[1][2:]  # reduced: every rank has the same gradients
+
+
+def _custom_node_compiled(rank: int, size: int) -> str:
+    params = {"w": collections.deque([torch.ones(2, requires_grad=True)])}
+    ddp = fdp.DistributedDataParallel(params)
+    compiled = torch.compile(lambda p: ddp(p)["w"][0].sum(), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"inside torch.compile the tree") as info:
+        compiled(params)
+    torch.autograd.backward(ddp(params)["w"][0].sum() * (rank + 1))  # eagerly: reduced
+    torch.testing.assert_close(params["w"][0].grad, torch.full((2,), (1 + size) / 2))
+    return str(info.value)
+
+
+def test_a_node_compiled_code_cannot_flatten_is_refused_inside_compile_only() -> None:
+    for message in ranks.world(2).run(_custom_node_compiled):
+        assert "the tree this DistributedDataParallel was planned for must be built" in message

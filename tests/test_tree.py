@@ -39,3 +39,49 @@ def test_traceable_flatten_matches_optree(name: str, tree: Any) -> None:
         assert list(rebuilt) == list(tree)  # insertion order restored
     if isinstance(tree, collections.defaultdict):
         assert rebuilt.default_factory is tree.default_factory
+
+
+def test_planned_gives_the_leaves_or_names_the_argument_and_the_leaf() -> None:
+    params: dict[str, Any] = {"w": torch.zeros(2, 3), "b": [torch.zeros(3), None], "n": 1.0}
+    planned = _tree.Planned(params, owner="this thing")
+    got = planned.leaves("f", "params", params)
+    expected: list[Any] = [params["b"][0], None, params["n"], params["w"]]  # sorted keys
+    assert all(a is b for a, b in zip(got, expected, strict=True))
+    with pytest.raises(
+        ValueError,
+        match=r"^f: `params` expected the structure of the tree this thing was planned for "
+        r"\(PyTreeSpec.*\); got PyTreeSpec",
+    ):
+        planned.leaves("f", "params", {"w": torch.zeros(2, 3), "b": [torch.zeros(3)], "n": 1.0})
+    wrong_shape = {"w": torch.zeros(2, 3), "b": [torch.zeros(4), None], "n": 1.0}
+    with pytest.raises(
+        ValueError,
+        match=r"^f: `params` leaf params\['b'\]\[0\] expected a tensor of shape \(3,\), dtype "
+        r"torch.float32 on cpu; got a tensor of shape \(4,\)",
+    ):
+        planned.leaves("f", "params", wrong_shape)
+    with pytest.raises(ValueError, match=r"`grads` leaf grads\['b'\]\[1\] expected None; got a"):
+        planned.leaves("f", "grads", {"w": torch.zeros(2, 3), "b": [torch.zeros(3)] * 2, "n": 1.0})
+    with pytest.raises(ValueError, match=r"leaf params\['n'\] expected a float; got int 1"):
+        planned.leaves("f", "params", {"w": torch.zeros(2, 3), "b": [torch.zeros(3), None], "n": 1})
+    assert len(planned.leaves("f", "grads", wrong_shape, kinds=False)) == 4  # structure only
+
+
+def test_planned_refuses_inside_compile_a_node_the_traced_flatten_makes_a_leaf() -> None:
+    params = {"w": collections.deque([torch.ones(2)])}  # an optree node, a leaf while tracing
+    planned = _tree.Planned(params, owner="this thing")
+    assert planned.leaves("f", "params", params)[0] is params["w"][0]
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def traced(p: Any) -> Any:
+        return planned.leaves("f", "params", p)
+
+    # fullgraph: dynamo reports the TypeError as an error of its own (its class varies
+    # across torch releases) that carries the message
+    with pytest.raises(Exception, match=r"f: inside torch.compile the tree this thing was planned"):
+        traced(params)
+    plain = _tree.Planned({"w": [torch.ones(2)]}, owner="this thing")
+    compiled = torch.compile(
+        lambda p: plain.leaves("f", "params", p)[0] * 2, backend="eager", fullgraph=True
+    )
+    torch.testing.assert_close(compiled({"w": [torch.ones(2)]}), torch.full((2,), 2.0))

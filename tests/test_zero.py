@@ -10,6 +10,7 @@ leaf without gradient on odd steps.
 
 from __future__ import annotations
 
+import collections
 import unittest.mock
 from collections.abc import Callable
 from typing import Any
@@ -534,3 +535,21 @@ def test_max_norm_in_a_differentiable_step_gives_the_clipped_hypergradient() -> 
         torch.testing.assert_close(got_w, new.detach())
         torch.testing.assert_close(got_norm, norm)
     torch.testing.assert_close(torch.stack([d for _, d, _ in results]).mean(), expected)
+
+
+def _custom_node_compiled(rank: int, size: int) -> str:
+    params = {"w": collections.deque([torch.ones(2)])}
+    zero = fdp.ZeroRedundancy(fdp.optim.sgd(0.5), params)
+    state = zero.init(params)
+    grads = {"w": collections.deque([torch.full((2,), float(rank + 1))])}
+    step = torch.compile(zero.step, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"inside torch.compile the tree") as info:
+        step(grads, state, params)
+    new, _ = zero.step(grads, state, params)  # eagerly: the averaged step
+    torch.testing.assert_close(new["w"][0], 1 - 0.5 * torch.full((2,), (1 + size) / 2))
+    return str(info.value)
+
+
+def test_a_node_compiled_code_cannot_flatten_is_refused_inside_compile_only() -> None:
+    for message in ranks.world(2).run(_custom_node_compiled):
+        assert "the tree this ZeroRedundancy was planned for must be built" in message
