@@ -1,14 +1,15 @@
 """Packing a bucket under inductor: each leaf's logical order against its memory order.
 
 Compiled DDP packs every bucket with ``torch.cat`` of 1-D pieces, each
-converted and scaled, which inductor fuses into one copy. Until fdp 0.x the
-pieces were each gradient in logical order (``g.reshape(-1)``); now they are
-in the leaf's memory order (``g.permute(order).reshape(-1)``), the order
-eager DDP and ZeroRedundancy use, so that one bucket layout serves all three.
-This measures what the move costs: a ResNet-like set of ``channels_last``
-conv gradients plus biases, packed by each compiled function, whether the
-gradients arrive in the parameters' layout (what autograd gives) or
-contiguous. Ratios of timings interleaved round by round in one run.
+converted and scaled, which inductor fuses into one copy. Before issue 22
+the pieces were each gradient in logical order (``g.reshape(-1)``); now
+they are in the parameter's memory order (``g.permute(order).reshape(-1)``),
+the order eager DDP and ZeroRedundancy use, so that one bucket layout
+serves all three. This measures what the move costs or saves: a
+ResNet-like set of ``channels_last`` conv gradients plus biases, packed by
+each compiled function, when the gradients arrive in the parameters' layout
+(what autograd gives them) and when they arrive contiguous. Ratios of
+timings interleaved round by round in one run.
 
     python benchmarks/bench_pack_order.py
     python benchmarks/bench_pack_order.py --quick
