@@ -14,6 +14,7 @@ from fdp._comm_hooks import fp16_compress_hook as fp16_compress_hook
 from fdp._data_parallel import data_parallel as data_parallel
 from fdp._ddp import DistributedDataParallel as DistributedDataParallel
 from fdp._ddp import overlap_options as overlap_options
+from fdp._fsdp import FullyShardedDataParallel as FullyShardedDataParallel
 from fdp._functional import make_functional as make_functional
 from fdp._parallel_apply import parallel_apply as parallel_apply
 from fdp._replicate import replicate as replicate
@@ -28,6 +29,7 @@ from fdp._zero import ZeroState as ZeroState
 __all__ = [
     "CommHook",
     "DistributedDataParallel",
+    "FullyShardedDataParallel",
     "GradBucket",
     "ZeroRedundancy",
     "ZeroState",

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-import optree
 import torch
 
 from fdp import _tree
@@ -63,7 +62,7 @@ class ParamGroups:
         call = "fdp.optim.param_groups"
         leaves, spec = _tree.flatten(params)
         if callable(self.label):
-            names = _names(params)
+            names = _tree.names(params)
             got = [None if t is None else self.label(names[i], t) for i, t in enumerate(leaves)]
         else:
             given, given_spec = _tree.flatten(self.label)
@@ -121,12 +120,6 @@ class Bound:
             extra = {"donate": True} if donate else {}
             params, state = opt.update(_tree.unflatten(spec, mine), state, params, **extra)
         return params, state
-
-
-def _names(params: Any) -> list[str]:
-    """Each leaf's dotted name, as ``named_parameters`` writes it (``layers.0.weight``)."""
-    accessors = optree.tree_accessors(params, none_is_leaf=_tree.NONE_IS_LEAF)
-    return [".".join(str(getattr(e, "field", e.entry)) for e in accessor) for accessor in accessors]
 
 
 def param_groups(label: Label | Any, optimizers: Mapping[str, Any]) -> ParamGroups:

@@ -166,6 +166,12 @@ def _describe_kind(kind: tuple[Any, ...]) -> str:
     return "None" if kind[1] is type(None) else f"a {kind[1].__name__}"
 
 
+def names(tree: Any) -> list[str]:
+    """Each leaf's dotted name, as ``named_parameters`` writes it (``layers.0.weight``)."""
+    accessors = optree.tree_accessors(tree, none_is_leaf=NONE_IS_LEAF)
+    return [".".join(str(getattr(e, "field", e.entry)) for e in accessor) for accessor in accessors]
+
+
 def path(tree: Any, index: int, root: str) -> str:
     """The path of leaf ``index``; computed only when an error needs it."""
     return paths(tree, root)[index]

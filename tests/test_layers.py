@@ -42,7 +42,7 @@ BLOCKS = {
     "_collectives",
 }
 DDP = {"_ddp", "_ddp_reducer", "_ddp_traced", "_ddp_buffers", "_ddp_join"}
-SHARDING = {"_zero", "_zero_comm", "_zero_shards", "_checkpoint"}
+SHARDING = {"_zero", "_zero_comm", "_zero_shards", "_checkpoint", "_fsdp", "_fsdp_gather"}
 DISTRIBUTED = BLOCKS | DDP | SHARDING
 
 

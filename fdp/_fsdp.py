@@ -1,0 +1,308 @@
+"""``fdp.FullyShardedDataParallel``: parameters, gradients and optimizer state sharded by unit.
+
+A params tree is cut into units (subtrees: a block, a layer; by default
+each top-level entry, and each element of a top-level list or tuple). Each
+unit's floating-point leaves are packed as DDP packs a bucket (one flat
+buffer per dtype, every leaf in its memory order, ``fdp/_bucket.py``),
+padded to a multiple of the world size and cut into one equal shard per
+rank. A rank keeps only its shards (``shard(params)``), which are the
+parameters its optimizer steps: an ``fdp.optim`` optimizer updates them
+element by element, exactly as it would update the averaged unsharded
+tree. ``fsdp(shards)`` (or ``fsdp.gather(shards, unit)``, one unit where
+the model uses it) all-gathers units back into leaves, differentiably: the
+backward reduce-scatters each unit's gradients as soon as backward produces
+them (``fdp/_fsdp_gather.py``), so no rank holds the gradient of more than
+one unit at a time, and the shards' gradient is the mean over ranks.
+docs/fsdp.md has the data flow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from fdp import _agreement, _bucket, _fsdp_gather, _tree
+from fdp._collectives import tensor_leaves
+from fdp._groups import ProcessGroup
+
+T = TypeVar("T")
+
+# A unit is packed whole: one flat buffer per dtype and device.
+_WHOLE = 1 << 62
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit: its leaves (indices into the flattened tree) and their flat buffers."""
+
+    name: str
+    buckets: tuple[_bucket.Bucket, ...]  # indices are the tree's leaf indices
+    sizes: tuple[int, ...]  # each bucket's shard: elements per rank
+
+
+class FullyShardedDataParallel:
+    """Fully sharded data parallelism (ZeRO-3, FSDP) for functions over parameter trees.
+
+    Construction, on every rank with the same tree, plans the units; then
+    each rank keeps only its shards, and the model gathers them:
+
+    - ``shards = fsdp.shard(params)``: this rank's shards, a dict from unit
+      name to a tuple of flat 1-D tensors (one per dtype in the unit), in
+      the parameters' dtypes (the master copy). Step them with any
+      ``fdp.optim`` optimizer; the full ``params`` can be dropped.
+    - ``fsdp(shards)``: the whole params tree, every unit all-gathered;
+      ``fsdp.gather(shards, name)``: one unit's subtree (with ``None``
+      outside it), for models that gather each unit where they use it.
+      Both are differentiable: ``loss.backward()`` (with shards that
+      require grad), ``torch.autograd.grad`` and ``torch.func.grad`` give
+      the shards the gradient of the mean over ranks of the ranks' losses,
+      reduce-scattered unit by unit; ``torch.func.jvp``/``vmap`` and
+      nested transforms see linear maps with exact rules.
+    - ``fsdp.full(shards)``: the whole tree outside autograd (evaluation,
+      export), in the parameters' own dtypes.
+
+    Args:
+        params: the parameter tree (tensor and ``None`` leaves), the same
+            structure, shapes and dtypes on every rank.
+        units: dotted names of the subtrees that are gathered together
+            (``"blocks.0"``, as ``named_parameters`` writes them); leaves
+            under no name form one more unit, ``""``. ``None``: each
+            top-level entry, and each element of a top-level list or tuple.
+        group: the process group (default: the world).
+        param_dtype: the dtype parameters are gathered and computed in
+            (e.g. ``torch.bfloat16``); ``None``: their own.
+        reduce_dtype: the dtype gradients are reduce-scattered in (e.g.
+            ``torch.float32``); ``None``: ``param_dtype``'s.
+
+    Example::
+
+        fsdp = fdp.FullyShardedDataParallel(params, param_dtype=torch.bfloat16)
+        shards = fsdp.shard(params)
+        opt = fdp.optim.adamw(1e-3)
+        state = opt.init(shards)
+        grads = torch.func.grad(lambda s: loss(fsdp(s), batch))(shards)
+        shards, state = opt.update(grads, state, shards)
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        *,
+        units: Sequence[str] | None = None,
+        group: ProcessGroup | None = None,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        call = "fdp.FullyShardedDataParallel"
+        _agreement.require_member(call, group)
+        leaves, _spec, tensors = tensor_leaves(params, call=call, arg="params", float_only=True)
+        described = _agreement.signature(params, leaves, "params", requires_grad=False)
+        _agreement.check(described, group=group, call=call, arg="params")
+        for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if dtype is not None and not (
+                isinstance(dtype, torch.dtype) and dtype.is_floating_point
+            ):
+                raise TypeError(f"{call}: `{name}` expected a floating-point dtype; got {dtype!r}")
+        self.group, self.world = group, dist.get_world_size(group)
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self._planned = _tree.Planned(params, owner="this FullyShardedDataParallel")
+        self._spec = _tree.flatten(params)[1]
+        # A tensor at several leaves (tied weights) is sharded once, at its first.
+        firsts: dict[int, int] = {}
+        self._ties = {
+            i: firsts.setdefault(id(t), i) for i, t in enumerate(tensors) if t is not None
+        }
+        self._ties = {i: j for i, j in self._ties.items() if i != j}
+        sharded = [None if i in self._ties else t for i, t in enumerate(tensors)]
+        # Leaves that are not sharded (None, integer tensors) are kept as given.
+        self._kept = {i: leaf for i, leaf in enumerate(leaves) if tensors[i] is None}
+        self.units = _plan(call, params, sharded, units, self.world)
+
+    def __repr__(self) -> str:
+        return (
+            f"fdp.FullyShardedDataParallel({len(self.units)} units, world {self.world}, "
+            f"param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype})"
+        )
+
+    @property
+    def unit_names(self) -> list[str]:
+        """The units' names, in the order of their shards."""
+        return [u.name for u in self.units]
+
+    def shard(self, params: Any) -> dict[str, tuple[torch.Tensor, ...]]:
+        """This rank's shards of ``params`` (new tensors; leaves of autograd if ``params``' are)."""
+        call = "fdp.FullyShardedDataParallel.shard"
+        leaves = self._planned.leaves(call, "params", params)
+        rank = dist.get_rank(self.group)
+        out: dict[str, tuple[torch.Tensor, ...]] = {}
+        with torch.no_grad():
+            for unit in self.units:
+                mine = []
+                for bucket, size in zip(unit.buckets, unit.sizes, strict=True):
+                    parts = [leaves[i].detach() for i in bucket.indices]
+                    flat = torch.cat(bucket.pieces(parts, numel=size * self.world))
+                    shard = flat[rank * size : (rank + 1) * size].clone()
+                    trained = any(leaves[i].requires_grad for i in bucket.indices)
+                    mine.append(shard.requires_grad_(trained))
+                out[unit.name] = tuple(mine)
+        return out
+
+    def __call__(self, shards: dict[str, tuple[torch.Tensor, ...]]) -> Any:
+        """The params tree, every unit all-gathered (differentiably) from ``shards``."""
+        call = "fdp.FullyShardedDataParallel.__call__"
+        self._check_shards(call, shards)
+        out: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
+        for unit in self.units:
+            self._gather_into(out, unit, shards[unit.name])
+        return _tree.unflatten(self._spec, self._tied(out))
+
+    def gather(self, shards: dict[str, tuple[torch.Tensor, ...]], name: str) -> Any:
+        """Unit ``name``'s subtree of the params tree, all-gathered (differentiably).
+
+        The unit ``""`` (the leaves under no named unit) is the whole tree
+        with ``None`` at every leaf of the named units.
+        """
+        call = "fdp.FullyShardedDataParallel.gather"
+        self._check_shards(call, shards)
+        found = [u for u in self.units if u.name == name]
+        if not found:
+            raise ValueError(
+                f"{call}: `name` expected one of the units {self.unit_names}; got {name!r}"
+            )
+        out: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
+        self._gather_into(out, found[0], shards[name])
+        return _subtree(_tree.unflatten(self._spec, self._tied(out)), name)
+
+    def full(self, shards: dict[str, tuple[torch.Tensor, ...]]) -> Any:
+        """The params tree outside autograd, in the parameters' own dtypes."""
+        call = "fdp.FullyShardedDataParallel.full"
+        self._check_shards(call, shards)
+        out: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
+        with torch.no_grad():
+            for unit in self.units:
+                for bucket, shard in zip(unit.buckets, shards[unit.name], strict=True):
+                    how = self._how(shard.dtype, bucket.dtype)
+                    flat = _fsdp_gather.gather(shard.detach(), how)[: bucket.numel]
+                    for i, leaf in zip(bucket.indices, bucket.unpack(flat), strict=True):
+                        out[i] = leaf.clone()
+        return _tree.unflatten(self._spec, self._tied(out))
+
+    def _tied(self, out: list[Any]) -> list[Any]:
+        """``out`` with each tied leaf the same tensor as its first (gradients then add up)."""
+        for i, j in self._ties.items():
+            out[i] = out[j]
+        return out
+
+    def _gather_into(self, out: list[Any], unit: Unit, shards: Sequence[torch.Tensor]) -> None:
+        for bucket, shard in zip(unit.buckets, shards, strict=True):
+            # torch has no bfloat16 complex: complex leaves keep their dtype.
+            dtype = self.param_dtype
+            if dtype is None or any(bucket.complex_):
+                dtype = bucket.dtype
+            flat = _fsdp_gather.gather(shard, self._how(shard.dtype, dtype))
+            leaves = bucket.unpack(flat[: bucket.numel])
+            for i, leaf in zip(bucket.indices, leaves, strict=True):
+                out[i] = leaf
+
+    def _how(self, shard_dtype: torch.dtype, param_dtype: torch.dtype) -> _fsdp_gather.How:
+        reduce = param_dtype if self.reduce_dtype is None else self.reduce_dtype
+        return _fsdp_gather.How(self.group, self.world, param_dtype, reduce, shard_dtype)
+
+    def _check_shards(self, call: str, shards: Any) -> None:
+        if not isinstance(shards, dict) or sorted(shards) != sorted(self.unit_names):
+            got = sorted(shards) if isinstance(shards, dict) else _tree.describe(shards)
+            raise ValueError(
+                f"{call}: `shards` expected the dict shard() returns, with the units "
+                f"{sorted(self.unit_names)}; got {got}"
+            )
+        for unit in self.units:
+            given = shards[unit.name]
+            expected = [(size,) for size in unit.sizes]
+            got_shapes = [tuple(getattr(t, "shape", ())) for t in given]
+            if got_shapes != expected:
+                raise ValueError(
+                    f"{call}: `shards` unit {unit.name!r} expected tensors of shapes {expected} "
+                    f"(this rank's shards); got {[_tree.describe(t) for t in given]}"
+                )
+
+
+def _plan(
+    call: str,
+    params: Any,
+    tensors: Sequence[torch.Tensor | None],
+    units: Sequence[str] | None,
+    world: int,
+) -> tuple[Unit, ...]:
+    """The units of ``params``: names, and their leaves planned into flat buffers."""
+    names = _tree.names(params)
+    owners = _owners(call, params, names, units)
+    grouped: dict[str, list[int]] = {}
+    for i, owner in enumerate(owners):
+        if tensors[i] is not None:
+            grouped.setdefault(owner, []).append(i)
+    out = []
+    for name, indices in grouped.items():
+        buckets = []
+        # Frozen leaves get buckets (so shards) of their own, which need no
+        # gradient; complex leaves too, which keep their dtype under a policy.
+        for kind in ((True, False), (True, True), (False, False), (False, True)):
+            mine = [i for i in indices if _kind(tensors[i]) == kind]
+            buckets += [  # indexed by the tree's leaves
+                dataclasses.replace(b, indices=tuple(mine[j] for j in b.indices))
+                for b in _bucket.plan([tensors[i] for i in mine], cap_bytes=_WHOLE)
+            ]
+        sizes = tuple(-(-b.numel // world) for b in buckets)
+        out.append(Unit(name, tuple(buckets), sizes))
+    return tuple(out)
+
+
+def _kind(t: torch.Tensor | None) -> tuple[bool, bool]:
+    return (t is not None and t.requires_grad, t is not None and t.is_complex())
+
+
+def _owners(call: str, params: Any, names: list[str], units: Sequence[str] | None) -> list[str]:
+    """Each leaf's unit name."""
+    if units is None:
+        return [_default_unit(params, name) for name in names]
+    if isinstance(units, str):
+        raise TypeError(f"{call}: `units` expected a sequence of dotted names; got {units!r}")
+    for u in units:
+        if not any(n == u or n.startswith(u + ".") for n in names):
+            raise ValueError(
+                f"{call}: `units` names {u!r}, which holds no leaf of `params`; expected "
+                f"a dotted prefix of the leaf names, e.g. {names[:3]}"
+            )
+        nested = [v for v in units if v != u and v.startswith(u + ".")]
+        if nested or list(units).count(u) > 1:
+            raise ValueError(
+                f"{call}: `units` expected disjoint subtrees; got {u!r} and {nested or [u]}"
+            )
+    return [next((u for u in units if n == u or n.startswith(u + ".")), "") for n in names]
+
+
+def _default_unit(params: Any, name: str) -> str:
+    """The top-level entry, or the element of a top-level list or tuple, holding ``name``."""
+    parts = name.split(".")
+    if not parts[0] or isinstance(params, (list, tuple)):
+        return parts[0]
+    entry = params[parts[0]] if isinstance(params, dict) else getattr(params, parts[0], None)
+    if isinstance(entry, (list, tuple)) and not hasattr(entry, "_fields") and len(parts) > 1:
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def _subtree(tree: Any, name: str) -> Any:
+    """The subtree of ``tree`` at the dotted ``name`` (``""``: the tree)."""
+    for part in name.split(".") if name else ():
+        if isinstance(tree, dict):
+            tree = tree[part]
+        elif isinstance(tree, (list, tuple)) and part.isdigit() and not hasattr(tree, "_fields"):
+            tree = tree[int(part)]
+        else:
+            tree = getattr(tree, part)
+    return tree

@@ -1,0 +1,126 @@
+"""The collectives of fully sharded parameters, with a rule for every ``torch.func`` transform.
+
+A unit's parameters live as one flat shard per rank; :func:`gather` makes
+the whole flat buffer (every rank's shard in rank order) and its backward
+averages the cotangents over ranks and keeps this rank's part: a
+reduce-scatter divided by the world size, so that the shards' gradient is
+the gradient of the mean of the ranks' losses, as under DDP.
+
+As with :mod:`fdp._transforms`' psum rule, every map here is linear, so
+its derivatives are the same collectives: :class:`_Gather` (all-gather
+forward; backward ``scale`` times a reduce-scatter) and
+:class:`_ReduceScatter` (its exact transpose; backward an all-gather) call
+each other, and hold at any nesting depth (``grad(grad)``, ``jvp``,
+``vmap``, ``torch.autograd.forward_ad``). Under ``vmap`` the batch travels
+in the same collective, folded into the flat buffer. The dtype policy is
+part of the map: the shard is cast to ``param_dtype`` before the
+all-gather, and a cotangent to ``reduce_dtype`` before the reduce-scatter;
+the shard's gradient comes back in the shard's own dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from fdp import _groups
+from fdp._groups import ProcessGroup
+
+
+class How(NamedTuple):
+    """What every call on one unit's shard shares."""
+
+    group: ProcessGroup | None
+    world: int
+    param_dtype: torch.dtype  # what the all-gather carries
+    reduce_dtype: torch.dtype  # what the reduce-scatter carries
+    shard_dtype: torch.dtype  # the master copy's, which gradients come back in
+
+
+def gather(shard: torch.Tensor, how: How) -> torch.Tensor:
+    """Every rank's ``shard`` (1-D), concatenated in rank order, in ``param_dtype``.
+
+    The backward gives ``shard`` the mean over ranks of the cotangents'
+    parts for this rank (a reduce-scatter in ``reduce_dtype``, divided by
+    the world size), in the shard's dtype.
+    """
+    out: torch.Tensor = _Gather.apply(shard, how, 1.0 / how.world)  # type: ignore[no-untyped-call]
+    return out
+
+
+def _all_gather(x: torch.Tensor, how: How) -> torch.Tensor:
+    return _groups.all_gather(x.to(how.param_dtype), group=how.group)
+
+
+def _reduce_scatter(y: torch.Tensor, how: How) -> torch.Tensor:
+    return _groups.reduce_scatter(y.to(how.reduce_dtype), group=how.group).to(how.shard_dtype)
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather forward; backward ``scale`` times the reduce-scatter (its transpose)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, how: How, scale: float) -> torch.Tensor:
+        return _all_gather(x, how)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.how, ctx.scale = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        out: torch.Tensor = _ReduceScatter.apply(grad, ctx.how)  # type: ignore[no-untyped-call]
+        return (out if ctx.scale == 1.0 else out * ctx.scale), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: Any) -> torch.Tensor:
+        out: torch.Tensor = _Gather.apply(tangent, ctx.how, ctx.scale)  # type: ignore[no-untyped-call]
+        return out
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, how: How, scale: float
+    ) -> tuple[torch.Tensor, int | None]:
+        # Every rank runs the same program and batches alike: the batch goes
+        # into the flat buffer, rank-major, and back to the front after.
+        if in_dims[0] is None:
+            return _Gather.apply(x, how, scale), None  # type: ignore[no-untyped-call]
+        rows = x.movedim(in_dims[0], 0)
+        batch, n = rows.shape
+        flat = _Gather.apply(rows.reshape(-1), how, scale)  # type: ignore[no-untyped-call]
+        return flat.view(how.world, batch, n).transpose(0, 1).reshape(batch, -1), 0
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """This rank's part of the sum over ranks (a reduce-scatter); backward the all-gather."""
+
+    @staticmethod
+    def forward(y: torch.Tensor, how: How) -> torch.Tensor:
+        return _reduce_scatter(y, how)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.how = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out: torch.Tensor = _Gather.apply(grad, ctx.how, 1.0)  # type: ignore[no-untyped-call]
+        return out, None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: Any) -> torch.Tensor:
+        out: torch.Tensor = _ReduceScatter.apply(tangent, ctx.how)  # type: ignore[no-untyped-call]
+        return out
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[Any, ...], y: torch.Tensor, how: How
+    ) -> tuple[torch.Tensor, int | None]:
+        if in_dims[0] is None:
+            return _ReduceScatter.apply(y, how), None  # type: ignore[no-untyped-call]
+        rows = y.movedim(in_dims[0], 0)
+        batch = rows.shape[0]
+        rank_major = rows.reshape(batch, how.world, -1).transpose(0, 1).reshape(-1)
+        mine = _ReduceScatter.apply(rank_major, how)  # type: ignore[no-untyped-call]
+        return mine.view(batch, -1), 0
