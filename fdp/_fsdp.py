@@ -19,14 +19,14 @@ docs/fsdp.md has the data flow.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from fdp import _agreement, _bucket, _fsdp_gather, _tree
+from fdp import _agreement, _bucket, _fsdp_gather, _fsdp_reshard, _tree
 from fdp._collectives import tensor_leaves
 from fdp._groups import ProcessGroup
 
@@ -63,6 +63,9 @@ class FullyShardedDataParallel:
       the shards the gradient of the mean over ranks of the ranks' losses,
       reduce-scattered unit by unit; ``torch.func.jvp``/``vmap`` and
       nested transforms see linear maps with exact rules.
+    - ``fsdp.apply(shards, name, fn, *args)``: ``fn(unit, *args)`` with the
+      unit gathered just for it, and (``reshard_after_forward``) freed
+      until backward needs it again: the way to hold one unit at a time.
     - ``fsdp.full(shards)``: the whole tree outside autograd (evaluation,
       export), in the parameters' own dtypes.
 
@@ -78,6 +81,9 @@ class FullyShardedDataParallel:
             (e.g. ``torch.bfloat16``); ``None``: their own.
         reduce_dtype: the dtype gradients are reduce-scattered in (e.g.
             ``torch.float32``); ``None``: ``param_dtype``'s.
+        reshard_after_forward: free a unit gathered by :meth:`apply` once
+            its function returns, and gather it again for backward (FSDP2's
+            option); ``False`` keeps it gathered until backward.
 
     Example::
 
@@ -97,6 +103,7 @@ class FullyShardedDataParallel:
         group: ProcessGroup | None = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        reshard_after_forward: bool = True,
     ) -> None:
         call = "fdp.FullyShardedDataParallel"
         _agreement.require_member(call, group)
@@ -110,6 +117,7 @@ class FullyShardedDataParallel:
                 raise TypeError(f"{call}: `{name}` expected a floating-point dtype; got {dtype!r}")
         self.group, self.world = group, dist.get_world_size(group)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.reshard_after_forward = reshard_after_forward
         self._planned = _tree.Planned(params, owner="this FullyShardedDataParallel")
         self._spec = _tree.flatten(params)[1]
         # A tensor at several leaves (tied weights) is sharded once, at its first.
@@ -168,15 +176,40 @@ class FullyShardedDataParallel:
         with ``None`` at every leaf of the named units.
         """
         call = "fdp.FullyShardedDataParallel.gather"
-        self._check_shards(call, shards)
-        found = [u for u in self.units if u.name == name]
-        if not found:
-            raise ValueError(
-                f"{call}: `name` expected one of the units {self.unit_names}; got {name!r}"
-            )
+        unit = self._unit(call, shards, name)
         out: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
-        self._gather_into(out, found[0], shards[name])
+        self._gather_into(out, unit, shards[name])
         return _subtree(_tree.unflatten(self._spec, self._tied(out)), name)
+
+    def apply(
+        self,
+        shards: dict[str, tuple[torch.Tensor, ...]],
+        name: str,
+        fn: Callable[..., T],
+        *args: Any,
+        **kwargs: Any,
+    ) -> T:
+        """``fn(unit, *args, **kwargs)`` with unit ``name`` gathered just for it.
+
+        With ``reshard_after_forward`` (the default) and eager autograd, the
+        unit's gathered memory is freed when ``fn`` returns and gathered
+        again when backward reaches ``fn``'s outputs (``fdp/_fsdp_reshard.py``):
+        between forward and backward a rank holds its shards only. Under a
+        ``torch.func`` transform or ``torch.compile`` the unit stays gathered
+        until backward. Keep no gathered tensor beyond ``fn``: its memory is
+        released.
+        """
+        call = "fdp.FullyShardedDataParallel.apply"
+        unit = self._unit(call, shards, name)
+        tree: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
+        gathered = self._gather_into(tree, unit, shards[name])
+        out = fn(_subtree(_tree.unflatten(self._spec, self._tied(tree)), name), *args, **kwargs)
+        outputs = [t for t in _tree.flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in outputs if t.requires_grad]
+        if self.reshard_after_forward and _fsdp_reshard.eligible(outputs):
+            held = [_fsdp_reshard.Resharded(*g) for g in gathered if g[0].requires_grad]
+            _fsdp_reshard.reshard(held, outputs)
+        return out
 
     def full(self, shards: dict[str, tuple[torch.Tensor, ...]]) -> Any:
         """The params tree outside autograd, in the parameters' own dtypes."""
@@ -192,22 +225,38 @@ class FullyShardedDataParallel:
                         out[i] = leaf.clone()
         return _tree.unflatten(self._spec, self._tied(out))
 
+    def _unit(self, call: str, shards: Any, name: str) -> Unit:
+        self._check_shards(call, shards)
+        found = [u for u in self.units if u.name == name]
+        if not found:
+            raise ValueError(
+                f"{call}: `name` expected one of the units {self.unit_names}; got {name!r}"
+            )
+        return found[0]
+
     def _tied(self, out: list[Any]) -> list[Any]:
         """``out`` with each tied leaf the same tensor as its first (gradients then add up)."""
         for i, j in self._ties.items():
             out[i] = out[j]
         return out
 
-    def _gather_into(self, out: list[Any], unit: Unit, shards: Sequence[torch.Tensor]) -> None:
+    def _gather_into(
+        self, out: list[Any], unit: Unit, shards: Sequence[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor, _fsdp_gather.How]]:
+        """Gathers ``unit`` into ``out``; returns each flat buffer with its shard and how."""
+        gathered = []
         for bucket, shard in zip(unit.buckets, shards, strict=True):
             # torch has no bfloat16 complex: complex leaves keep their dtype.
             dtype = self.param_dtype
             if dtype is None or any(bucket.complex_):
                 dtype = bucket.dtype
-            flat = _fsdp_gather.gather(shard, self._how(shard.dtype, dtype))
+            how = self._how(shard.dtype, dtype)
+            flat = _fsdp_gather.gather(shard, how)
             leaves = bucket.unpack(flat[: bucket.numel])
             for i, leaf in zip(bucket.indices, leaves, strict=True):
                 out[i] = leaf
+            gathered.append((flat, shard, how))
+        return gathered
 
     def _how(self, shard_dtype: torch.dtype, param_dtype: torch.dtype) -> _fsdp_gather.How:
         reduce = param_dtype if self.reduce_dtype is None else self.reduce_dtype

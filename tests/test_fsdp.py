@@ -426,3 +426,74 @@ def _bad_input(rank: int, size: int) -> list[str]:
 def test_bad_input_is_refused_alike_on_every_rank() -> None:
     results = ranks.world(2).run(_bad_input)
     assert results[0] == results[1]
+
+
+def _block(unit: dict[str, torch.Tensor], h: torch.Tensor, seen: list[Any] | None) -> Any:
+    if seen is not None:  # not under torch.func, whose wrappers show no storage
+        seen.append(unit["w"].untyped_storage())
+    return torch.tanh(h @ unit["w"] + unit["b"])
+
+
+def applied(
+    fsdp: fdp.FullyShardedDataParallel, shards: Shards, x: Any, seen: list[Any] | None
+) -> Any:
+    """``model`` with each unit run through ``fsdp.apply`` (gathered only for its function)."""
+
+    def stem(p: Any, x: torch.Tensor) -> Any:
+        if seen is not None:
+            seen.append(p.untyped_storage())
+        return x @ p
+
+    h = fsdp.apply(shards, "embed", stem, x)
+    for i in range(3):
+        h = fsdp.apply(shards, f"blocks.{i}", _block, h, seen)
+    h = torch.tanh(h @ fsdp.gather(shards, "conv").flatten(1).T)
+    head, frozen = fsdp.gather(shards, "head"), fsdp.gather(shards, "frozen")
+    out = h @ head["w"] + head["phase"].abs() + frozen
+    return out + (out @ fsdp.gather(shards, "embed")[:3, :3]) * 0.1 * 4
+
+
+def _resharded(rank: int, size: int, reshard: bool) -> Any:
+    params = make_params()
+    fsdp = fdp.FullyShardedDataParallel(params, reshard_after_forward=reshard)
+    x, y = data(size)
+    shards = fsdp.shard(params)
+    seen: list[Any] = []
+    loss = (applied(fsdp, shards, mine(x, rank), seen) - mine(y, rank)).square().mean()
+    after_forward = [s.nbytes() for s in seen]
+    torch.autograd.backward(loss, retain_graph=True)  # the units are gathered again for it
+    after_backward = [s.nbytes() for s in seen]
+    first = {k: tuple(t.grad.clone() for t in ts if t.grad is not None) for k, ts in shards.items()}
+    torch.autograd.backward(loss)  # and again, for a second backward of the same graph
+    doubled = {k: tuple(t.grad for t in ts if t.grad is not None) for k, ts in shards.items()}
+    twice = all(
+        torch.allclose(d, 2 * f) for k in first for d, f in zip(doubled[k], first[k], strict=True)
+    )
+
+    def grad(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(t) if t.grad is None else t.grad / 2
+
+    grads = fsdp.full({k: tuple(grad(t) for t in ts) for k, ts in shards.items()})
+    # Under torch.func.grad the units stay gathered: the same gradients.
+    by_func = torch.func.grad(
+        lambda s: (applied(fsdp, s, mine(x, rank), None) - mine(y, rank)).square().mean()
+    )(_detached(shards))
+    return after_forward, after_backward, twice, grads, fsdp.full(by_func)
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_apply_frees_each_unit_between_forward_and_backward(reshard: bool) -> None:
+    expected = reference_grad(2, local_loss)
+    frozen = {**expected, "frozen": torch.zeros_like(expected["frozen"])}
+    for after_forward, after_backward, twice, grads, by_func in ranks.world(2).run(
+        _resharded, reshard
+    ):
+        assert len(after_forward) == 4  # embed and three blocks, one buffer each
+        if reshard:
+            assert after_forward == [0, 0, 0, 0]
+            assert after_backward == [0, 0, 0, 0]
+        else:
+            assert all(n > 0 for n in after_forward)
+        assert twice
+        tree_allclose(grads, frozen, **TOL)
+        tree_allclose(by_func, expected, **TOL)

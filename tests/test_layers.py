@@ -42,7 +42,15 @@ BLOCKS = {
     "_collectives",
 }
 DDP = {"_ddp", "_ddp_reducer", "_ddp_traced", "_ddp_buffers", "_ddp_join"}
-SHARDING = {"_zero", "_zero_comm", "_zero_shards", "_checkpoint", "_fsdp", "_fsdp_gather"}
+SHARDING = {
+    "_zero",
+    "_zero_comm",
+    "_zero_shards",
+    "_checkpoint",
+    "_fsdp",
+    "_fsdp_gather",
+    "_fsdp_reshard",
+}
 DISTRIBUTED = BLOCKS | DDP | SHARDING
 
 
