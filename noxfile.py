@@ -142,4 +142,5 @@ def bench(session: nox.Session) -> None:
         "python", "benchmarks/bench_meanflow.py", "--compile", *session.posargs, env=COMPILE_CACHE
     )
     session.run("python", "benchmarks/zero_memory.py")
+    session.run("python", "benchmarks/fsdp_memory.py", *session.posargs)
     session.run("python", "benchmarks/bench_pack_order.py", *session.posargs, env=COMPILE_CACHE)

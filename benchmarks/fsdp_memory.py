@@ -1,0 +1,286 @@
+"""Per-rank peak memory of one AdamW step: DDP, ZeRO-2 and fully sharded, at 2 and 4 gloo ranks.
+
+The MLP of ``bench_distributed.py`` (8 hidden 1024-wide layers and a head:
+9 units, 8.4 M float32 parameters, 33.6 MB), batch 64 per rank. Measured,
+not computed: glibc's ``mallinfo2`` (the bytes the allocator has handed
+out, which is where CPU tensors live) is read after every op of the step
+(a ``TorchDispatchMode``) and at its ends; each figure is the peak minus
+the bytes in use before the method's tensors existed, on rank 0:
+
+- held between steps: parameters (or shards) and optimizer state;
+- peak during the step: everything, activations included (the same batch
+  and model for every method, so differences are parameters, gradients,
+  state and buffers);
+- a local step (no parallelism) gives the activations' share: its peak
+  minus its parameters, gradients and state.
+
+Every optimizer step writes in place (``donate=True``), as torch's do, so
+no method's peak holds a second copy of the parameters and state.
+
+The goal (issue 23): fully sharded parameters + gradients + state per rank
+<= (parameters + gradients + state) / world + two units. Step time, fully
+sharded / DDP, is measured in the same run (median of interleaved rounds).
+torch's own ``fully_shard`` runs the same model as modules where it can
+(said otherwise).
+
+    python benchmarks/fsdp_memory.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import multiprocessing as mp
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from bench_distributed import data, make_params, mlp
+from timing import interleaved
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fdp
+
+MB = 2**20
+
+
+class _Mallinfo(ctypes.Structure):
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd",
+            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+_LIBC = ctypes.CDLL("libc.so.6")
+_LIBC.mallinfo2.restype = _Mallinfo
+
+
+def in_use() -> int:
+    info = _LIBC.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+class Peak(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The allocator's peak in-use bytes, sampled after every op."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.peak = in_use()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, in_use())
+        return out
+
+
+def peak_of(step: Callable[[], None]) -> int:
+    """Peak in-use bytes of ``step`` (dispatch-sampled, and at collectives' ends)."""
+    gc.collect()
+    with Peak() as mode:
+        step()
+    return max(int(mode.peak), in_use())
+
+
+def held(*trees: Any) -> int:
+    seen: dict[int, int] = {}
+    leaves: list[Any] = optree.tree_leaves(trees, none_is_leaf=False)  # type: ignore[arg-type]
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def params_of(seed: int = 0) -> Any:
+    return optree.tree_map(torch.Tensor.detach, make_params(seed))  # type: ignore[arg-type]
+
+
+def measure(rank: int, size: int, rounds: int) -> dict[str, Any]:
+    x, y = data(rank)
+    opt = fdp.optim.adamw(1e-3)
+    out: dict[str, Any] = {}
+    steps: dict[str, Callable[[], None]] = {}
+
+    base = in_use()
+    box: list[Any] = [params_of(), None]
+    box[1] = opt.init(box[0])
+    local = lambda p: F.cross_entropy(mlp(p, x), y)  # noqa: E731
+
+    def local_step() -> None:
+        box[0], box[1] = opt.update(torch.func.grad(local)(box[0]), box[1], box[0], donate=True)
+
+    local_step()  # the state exists from here on, as in training
+    before = held(box)
+    out["local (no parallelism)"] = (before, peak_of(local_step) - base)
+    box.clear()
+    gc.collect()
+
+    base = in_use()
+    ddp_box: list[Any] = [params_of(), None]
+    ddp_box[1] = opt.init(ddp_box[0])
+    ddp = fdp.DistributedDataParallel(ddp_box[0])
+
+    def ddp_step() -> None:
+        grads = torch.func.grad(lambda p: F.cross_entropy(mlp(ddp(p), x), y))(ddp_box[0])
+        ddp_box[0], ddp_box[1] = opt.update(grads, ddp_box[1], ddp_box[0], donate=True)
+
+    ddp_step()
+    out["fdp DDP"] = (held(ddp_box), peak_of(ddp_step) - base)
+    steps["fdp DDP"] = ddp_step
+
+    base = in_use()
+    zparams = params_of()
+    zero = fdp.ZeroRedundancy(opt, zparams)
+    zbox: list[Any] = [zparams, zero.init(zparams)]
+    del zparams
+
+    def zero_step() -> None:
+        grads = torch.func.grad(local)(zbox[0])
+        zbox[0], zbox[1] = zero.step(grads, zbox[1], zbox[0], donate=True)
+
+    zero_step()
+    out["fdp ZeRO-2"] = (held(zbox[0], zbox[1].slots), peak_of(zero_step) - base)
+
+    base = in_use()
+    full = params_of()
+    fsdp = fdp.FullyShardedDataParallel(full)
+    shards = {k: tuple(t.requires_grad_() for t in ts) for k, ts in fsdp.shard(full).items()}
+    del full  # a rank keeps its shards only
+    gc.collect()
+    fbox: list[Any] = [shards, opt.init(shards)]
+
+    def layer(unit: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(F.linear(h, unit["w"], unit["b"]))
+
+    def head(unit: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(F.linear(h, unit["w"], unit["b"]), y)
+
+    # Each unit through apply: gathered for its function, freed until backward.
+    def fsdp_step() -> None:
+        s = fbox[0]
+        h = x
+        for i in range(len(fsdp.units) - 1):
+            h = fsdp.apply(s, str(i), layer, h)
+        loss = fsdp.apply(s, str(len(fsdp.units) - 1), head, h)
+        torch.autograd.backward(loss)
+        grads = {k: tuple(t.grad for t in ts) for k, ts in s.items()}
+        plain = {k: tuple(t.detach() for t in ts) for k, ts in s.items()}
+        opt.update(grads, fbox[1], plain, donate=True)  # in place: the shards themselves
+        for ts in s.values():
+            for t in ts:
+                t.grad = None
+
+    fsdp_step()
+    out["fdp fully sharded"] = (held(fbox), peak_of(fsdp_step) - base)
+    steps["fdp fully sharded"] = fsdp_step
+    out["units"] = len(fsdp.units)
+    out["time"] = interleaved(steps, rounds=rounds, repeats=2)
+    out["torch fully_shard"] = torch_fully_shard(rank, x, y)
+    return out
+
+
+def torch_fully_shard(rank: int, x: torch.Tensor, y: torch.Tensor) -> Any:
+    """torch's FSDP2 on the same model as modules, or why it does not run here."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        gc.collect()
+        base = in_use()  # before the modules: their full parameters are freed by sharding
+        layers = [torch.nn.Linear(p["w"].shape[1], p["w"].shape[0]) for p in make_params(0)]
+        body = [m for lin in layers[:-1] for m in (lin, torch.nn.Tanh())]
+        model = torch.nn.Sequential(*body, layers[-1])
+        for lin in layers:
+            fully_shard(lin)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step() -> None:
+            torch.autograd.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+
+        step()
+        gc.collect()
+        return (in_use() - base, peak_of(step) - base)
+    except Exception as e:
+        return f"refused: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+def run(rank: int, size: int, port: int, rounds: int, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+        timeout=datetime.timedelta(seconds=600),
+    )  # fmt: skip
+    measured = measure(rank, size, rounds)
+    if rank == 0:
+        results.put(measured)
+    dist.destroy_process_group()
+
+
+def report(size: int, m: dict[str, Any]) -> None:
+    params_bytes = held(params_of())
+    unit = params_bytes / m["units"]
+    goal = (params_bytes * 4) / size + 2 * unit * 2  # (p + g + 2 moments) / W + two units (p + g)
+    local_held, local_peak = m["local (no parallelism)"]
+    activations = local_peak - local_held - params_bytes  # the local step's grads: one tree
+    print(f"world {size}: {m['units']} units, parameters {params_bytes / MB:.1f} MiB")
+    print("| method | held between steps (MiB) | peak in a step (MiB) | peak - activations (MiB) |")
+    print("| --- | ---: | ---: | ---: |")
+    for name in ("local (no parallelism)", "fdp DDP", "fdp ZeRO-2", "fdp fully sharded"):
+        h, p = m[name]
+        print(f"| {name} | {h / MB:.1f} | {p / MB:.1f} | {(p - activations) / MB:.1f} |")
+    fs = m["torch fully_shard"]
+    if isinstance(fs, tuple):
+        h, p = fs
+        cells = f"{h / MB:.1f} | {p / MB:.1f} | {(p - activations) / MB:.1f}"
+        print(f"| torch fully_shard (modules) | {cells} |")
+    else:
+        print(f"| torch fully_shard (modules) | {fs} | | |")
+    sharded = m["fdp fully sharded"][1] - activations
+    print(
+        f"goal: fully sharded params + grads + state <= (p + g + state) / {size} + two units "
+        f"= {goal / MB:.1f} MiB; measured {sharded / MB:.1f} MiB (activations and "
+        f"temporaries, from the local step: {activations / MB:.1f} MiB)"
+    )
+    t = m["time"]
+    ratio = t["fdp fully sharded"] / t["fdp DDP"]
+    print(
+        f"step time: fully sharded {t['fdp fully sharded'] * 1e3:.1f} ms, DDP "
+        f"{t['fdp DDP'] * 1e3:.1f} ms -> {ratio:.2f}x\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    rounds = 3 if parser.parse_args().quick else 5
+    ctx = mp.get_context("spawn")
+    print(f"torch {torch.__version__}, gloo on 127.0.0.1, 1 intra-op thread per rank\n")
+    for size in (2, 4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        results = ctx.Queue()
+        procs = [
+            ctx.Process(target=run, args=(r, size, port, rounds, results)) for r in range(size)
+        ]
+        for p in procs:
+            p.start()
+        report(size, results.get(timeout=900))
+        for p in procs:
+            p.join(60)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
