@@ -228,7 +228,7 @@ def eager_only(leaves: Sequence[Any], *, buffers: bool) -> bool:
     compiled ``vmap`` fails in dynamo on any ``autograd.Function`` (torch
     2.13), and a buffer sync would mutate a captured tensor.
     """
-    if not _compat.functorch_active():
+    if not _compat.compiling_a_transform():
         return False
     return (
         buffers

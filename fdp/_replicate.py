@@ -119,7 +119,7 @@ def _refuse_compiled_transform(call: str) -> None:
     backward, so the replicas' gradients would never reach the source leaves
     (pytorch/pytorch#193279). Both checks are evaluated while dynamo traces.
     """
-    if torch.compiler.is_compiling() and _compat.functorch_active():
+    if _compat.compiling_a_transform():
         raise NotImplementedError(
             f"{call}: copying params to other devices inside torch.compile(torch.func.grad(...)) "
             "would give wrong gradients: torch 2.13 drops a custom autograd.Function's backward "
