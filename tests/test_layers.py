@@ -27,6 +27,7 @@ CORE = {
     "_bucket",
     "_compat",
     "_optim",
+    "_optim_rules",
     "_param_groups",
     "_clip",
     "_caches",

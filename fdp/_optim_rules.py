@@ -1,0 +1,234 @@
+"""``fdp.optim``'s optimizers: ``sgd``, ``adam``, ``adamw`` (``SGD``, ``Adam``).
+
+Each is an :class:`fdp._optim.Optimizer`: the update rule over the live
+leaves (real views of complex ones), as torch's ``foreach`` implementations
+compute it; ``fdp/_optim.py`` has what every optimizer shares (the
+contract, the checks, donation, the differentiable path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from fdp._optim import Lists, Optimizer, check_hyper, float_betas, foreach_op, one_minus
+
+
+class SGD(Optimizer):
+    """``torch.optim.SGD`` (``foreach=True``) as a pure function; see :func:`sgd`."""
+
+    name = "sgd"
+
+    def __init__(
+        self,
+        lr: float | torch.Tensor,
+        *,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(lr)
+        check_hyper(self.name, "momentum", momentum, lambda v: v >= 0, ">= 0")
+        check_hyper(self.name, "weight_decay", weight_decay, lambda v: v >= 0, ">= 0")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError(
+                f"fdp.optim.sgd: `nesterov=True` expected momentum > 0 and dampening 0; "
+                f"got momentum={momentum}, dampening={dampening}"
+            )
+        self.momentum, self.dampening = momentum, dampening
+        self.nesterov, self.weight_decay = nesterov, weight_decay
+        self.slots = ("momentum_buffer",) if momentum else ()
+
+    def _apply(
+        self, params: Lists, grads: Lists, slots: Mapping[str, Lists], steps: Lists, donate: bool
+    ) -> tuple[Lists, Mapping[str, Lists]]:
+        if self.weight_decay:
+            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
+        new_slots: dict[str, Lists] = {}
+        if self.momentum:
+            # torch starts the buffer at the first gradient itself; from
+            # zeros, "momentum * 0 + c * g" gives it with c = 1 at step 1.
+            bufs = foreach_op(donate, "mul", slots["momentum_buffer"], self.momentum)
+            if self.dampening:
+                scales = [torch.where(s > 1, 1 - self.dampening, 1.0) for s in steps]
+                torch._foreach_add_(bufs, torch._foreach_mul(grads, scales))
+            else:
+                torch._foreach_add_(bufs, grads)
+            new_slots["momentum_buffer"] = bufs
+            grads = torch._foreach_add(grads, bufs, alpha=self.momentum) if self.nesterov else bufs
+        return self._scaled_add(params, grads, -self.lr, donate), new_slots
+
+    def _leaf_step(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        slots: dict[str, torch.Tensor],
+        step: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.weight_decay:
+            g = g + self.weight_decay * p
+        new_slots: dict[str, torch.Tensor] = {}
+        if self.momentum:
+            damp = torch.where(step > 1, 1 - self.dampening, 1.0).to(g.dtype)
+            buf = self.momentum * slots["momentum_buffer"] + damp * g
+            new_slots["momentum_buffer"] = buf
+            g = g + self.momentum * buf if self.nesterov else buf
+        return p - self.lr * g, new_slots
+
+
+class Adam(Optimizer):
+    """``torch.optim.Adam``/``AdamW`` (``foreach=True``) as pure functions; see :func:`adam`."""
+
+    name = "adam"
+
+    def __init__(
+        self,
+        lr: float | torch.Tensor,
+        *,
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        decoupled: bool = False,
+    ) -> None:
+        super().__init__(lr)
+        betas = float_betas(self.name, betas)
+        for i, beta in enumerate(betas):
+            check_hyper(self.name, f"betas[{i}]", beta, lambda v: 0 <= v < 1, "in [0, 1)")
+        check_hyper(self.name, "eps", eps, lambda v: v >= 0, ">= 0")
+        check_hyper(self.name, "weight_decay", weight_decay, lambda v: v >= 0, ">= 0")
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.amsgrad, self.decoupled = amsgrad, decoupled
+        if decoupled:
+            self.name = "adamw"
+        self.slots = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+
+    def _apply(
+        self, params: Lists, grads: Lists, slots: Mapping[str, Lists], steps: Lists, donate: bool
+    ) -> tuple[Lists, Mapping[str, Lists]]:
+        beta1, beta2 = self.betas
+        if self.weight_decay and self.decoupled:
+            params = foreach_op(donate, "mul", params, 1 - self.lr * self.weight_decay)
+        elif self.weight_decay:
+            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
+        exp_avg = foreach_op(donate, "lerp", slots["exp_avg"], grads, 1 - beta1)
+        exp_avg_sq = foreach_op(donate, "mul", slots["exp_avg_sq"], beta2)
+        torch._foreach_addcmul_(exp_avg_sq, grads, grads, 1 - beta2)
+        new_slots: dict[str, Lists] = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        second = exp_avg_sq
+        if self.amsgrad:
+            second = foreach_op(donate, "maximum", slots["max_exp_avg_sq"], exp_avg_sq)
+            new_slots["max_exp_avg_sq"] = second
+        if not torch.compiler.is_compiling():
+            # Eagerly, Python floats as torch's foreach Adam uses: the
+            # scalar-list kernels, and one addcdiv for the update.
+            lr = float(self.lr)
+            counts = [float(s) for s in steps]
+            denom = torch._foreach_sqrt(second)
+            torch._foreach_div_(denom, [(1 - beta2**c) ** 0.5 for c in counts])
+            torch._foreach_add_(denom, self.eps)
+            sizes = [-lr / (1 - beta1**c) for c in counts]
+            return foreach_op(donate, "addcdiv", params, exp_avg, denom, sizes), new_slots
+        # Bias corrections per leaf, in float64 like torch's Python floats.
+        correction1 = one_minus(torch._foreach_pow(beta1, steps))
+        correction2 = one_minus(torch._foreach_pow(beta2, steps))
+        denom = torch._foreach_sqrt(second)
+        torch._foreach_div_(denom, torch._foreach_sqrt(correction2))
+        torch._foreach_add_(denom, self.eps)
+        step_size = torch._foreach_reciprocal(correction1)
+        torch._foreach_mul_(step_size, -self.lr)
+        direction = torch._foreach_div(exp_avg, denom)
+        torch._foreach_mul_(direction, step_size)
+        return foreach_op(donate, "add", params, direction), new_slots
+
+    def _leaf_step(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        slots: dict[str, torch.Tensor],
+        step: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        beta1, beta2 = self.betas
+        if self.weight_decay and self.decoupled:
+            p = p * (1 - self.lr * self.weight_decay)
+        elif self.weight_decay:
+            g = g + self.weight_decay * p
+        exp_avg = slots["exp_avg"] + (1 - beta1) * (g - slots["exp_avg"])
+        exp_avg_sq = beta2 * slots["exp_avg_sq"] + (1 - beta2) * g * g
+        new_slots = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        second = exp_avg_sq
+        if self.amsgrad:
+            second = new_slots["max_exp_avg_sq"] = torch.maximum(slots["max_exp_avg_sq"], second)
+        correction1 = 1 - beta1**step
+        correction2 = 1 - beta2**step
+        denom = (second.sqrt() / correction2.sqrt()).to(p.dtype) + self.eps
+        return p - (self.lr / correction1).to(p.dtype) * exp_avg / denom, new_slots
+
+
+def sgd(
+    lr: float | torch.Tensor,
+    *,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> SGD:
+    """``torch.optim.SGD`` as a pure ``init``/``update`` pair over a parameter tree.
+
+    Example:
+        >>> import torch, fdp
+        >>> params = {"w": torch.ones(2)}
+        >>> opt = fdp.optim.sgd(0.1, momentum=0.9)
+        >>> state = opt.init(params)
+        >>> params, state = opt.update({"w": torch.ones(2)}, state, params)
+        >>> params["w"]
+        tensor([0.9000, 0.9000])
+    """
+    return SGD(
+        lr, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay
+    )
+
+
+def adam(
+    lr: float | torch.Tensor = 1e-3,
+    *,
+    betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+) -> Adam:
+    """``torch.optim.Adam`` as a pure ``init``/``update`` pair over a parameter tree.
+
+    Example:
+        >>> import torch, fdp
+        >>> params = {"w": torch.ones(2)}
+        >>> opt = fdp.optim.adam(0.1)
+        >>> params, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+        >>> params["w"]
+        tensor([0.9000, 0.9000])
+    """
+    return Adam(lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+
+
+def adamw(
+    lr: float | torch.Tensor = 1e-3,
+    *,
+    betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    amsgrad: bool = False,
+) -> Adam:
+    """``torch.optim.AdamW`` (decoupled weight decay) as a pure ``init``/``update`` pair.
+
+    Example:
+        >>> import torch, fdp
+        >>> opt = fdp.optim.adamw(1e-3)
+        >>> state = opt.init({"w": torch.ones(2)})
+        >>> sorted(state)
+        ['exp_avg', 'exp_avg_sq', 'step']
+    """
+    return Adam(
+        lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, decoupled=True
+    )
