@@ -119,7 +119,6 @@ class FullyShardedDataParallel:
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reshard_after_forward = reshard_after_forward
         self._planned = _tree.Planned(params, owner="this FullyShardedDataParallel")
-        self._spec = _tree.flatten(params)[1]
         # A tensor at several leaves (tied weights) is sharded once, at its first.
         firsts: dict[int, int] = {}
         self._ties = {
@@ -167,7 +166,7 @@ class FullyShardedDataParallel:
         out: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
         for unit in self.units:
             self._gather_into(out, unit, shards[unit.name])
-        return _tree.unflatten(self._spec, self._tied(out))
+        return _tree.unflatten(self._planned.structure(call), self._tied(out))
 
     def gather(self, shards: dict[str, tuple[torch.Tensor, ...]], name: str) -> Any:
         """Unit ``name``'s subtree of the params tree, all-gathered (differentiably).
@@ -179,7 +178,7 @@ class FullyShardedDataParallel:
         unit = self._unit(call, shards, name)
         out: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
         self._gather_into(out, unit, shards[name])
-        return _subtree(_tree.unflatten(self._spec, self._tied(out)), name)
+        return _subtree(_tree.unflatten(self._planned.structure(call), self._tied(out)), name)
 
     def apply(
         self,
@@ -203,7 +202,8 @@ class FullyShardedDataParallel:
         unit = self._unit(call, shards, name)
         tree: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
         gathered = self._gather_into(tree, unit, shards[name])
-        out = fn(_subtree(_tree.unflatten(self._spec, self._tied(tree)), name), *args, **kwargs)
+        whole = _tree.unflatten(self._planned.structure(call), self._tied(tree))
+        out = fn(_subtree(whole, name), *args, **kwargs)
         outputs = [t for t in _tree.flatten(out)[0] if isinstance(t, torch.Tensor)]
         outputs = [t for t in outputs if t.requires_grad]
         if self.reshard_after_forward and _fsdp_reshard.eligible(outputs):
@@ -223,7 +223,7 @@ class FullyShardedDataParallel:
                     flat = _fsdp_gather.gather(shard.detach(), how)[: bucket.numel]
                     for i, leaf in zip(bucket.indices, bucket.unpack(flat), strict=True):
                         out[i] = leaf.clone()
-        return _tree.unflatten(self._spec, self._tied(out))
+        return _tree.unflatten(self._planned.structure(call), self._tied(out))
 
     def _unit(self, call: str, shards: Any, name: str) -> Unit:
         self._check_shards(call, shards)

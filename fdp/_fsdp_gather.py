@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fdp import _groups
+from fdp import _compat, _groups
 from fdp._groups import ProcessGroup
 
 
@@ -45,8 +45,39 @@ def gather(shard: torch.Tensor, how: How) -> torch.Tensor:
     parts for this rank (a reduce-scatter in ``reduce_dtype``, divided by
     the world size), in the shard's dtype.
     """
+    if torch.compiler.is_compiling():
+        if _compat.compiling_a_transform():
+            raise NotImplementedError(
+                "fdp.FullyShardedDataParallel: gathering shards inside torch.compile of a "
+                "torch.func transform would lose the reduce-scatter of the gradients (torch drops "
+                "a custom autograd.Function's backward there, pytorch/pytorch#193279); compile "
+                "the loss and call .backward() or torch.autograd.grad on it, or run the "
+                "transform without torch.compile"
+            )
+        traced: torch.Tensor = _Traced.apply(shard, how, 1.0 / how.world)  # type: ignore[no-untyped-call]
+        return traced
     out: torch.Tensor = _Gather.apply(shard, how, 1.0 / how.world)  # type: ignore[no-untyped-call]
     return out
+
+
+class _Traced(torch.autograd.Function):
+    """:class:`_Gather` for ``torch.compile``: functional collectives both ways.
+
+    No ``jvp`` or ``vmap`` rule, which dynamo cannot trace; compiled
+    transforms are refused before this (see :func:`gather`).
+    """
+
+    @staticmethod
+    def forward(x: torch.Tensor, how: How, scale: float) -> torch.Tensor:
+        return _all_gather(x, how)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.how, ctx.scale = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _reduce_scatter(grad, ctx.how) * ctx.scale, None, None
 
 
 def _all_gather(x: torch.Tensor, how: How) -> torch.Tensor:

@@ -497,3 +497,34 @@ def test_apply_frees_each_unit_between_forward_and_backward(reshard: bool) -> No
         assert twice
         tree_allclose(grads, frozen, **TOL)
         tree_allclose(by_func, expected, **TOL)
+
+
+def _compiled(rank: int, size: int, backend: str) -> Any:
+    """``fsdp(shards)`` and ``fsdp.apply`` inside one ``fullgraph=True`` compiled loss."""
+    params = make_params()
+    fsdp = fdp.FullyShardedDataParallel(params)
+    x, y = data(size)
+    shards = fsdp.shard(params)
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def loss(s: Shards, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return local_loss(fsdp(s), x, y) + 0.0 * fsdp.apply(s, "conv", torch.sum)
+
+    torch.autograd.backward(loss(shards, mine(x, rank), mine(y, rank)))
+
+    def grad(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(t) if t.grad is None else t.grad
+
+    grads = fsdp.full({k: tuple(grad(t) for t in ts) for k, ts in shards.items()})
+    refused = torch.compile(torch.func.grad(lambda s: local_loss(fsdp(s), x, y)), fullgraph=True)
+    with pytest.raises(Exception, match=r"would lose the reduce-scatter"):
+        refused(_detached(shards))
+    return grads
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_inside_one_compiled_graph_the_gradients_are_the_eager_ones(backend: str) -> None:
+    expected = reference_grad(2, local_loss)
+    expected = {**expected, "frozen": torch.zeros_like(expected["frozen"])}  # requires no grad
+    for grads in ranks.world(2).run(_compiled, backend):
+        tree_allclose(grads, expected, **TOL)
