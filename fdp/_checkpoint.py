@@ -244,7 +244,9 @@ class _Zero(_Leaf):
             for part, values in zip(shards.parts, per_bucket, strict=True):
                 for seg, t in zip(part.segments, values, strict=True):
                     if isinstance(t, torch.Tensor):
-                        entry = f"{key}[{name!r}]{shards.paths[seg.leaf]}"
+                        # The slot "" is the parameters themselves (fully sharded).
+                        slot = f"[{name!r}]" if name else ""
+                        entry = f"{key}{slot}{shards.paths[seg.leaf]}"
                         self.entries[entry] = _piece(shards, seg, t)
                         self.pieces[entry] = (seg, t, part.bucket.order(seg.j))
 

@@ -26,9 +26,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from fdp import _agreement, _bucket, _fsdp_gather, _fsdp_reshard, _tree
+from fdp import _agreement, _bucket, _fsdp_gather, _fsdp_reshard, _fsdp_state, _tree, _zero_shards
 from fdp._collectives import tensor_leaves
 from fdp._groups import ProcessGroup
+from fdp._zero import ZeroState
 
 T = TypeVar("T")
 
@@ -129,6 +130,10 @@ class FullyShardedDataParallel:
         # Leaves that are not sharded (None, integer tensors) are kept as given.
         self._kept = {i: leaf for i, leaf in enumerate(leaves) if tensors[i] is None}
         self.units = _plan(call, params, sharded, units, self.world)
+        # The same slices as a ZeroRedundancy's, for checkpoints (fdp/_fsdp_state.py).
+        buckets = [b for u in self.units for b in u.buckets]
+        self._layout = _zero_shards.from_buckets(params, buckets, sharded, group=group)
+        self._bucket_units = [(u.name, b) for u in self.units for b in range(len(u.buckets))]
 
     def __repr__(self) -> str:
         return (
@@ -224,6 +229,28 @@ class FullyShardedDataParallel:
                     for i, leaf in zip(bucket.indices, bucket.unpack(flat), strict=True):
                         out[i] = leaf.clone()
         return _tree.unflatten(self._planned.structure(call), self._tied(out))
+
+    def to_checkpoint(self, value: Any) -> Any:
+        """``value`` (the shards, or an ``fdp.optim`` state over them) for ``fdp.save_checkpoint``.
+
+        A ``ZeroState`` whose entries are each parameter leaf's elements
+        under the key an unsharded tree would use, so the checkpoint loads
+        into another world size and into unsharded parameters and state.
+        Pass one to ``fdp.load_checkpoint`` as ``like`` and the result to
+        :meth:`from_checkpoint`.
+        """
+        call = "fdp.FullyShardedDataParallel.to_checkpoint"
+        return _fsdp_state.to_state(self._layout, self._bucket_units, value, call=call)
+
+    def from_checkpoint(self, state: Any) -> Any:
+        """The shards (or ``fdp.optim`` state) a loaded :meth:`to_checkpoint` state holds."""
+        if not isinstance(state, ZeroState) or state.shards is not self._layout:
+            raise ValueError(
+                "fdp.FullyShardedDataParallel.from_checkpoint: `state` expected what "
+                "load_checkpoint returned for this instance's to_checkpoint(...) as `like`; "
+                f"got {_tree.describe(state)}"
+            )
+        return _fsdp_state.from_state(self._layout, self._bucket_units, state)
 
     def _unit(self, call: str, shards: Any, name: str) -> Unit:
         self._check_shards(call, shards)

@@ -87,10 +87,21 @@ def plan(
     params: Any, tensors: Sequence[torch.Tensor | None], *, cap: int, group: ProcessGroup | None
 ) -> Shards:
     """The buckets, slices and segments of ``tensors`` (the trained leaves of ``params``)."""
+    return from_buckets(params, _bucket.plan(tensors, cap_bytes=cap), tensors, group=group)
+
+
+def from_buckets(
+    params: Any,
+    buckets: Sequence[_bucket.Bucket],
+    tensors: Sequence[torch.Tensor | None],
+    *,
+    group: ProcessGroup | None,
+) -> Shards:
+    """The slices and segments of ``buckets`` (over ``tensors``, the leaves of ``params``)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     parts: list[Part] = []
     placements: dict[int, list[tuple[int, int, int]]] = {}
-    for bucket in _bucket.plan(tensors, cap_bytes=cap):
+    for bucket in buckets:
         size = -(-bucket.numel // world)
         parts.append(Part(bucket, size, _segments(bucket, size, rank)))
         for r in range(world):

@@ -528,3 +528,57 @@ def test_inside_one_compiled_graph_the_gradients_are_the_eager_ones(backend: str
     expected = {**expected, "frozen": torch.zeros_like(expected["frozen"])}  # requires no grad
     for grads in ranks.world(2).run(_compiled, backend):
         tree_allclose(grads, expected, **TOL)
+
+
+def _save(rank: int, size: int, path: str) -> Any:
+    """Two AdamW steps fully sharded, then a checkpoint of the shards and the state."""
+    params = make_params()
+    fsdp = fdp.FullyShardedDataParallel(params)
+    shards = _detached(fsdp.shard(params))
+    opt = fdp.optim.adamw(0.05)
+    state = opt.init(shards)
+    x, y = data(size)
+    for _ in range(2):
+        grads = _by_func_grad(fsdp, shards, mine(x, rank), mine(y, rank))
+        shards, state = opt.update(grads, state, shards)
+    saved = {"params": fsdp.to_checkpoint(shards), "opt": fsdp.to_checkpoint(state)}
+    fdp.save_checkpoint(path, saved)
+    return fsdp.full(shards), fsdp.full(state["exp_avg"])
+
+
+def _load(rank: int, size: int, path: str) -> Any:
+    """The checkpoint on another world size, then one more step."""
+    params = make_params()
+    fsdp = fdp.FullyShardedDataParallel(params)
+    shards = _detached(fsdp.shard(params))
+    opt = fdp.optim.adamw(0.05)
+    like = {"params": fsdp.to_checkpoint(shards), "opt": fsdp.to_checkpoint(opt.init(shards))}
+    loaded = fdp.load_checkpoint(path, like=like)
+    shards, state = fsdp.from_checkpoint(loaded["params"]), fsdp.from_checkpoint(loaded["opt"])
+    return fsdp.full(shards), fsdp.full(state["exp_avg"]), state["step"]["embed"][0].item()
+
+
+def test_checkpoints_reshard_to_another_world_size_and_load_unsharded(tmp_path: Any) -> None:
+    path = str(tmp_path / "ckpt")
+    (saved, moments), *_ = ranks.world(2).run(_save, path)
+    for got, got_moments, step in ranks.world(3).run(_load, path):
+        tree_allclose(got, saved, rtol=0, atol=0)
+        tree_allclose(got_moments, moments, rtol=0, atol=0)
+        assert step == 2.0
+    # The same checkpoint into unsharded parameters and an unsharded fdp.optim state.
+    params = make_params()
+    variables = {k: params[k].detach() for k in ("embed", "conv", "frozen")}
+    variables["blocks"] = [{k: t.detach() for k, t in b.items()} for b in params["blocks"]]
+    variables["head"] = {k: params["head"][k].detach() for k in ("w", "phase")}
+    opt_state = fdp.optim.adamw(0.05).init(variables)
+    loaded = fdp.load_checkpoint(path, like={"params": variables, "opt": opt_state})
+    for k in ("embed", "conv", "frozen", "blocks"):
+        tree_allclose(loaded["params"][k], saved[k], rtol=0, atol=0)
+    tree_allclose(loaded["opt"]["exp_avg"]["head"]["w"], moments["head"]["w"], rtol=0, atol=0)
+    # And back: an unsharded checkpoint (one process) into fully sharded ranks.
+    unsharded = str(tmp_path / "unsharded")
+    fdp.save_checkpoint(unsharded, loaded)
+    for got, got_moments, step in ranks.world(2).run(_load, unsharded):
+        tree_allclose(got, saved, rtol=0, atol=0)
+        tree_allclose(got_moments, moments, rtol=0, atol=0)
+        assert step == 2.0

@@ -51,6 +51,7 @@ SHARDING = {
     "_fsdp",
     "_fsdp_gather",
     "_fsdp_reshard",
+    "_fsdp_state",
 }
 DISTRIBUTED = BLOCKS | DDP | SHARDING
 
