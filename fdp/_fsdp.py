@@ -26,7 +26,18 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from fdp import _agreement, _bucket, _fsdp_gather, _fsdp_reshard, _fsdp_state, _tree, _zero_shards
+from fdp import (
+    _agreement,
+    _bucket,
+    _clip,
+    _fsdp_gather,
+    _fsdp_reshard,
+    _fsdp_state,
+    _groups,
+    _transforms,
+    _tree,
+    _zero_shards,
+)
 from fdp._collectives import tensor_leaves
 from fdp._groups import ProcessGroup
 from fdp._zero import ZeroState
@@ -229,6 +240,31 @@ class FullyShardedDataParallel:
                     for i, leaf in zip(bucket.indices, bucket.unpack(flat), strict=True):
                         out[i] = leaf.clone()
         return _tree.unflatten(self._planned.structure(call), self._tied(out))
+
+    def clip_grad_norm(
+        self, grads: dict[str, tuple[torch.Tensor, ...]], max_norm: float | torch.Tensor
+    ) -> tuple[dict[str, tuple[torch.Tensor, ...]], torch.Tensor]:
+        """The shards' gradients scaled so that their global 2-norm is at most ``max_norm``.
+
+        The norm is over every rank's shards (one all-reduce of one number),
+        so it equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded
+        gradients; a tied tensor counts once. Returns the clipped gradients
+        and the norm before clipping. Differentiable (a ``psum`` under
+        autograd or a transform).
+        """
+        call = "fdp.FullyShardedDataParallel.clip_grad_norm"
+        self._check_shards(call, grads)
+        tensors = [t for unit in self.units for t in grads[unit.name]]
+        wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        squares = torch.stack([torch.linalg.vector_norm(t, dtype=wide) ** 2 for t in tensors])
+        local = squares.sum()
+        if _transforms.needs_rule([local]):
+            total = _transforms.psum(local, group=self.group).sqrt()
+        else:
+            total = _groups.all_reduce(local, group=self.group).sqrt()
+        scale = torch.clamp(max_norm / (total + _clip.EPS), max=1.0)
+        clipped = {k: tuple(t * scale.to(t.dtype) for t in ts) for k, ts in grads.items()}
+        return clipped, total
 
     def to_checkpoint(self, value: Any) -> Any:
         """``value`` (the shards, or an ``fdp.optim`` state over them) for ``fdp.save_checkpoint``.

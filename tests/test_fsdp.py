@@ -582,3 +582,43 @@ def test_checkpoints_reshard_to_another_world_size_and_load_unsharded(tmp_path: 
         tree_allclose(got, saved, rtol=0, atol=0)
         tree_allclose(got_moments, moments, rtol=0, atol=0)
         assert step == 2.0
+
+
+def _clipped(rank: int, size: int, max_norm: float) -> Any:
+    params = make_params()
+    fsdp = fdp.FullyShardedDataParallel(params)
+    x, y = data(size)
+    shards = _detached(fsdp.shard(params))
+    grads = _by_func_grad(fsdp, shards, mine(x, rank), mine(y, rank))
+    clipped, norm = fsdp.clip_grad_norm(grads, max_norm)
+    return fsdp.full(clipped), norm
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 100.0], ids=["clipped", "unclipped"])
+def test_clip_grad_norm_over_the_shards_equals_torchs_on_the_whole_tree(max_norm: float) -> None:
+    expected = reference_grad(2, local_loss)
+    # torch's clip_grad_norm_ on the unsharded gradients (the tied tensor once).
+    leaves = [expected["embed"], expected["conv"], expected["frozen"], expected["head"]["w"]]
+    leaves += [expected["head"]["phase"]] + [t for b in expected["blocks"] for t in b.values()]
+    copies = [t.clone() for t in leaves]
+    norm = torch.nn.utils.clip_grad_norm_(_as_params(copies), max_norm)
+    scale = min(1.0, max_norm / (float(norm) + 1e-6))
+
+    def scaled_leaf(t: Any) -> Any:  # the integer buffer stays
+        trained = isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+        return t * scale if trained else t
+
+    scaled = torch.utils._pytree.tree_map(scaled_leaf, expected)
+    for got, got_norm in ranks.world(2).run(_clipped, max_norm):
+        torch.testing.assert_close(got_norm, norm, **TOL)
+        tree_allclose(got, scaled, **TOL)
+
+
+def _as_params(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Parameters whose ``.grad`` is each of ``grads`` (what clip_grad_norm_ takes)."""
+    out = []
+    for g in grads:
+        p = torch.zeros_like(g, requires_grad=True)
+        p.grad = g
+        out.append(p)
+    return out
