@@ -95,6 +95,13 @@ def train_zero(session: nox.Session) -> None:
 
 
 @nox.session
+def train_lm_fsdp(session: nox.Session) -> None:
+    """A transformer LM fully sharded on 2 processes (bf16), checkpointed; -- --resume continues."""
+    install(session, "examples")
+    session.run(*TORCHRUN, "examples/train_lm_fsdp.py", *session.posargs)
+
+
+@nox.session
 def train_meanflow(session: nox.Session) -> None:
     """A one-step MeanFlow generator on 2 processes, ddp(params) inside torch.func.jvp."""
     install(session, "examples")
@@ -119,6 +126,12 @@ def examples(session: nox.Session) -> None:
     zero = (*TORCHRUN, "examples/train_digits_zero.py", *ckpt, "30")
     session.run(*zero, "--epochs", "3", "--min-accuracy", "0")
     session.run(*zero, "--resume", "--min-accuracy", "0.95")
+    # A fully sharded language model: 30 steps (checkpointed at 15 and 30), resumed to 40.
+    directory = os.path.join(session.create_tmp(), "lm_fsdp")
+    shutil.rmtree(directory, ignore_errors=True)
+    lm = (*TORCHRUN, "examples/train_lm_fsdp.py", "--checkpoint-dir", directory)
+    session.run(*lm, "--steps", "30", "--checkpoint-every", "15", "--loss-threshold", "2.5")
+    session.run(*lm, "--resume", "--steps", "40", "--loss-threshold", "2.5")
     # MeanFlow: ddp(params) inside jvp, eager and compiled; one-step samples within the MMD bound.
     session.run(*TORCHRUN, "examples/train_meanflow.py")
     session.run(*TORCHRUN, "examples/train_meanflow.py", "--compile", env=COMPILE_CACHE)

@@ -1,0 +1,253 @@
+"""Train a small transformer language model fully sharded (fdp.FullyShardedDataParallel).
+
+An 8-block, pre-norm, causal transformer over characters, written as a pure
+function of its parameter tree, on text the example generates (sentences
+of a small grammar, so there is something to learn). Launched with
+torchrun: every rank keeps only its shards of the parameters, gradients and
+AdamW state; each block is gathered in bfloat16 just for its own forward
+(``fsdp.apply``), freed, and gathered again by backward; gradients are
+reduce-scattered in float32 and clipped by their global norm. Every
+``--checkpoint-every`` steps the shards, the AdamW state and the step are
+saved (``fdp.save_checkpoint``); ``--resume`` continues from the newest
+complete checkpoint, on any number of ranks. The last line printed is one
+JSON object: the final loss (the mean of the last 10 steps'), the loss it
+must beat, this rank's shard bytes against the whole model's, and the
+process's peak resident memory (``ru_maxrss``, the torch runtime included;
+docs/fsdp.md has the allocator-level comparison with DDP and torch).
+
+    torchrun --standalone --nproc_per_node=2 examples/train_lm_fsdp.py
+    torchrun --standalone --nproc_per_node=2 examples/train_lm_fsdp.py --resume --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fdp
+
+WORDS = {
+    "subject": ["the cat", "a dog", "my friend", "the old man", "a bird", "the child"],
+    "verb": ["sees", "likes", "finds", "follows", "hears", "draws"],
+    "object": ["the moon", "a red ball", "the river", "an apple", "the small house"],
+    "end": [".", " today.", " again.", " at night."],
+}
+
+
+def make_text(sentences: int, seed: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(kind: str) -> str:
+        options = WORDS[kind]
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    return " ".join(
+        f"{pick('subject')} {pick('verb')} {pick('object')}{pick('end')}" for _ in range(sentences)
+    )
+
+
+def init_params(vocab: int, dim: int, blocks: int, context: int, seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) / math.sqrt(shape[0])
+
+    def block() -> dict[str, torch.Tensor]:
+        return {
+            "norm1": torch.ones(dim),
+            "qkv": w(dim, 3 * dim),
+            "proj": w(dim, dim) / math.sqrt(2 * blocks),
+            "norm2": torch.ones(dim),
+            "up": w(dim, 4 * dim),
+            "down": w(4 * dim, dim) / math.sqrt(2 * blocks),
+        }
+
+    return {
+        "embed": {"tokens": w(vocab, dim) * math.sqrt(vocab), "positions": w(context, dim) * 0.1},
+        "blocks": [block() for _ in range(blocks)],
+        "head": {"norm": torch.ones(dim), "out": w(dim, vocab)},
+    }
+
+
+def attention_block(p: dict[str, torch.Tensor], h: torch.Tensor, heads: int) -> torch.Tensor:
+    batch, time, dim = h.shape
+    x = F.rms_norm(h, (dim,), p["norm1"])
+    q, k, v = torch.split(x @ p["qkv"], dim, dim=-1)
+    q, k, v = (t.view(batch, time, heads, dim // heads).transpose(1, 2) for t in (q, k, v))
+    att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    h = h + att.transpose(1, 2).reshape(batch, time, dim) @ p["proj"]
+    x = F.rms_norm(h, (dim,), p["norm2"])
+    return h + F.gelu(x @ p["up"]) @ p["down"]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch-size", type=int, default=32, help="global, over all ranks")
+    parser.add_argument("--context", type=int, default=48)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--max-norm", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints/lm_fsdp"))
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps")
+    parser.add_argument("--resume", action="store_true", help="from the newest checkpoint")
+    parser.add_argument(
+        "--loss-threshold", type=float, default=None,
+        help="exit 1 unless the final loss is below this (default: half of log(vocab))",
+    )  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def latest(directory: Path) -> Path | None:
+    """The newest complete checkpoint: DCP writes ``.metadata`` last."""
+    done = [p for p in directory.glob("step_*") if (p / ".metadata").exists()]
+    return max(done, key=lambda p: int(p.name.removeprefix("step_")), default=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        sys.exit("launch with torchrun, e.g. torchrun --standalone --nproc_per_node=2 " + __file__)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        return train(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    text = make_text(4000, args.seed)
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text])
+    params = init_params(len(chars), args.dim, args.blocks, args.context, args.seed)
+    fsdp = fdp.FullyShardedDataParallel(
+        params, param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+    )
+    opt = fdp.optim.adamw(args.lr, weight_decay=0.01)
+    shards = fsdp.shard(params)
+    total_bytes = sum(t.numel() * t.element_size() for t in _leaves(params))
+    del params  # each rank keeps its shards only
+    state: dict[str, Any] = {"shards": shards, "opt": opt.init(shards), "step": 0}
+    found = latest(args.checkpoint_dir) if args.resume else None
+    if found is not None:
+        like = {"shards": fsdp.to_checkpoint(shards), "opt": fsdp.to_checkpoint(state["opt"])}
+        loaded = fdp.load_checkpoint(found, {**like, "step": 0})
+        state = {
+            "shards": fsdp.from_checkpoint(loaded["shards"]),
+            "opt": fsdp.from_checkpoint(loaded["opt"]),
+            "step": loaded["step"],
+        }
+    if rank == 0:
+        print(
+            f"lm: {world} ranks, {len(fsdp.units)} units, {total_bytes / 1e3:.0f} kB of "
+            f"parameters, vocab {len(chars)}"
+            + (f"; resumed from {found} (step {state['step']})" if found else "")
+        )
+    final = run(args, fsdp, opt, state, data)
+    threshold = args.loss_threshold or 0.5 * math.log(len(chars))
+    shard_bytes = sum(t.numel() * t.element_size() for ts in state["shards"].values() for t in ts)
+    report = {
+        "final_loss": round(final, 4),
+        "loss_threshold": round(threshold, 4),
+        "param_bytes_per_rank": shard_bytes,
+        "param_bytes_total": total_bytes,
+        "peak_bytes_per_rank": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "world_size": world,
+        "steps": state["step"],
+    }
+    if rank == 0:
+        print(json.dumps(report))
+    return 0 if final < threshold else 1
+
+
+def run(
+    args: argparse.Namespace,
+    fsdp: fdp.FullyShardedDataParallel,
+    opt: Any,
+    state: dict[str, Any],
+    data: torch.Tensor,
+) -> float:
+    """Trains from ``state["step"]`` to ``--steps``; returns the last steps' mean loss."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = args.batch_size // world
+    recent: list[float] = []
+    while state["step"] < args.steps:
+        g = torch.Generator().manual_seed(args.seed * 100_003 + state["step"])
+        starts = torch.randint(len(data) - args.context - 1, (args.batch_size,), generator=g)
+        mine = starts[rank * per_rank : (rank + 1) * per_rank]
+        x = torch.stack([data[s : s + args.context] for s in mine])
+        y = torch.stack([data[s + 1 : s + args.context + 1] for s in mine])
+        shards = {
+            k: tuple(t.detach().requires_grad_() for t in ts) for k, ts in state["shards"].items()
+        }
+        loss = lm_loss(fsdp, shards, x, y, args.heads)
+        torch.autograd.backward(loss)
+        grads, _norm = fsdp.clip_grad_norm(
+            {k: tuple(t.grad for t in ts) for k, ts in shards.items()}, args.max_norm
+        )
+        plain = {k: tuple(t.detach() for t in ts) for k, ts in shards.items()}
+        state["shards"], state["opt"] = opt.update(grads, state["opt"], plain)
+        state["step"] += 1
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        recent = [*recent, float(total) / world][-10:]
+        if rank == 0 and state["step"] % 25 == 0:
+            print(f"step {state['step']}: loss {recent[-1]:.4f}")
+        if state["step"] % args.checkpoint_every == 0 or state["step"] == args.steps:
+            save(args, fsdp, state)
+    return sum(recent) / max(1, len(recent)) if recent else float("nan")
+
+
+def lm_loss(
+    fsdp: fdp.FullyShardedDataParallel, shards: Any, x: torch.Tensor, y: torch.Tensor, heads: int
+) -> torch.Tensor:
+    """Next-character cross-entropy; each unit gathered only for its own function."""
+
+    def embed(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return p["tokens"][x] + p["positions"][: x.shape[1]]
+
+    def head(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        logits = F.rms_norm(h, (h.shape[-1],), p["norm"]) @ p["out"]
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    h = fsdp.apply(shards, "embed", embed, x)
+    for name in fsdp.unit_names:
+        if name.startswith("blocks."):
+            h = fsdp.apply(shards, name, attention_block, h, heads)
+    loss: torch.Tensor = fsdp.apply(shards, "head", head, h)
+    return loss
+
+
+def save(
+    args: argparse.Namespace, fsdp: fdp.FullyShardedDataParallel, state: dict[str, Any]
+) -> None:
+    checkpoint = {
+        "shards": fsdp.to_checkpoint(state["shards"]),
+        "opt": fsdp.to_checkpoint(state["opt"]),
+        "step": state["step"],
+    }
+    fdp.save_checkpoint(args.checkpoint_dir / f"step_{state['step']}", checkpoint)
+
+
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
