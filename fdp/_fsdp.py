@@ -88,11 +88,16 @@ class FullyShardedDataParallel:
             (``"blocks.0"``, as ``named_parameters`` writes them); leaves
             under no name form one more unit, ``""``. ``None``: each
             top-level entry, and each element of a top-level list or tuple.
-        group: the process group (default: the world).
+        group: the process group the shards are cut across (default: the
+            world).
         param_dtype: the dtype parameters are gathered and computed in
             (e.g. ``torch.bfloat16``); ``None``: their own.
         reduce_dtype: the dtype gradients are reduce-scattered in (e.g.
             ``torch.float32``); ``None``: ``param_dtype``'s.
+        mesh: instead of ``group``, a 2-D ``torch.distributed`` device mesh
+            for hybrid sharding (HSDP): shards are cut across its second
+            dimension and replicated across its first, whose ranks all-reduce
+            the reduce-scattered gradients.
         reshard_after_forward: free a unit gathered by :meth:`apply` once
             its function returns, and gather it again for backward (FSDP2's
             option); ``False`` keeps it gathered until backward.
@@ -116,12 +121,17 @@ class FullyShardedDataParallel:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         reshard_after_forward: bool = True,
+        mesh: Any = None,
     ) -> None:
         call = "fdp.FullyShardedDataParallel"
+        group, self.replicas = _mesh_groups(call, group, mesh)
         _agreement.require_member(call, group)
         leaves, _spec, tensors = tensor_leaves(params, call=call, arg="params", float_only=True)
         described = _agreement.signature(params, leaves, "params", requires_grad=False)
         _agreement.check(described, group=group, call=call, arg="params")
+        if self.replicas is not None:
+            _agreement.check(described, group=self.replicas, call=call, arg="params")
+        self.replicas_world = 1 if self.replicas is None else dist.get_world_size(self.replicas)
         for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and not (
                 isinstance(dtype, torch.dtype) and dtype.is_floating_point
@@ -276,6 +286,11 @@ class FullyShardedDataParallel:
         :meth:`from_checkpoint`.
         """
         call = "fdp.FullyShardedDataParallel.to_checkpoint"
+        if self.replicas is not None:
+            raise NotImplementedError(
+                f"{call}: checkpoints of hybrid-sharded (mesh=) shards are not supported yet; "
+                "gather them with full() and save the unsharded tree"
+            )
         return _fsdp_state.to_state(self._layout, self._bucket_units, value, call=call)
 
     def from_checkpoint(self, state: Any) -> Any:
@@ -323,7 +338,10 @@ class FullyShardedDataParallel:
 
     def _how(self, shard_dtype: torch.dtype, param_dtype: torch.dtype) -> _fsdp_gather.How:
         reduce = param_dtype if self.reduce_dtype is None else self.reduce_dtype
-        return _fsdp_gather.How(self.group, self.world, param_dtype, reduce, shard_dtype)
+        total = self.world * self.replicas_world
+        return _fsdp_gather.How(
+            self.group, self.world, param_dtype, reduce, shard_dtype, self.replicas, total
+        )
 
     def _check_shards(self, call: str, shards: Any) -> None:
         if not isinstance(shards, dict) or sorted(shards) != sorted(self.unit_names):
@@ -371,6 +389,21 @@ def _plan(
         sizes = tuple(-(-b.numel // world) for b in buckets)
         out.append(Unit(name, tuple(buckets), sizes))
     return tuple(out)
+
+
+def _mesh_groups(call: str, group: Any, mesh: Any) -> tuple[Any, Any]:
+    """(the shard group, the replica group or None) from ``group`` or a 2-D ``mesh``."""
+    if mesh is None:
+        return group, None
+    if group is not None:
+        raise ValueError(f"{call}: pass `group` or `mesh`, not both; got both")
+    ndim = getattr(mesh, "ndim", None)
+    if ndim != 2:
+        raise ValueError(
+            f"{call}: `mesh` expected a 2-D DeviceMesh (replicate, shard); got "
+            f"{_tree.describe(mesh) if ndim is None else f'a {ndim}-D mesh'}"
+        )
+    return mesh.get_group(1), mesh.get_group(0)
 
 
 def _kind(t: torch.Tensor | None) -> tuple[bool, bool]:

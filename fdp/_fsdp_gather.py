@@ -8,7 +8,9 @@ the gradient of the mean of the ranks' losses, as under DDP.
 
 As with :mod:`fdp._transforms`' psum rule, every map here is linear, so
 its derivatives are the same collectives: :class:`_Gather` (all-gather
-forward; backward ``scale`` times a reduce-scatter) and
+forward; backward the reduce-scatter, or for the parameters the
+data-parallel mean: also summed over HSDP's replicas, then divided by every
+rank) and
 :class:`_ReduceScatter` (its exact transpose; backward an all-gather) call
 each other, and hold at any nesting depth (``grad(grad)``, ``jvp``,
 ``vmap``, ``torch.autograd.forward_ad``). Under ``vmap`` the batch travels
@@ -24,18 +26,20 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fdp import _compat, _groups
+from fdp import _compat, _groups, _transforms
 from fdp._groups import ProcessGroup
 
 
 class How(NamedTuple):
     """What every call on one unit's shard shares."""
 
-    group: ProcessGroup | None
-    world: int
+    group: ProcessGroup | None  # the shard group
+    world: int  # its size
     param_dtype: torch.dtype  # what the all-gather carries
     reduce_dtype: torch.dtype  # what the reduce-scatter carries
     shard_dtype: torch.dtype  # the master copy's, which gradients come back in
+    replicas: ProcessGroup | None = None  # HSDP: the group across which shards are replicated
+    total: int = 0  # the ranks whose losses are averaged: world times the replicas
 
 
 def gather(shard: torch.Tensor, how: How) -> torch.Tensor:
@@ -54,9 +58,9 @@ def gather(shard: torch.Tensor, how: How) -> torch.Tensor:
                 "the loss and call .backward() or torch.autograd.grad on it, or run the "
                 "transform without torch.compile"
             )
-        traced: torch.Tensor = _Traced.apply(shard, how, 1.0 / how.world)  # type: ignore[no-untyped-call]
+        traced: torch.Tensor = _Traced.apply(shard, how)  # type: ignore[no-untyped-call]
         return traced
-    out: torch.Tensor = _Gather.apply(shard, how, 1.0 / how.world)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _Gather.apply(shard, how, True)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -68,16 +72,20 @@ class _Traced(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(x: torch.Tensor, how: How, scale: float) -> torch.Tensor:
+    def forward(x: torch.Tensor, how: How) -> torch.Tensor:
         return _all_gather(x, how)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.how, ctx.scale = inputs[1], inputs[2]
+        ctx.how = inputs[1]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _reduce_scatter(grad, ctx.how) * ctx.scale, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        how: How = ctx.how
+        mine = _reduce_scatter(grad, how)
+        if how.replicas is not None:
+            mine = _groups.all_reduce(mine, group=how.replicas)
+        return mine / how.total, None
 
 
 def _all_gather(x: torch.Tensor, how: How) -> torch.Tensor:
@@ -89,37 +97,43 @@ def _reduce_scatter(y: torch.Tensor, how: How) -> torch.Tensor:
 
 
 class _Gather(torch.autograd.Function):
-    """All-gather forward; backward ``scale`` times the reduce-scatter (its transpose)."""
+    """All-gather forward; backward its transpose (the reduce-scatter), or with ``mean``
+    the data-parallel average: summed over the replicas too and divided by every rank."""
 
     @staticmethod
-    def forward(x: torch.Tensor, how: How, scale: float) -> torch.Tensor:
+    def forward(x: torch.Tensor, how: How, mean: bool) -> torch.Tensor:
         return _all_gather(x, how)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.how, ctx.scale = inputs[1], inputs[2]
+        ctx.how, ctx.mean = inputs[1], inputs[2]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        out: torch.Tensor = _ReduceScatter.apply(grad, ctx.how)  # type: ignore[no-untyped-call]
-        return (out if ctx.scale == 1.0 else out * ctx.scale), None, None
+        how: How = ctx.how
+        out: torch.Tensor = _ReduceScatter.apply(grad, how)  # type: ignore[no-untyped-call]
+        if not ctx.mean:
+            return out, None, None
+        if how.replicas is not None:
+            out = _transforms.psum(out, group=how.replicas)
+        return out / how.total, None, None
 
     @staticmethod
     def jvp(ctx: Any, tangent: torch.Tensor, *_: Any) -> torch.Tensor:
-        out: torch.Tensor = _Gather.apply(tangent, ctx.how, ctx.scale)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _Gather.apply(tangent, ctx.how, ctx.mean)  # type: ignore[no-untyped-call]
         return out
 
     @staticmethod
     def vmap(
-        info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, how: How, scale: float
+        info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, how: How, mean: bool
     ) -> tuple[torch.Tensor, int | None]:
         # Every rank runs the same program and batches alike: the batch goes
         # into the flat buffer, rank-major, and back to the front after.
         if in_dims[0] is None:
-            return _Gather.apply(x, how, scale), None  # type: ignore[no-untyped-call]
+            return _Gather.apply(x, how, mean), None  # type: ignore[no-untyped-call]
         rows = x.movedim(in_dims[0], 0)
         batch, n = rows.shape
-        flat = _Gather.apply(rows.reshape(-1), how, scale)  # type: ignore[no-untyped-call]
+        flat = _Gather.apply(rows.reshape(-1), how, mean)  # type: ignore[no-untyped-call]
         return flat.view(how.world, batch, n).transpose(0, 1).reshape(batch, -1), 0
 
 
@@ -136,7 +150,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        out: torch.Tensor = _Gather.apply(grad, ctx.how, 1.0)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _Gather.apply(grad, ctx.how, False)  # type: ignore[no-untyped-call]
         return out, None
 
     @staticmethod

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fdp
 from tests import ranks
@@ -131,9 +132,13 @@ def _by_func_grad(fsdp: fdp.FullyShardedDataParallel, shards: Shards, x: Any, y:
     return torch.func.grad(lambda s: local_loss(fsdp(s), x, y))(_detached(shards))
 
 
-def _train(rank: int, size: int, grads_of: Grads, steps: int) -> list[Any]:
+def _train(rank: int, size: int, grads_of: Grads, steps: int, hybrid: bool = False) -> list[Any]:
     params = make_params()
-    fsdp = fdp.FullyShardedDataParallel(params)
+    if hybrid:  # HSDP: shards across pairs of ranks, replicated across the pairs
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, size // 2))
+        fsdp = fdp.FullyShardedDataParallel(params, mesh=mesh)
+    else:
+        fsdp = fdp.FullyShardedDataParallel(params)
     shards = fsdp.shard(params)
     opt = fdp.optim.adamw(0.05, weight_decay=0.1)
     state = opt.init(shards)
@@ -403,6 +408,11 @@ def _bad_input(rank: int, size: int) -> list[str]:
         fdp.FullyShardedDataParallel(params, units=["blocks", "blocks.1"])
     with pytest.raises(TypeError, match=r"`param_dtype` expected a floating-point dtype"):
         fdp.FullyShardedDataParallel(params, param_dtype=torch.int32)
+    flat_mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (size,))
+    with pytest.raises(ValueError, match=r"`mesh` expected a 2-D DeviceMesh \(replicate, shard\)"):
+        fdp.FullyShardedDataParallel(params, mesh=flat_mesh)
+    with pytest.raises(ValueError, match=r"pass `group` or `mesh`, not both"):
+        fdp.FullyShardedDataParallel(params, mesh=flat_mesh, group=dist.group.WORLD)
     # A structure that differs on one rank: the same error on every rank, no hang.
     mine_ = {**params, "extra": torch.zeros(2)} if rank == 1 else params
     with pytest.raises(ValueError, match=r"fdp.FullyShardedDataParallel: `params`") as e:
@@ -622,3 +632,11 @@ def _as_params(grads: list[torch.Tensor]) -> list[torch.Tensor]:
         p.grad = g
         out.append(p)
     return out
+
+
+@pytest.mark.parametrize("grads_of", [_by_backward, _by_func_grad], ids=["backward", "func_grad"])
+def test_hybrid_sharding_on_a_2d_mesh_trains_as_one_process(grads_of: Grads) -> None:
+    expected = reference(4, 2)
+    for per_rank in ranks.world(4).run(_train, grads_of, 2, True):
+        for got, want in zip(per_rank, expected, strict=True):
+            tree_allclose(got, want, **TOL)
