@@ -71,6 +71,15 @@ def current_autograd_node() -> Any:
     return None if current is None else current()
 
 
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Runs ``fn`` once the backward that is running now has finished.
+
+    Call it only from inside a backward (a hook). torch has no public API
+    for this; DDP's reducer uses the same engine call.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
 # --- thread-local state that a worker thread does not inherit ---------------
 
 

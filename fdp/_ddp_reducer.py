@@ -213,7 +213,7 @@ class Step:
                 returned = _compat.engine_captures_grads(leaf)
                 self.delivery = Delivery.RETURNED if returned else Delivery.ACCUMULATED
             if not self.queued:
-                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+                _compat.queue_backward_callback(self.finish)
                 self.queued = True
             k = self.reduction.layout.where[i][0]
             if grad is not None and i in self.buckets[k].filled and self._again(i, k, grad):
@@ -368,7 +368,7 @@ class Step:
             return False
 
         def requeue(*_: Any) -> None:
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            _compat.queue_backward_callback(self.finish)
 
         outer.register_hook(requeue)
         return True
