@@ -18,10 +18,12 @@ Every optimizer step writes in place (``donate=True``), as torch's do, so
 no method's peak holds a second copy of the parameters and state.
 
 The goal (issue 23): fully sharded parameters + gradients + state per rank
-<= (parameters + gradients + state) / world + two units. Step time, fully
-sharded / DDP, is measured in the same run (median of interleaved rounds).
-torch's own ``fully_shard`` runs the same model as modules where it can
-(said otherwise).
+<= (parameters + gradients + state) / world + two units. Fully sharded
+runs with prefetching (the default: the next unit's all-gather overlaps
+this one's compute, one more unit in flight) and without. Step times, as a
+multiple of DDP's, are measured in the same run (median of interleaved
+rounds). torch's own ``fully_shard`` runs the same model as modules where
+it can (said otherwise).
 
     python benchmarks/fsdp_memory.py [--quick]
 """
@@ -150,9 +152,27 @@ def measure(rank: int, size: int, rounds: int) -> dict[str, Any]:
     zero_step()
     out["fdp ZeRO-2"] = (held(zbox[0], zbox[1].slots), peak_of(zero_step) - base)
 
+    for name, prefetch in (("fdp fully sharded", True), ("fdp fully sharded, no prefetch", False)):
+        held_bytes, peak, step = fully_sharded(x, y, opt, prefetch=prefetch)
+        out[name] = (held_bytes, peak)
+        steps[name] = step
+    out["units"] = len(make_params(0))
+    fs = torch_fully_shard(x, y)
+    out["torch fully_shard"] = fs if isinstance(fs, str) else fs[:2]
+    if not isinstance(fs, str):
+        steps["torch fully_shard"] = fs[2]
+    out["time"] = interleaved(steps, rounds=rounds, repeats=2)
+    return out
+
+
+def fully_sharded(
+    x: torch.Tensor, y: torch.Tensor, opt: Any, *, prefetch: bool
+) -> tuple[int, int, Callable[[], None]]:
+    """fdp's fully sharded step, each unit through apply: (held, peak, step)."""
+    gc.collect()
     base = in_use()
     full = params_of()
-    fsdp = fdp.FullyShardedDataParallel(full)
+    fsdp = fdp.FullyShardedDataParallel(full, prefetch=prefetch)
     shards = {k: tuple(t.requires_grad_() for t in ts) for k, ts in fsdp.shard(full).items()}
     del full  # a rank keeps its shards only
     gc.collect()
@@ -165,7 +185,7 @@ def measure(rank: int, size: int, rounds: int) -> dict[str, Any]:
         return F.cross_entropy(F.linear(h, unit["w"], unit["b"]), y)
 
     # Each unit through apply: gathered for its function, freed until backward.
-    def fsdp_step() -> None:
+    def step() -> None:
         s = fbox[0]
         h = x
         for i in range(len(fsdp.units) - 1):
@@ -179,17 +199,12 @@ def measure(rank: int, size: int, rounds: int) -> dict[str, Any]:
             for t in ts:
                 t.grad = None
 
-    fsdp_step()
-    out["fdp fully sharded"] = (held(fbox), peak_of(fsdp_step) - base)
-    steps["fdp fully sharded"] = fsdp_step
-    out["units"] = len(fsdp.units)
-    out["time"] = interleaved(steps, rounds=rounds, repeats=2)
-    out["torch fully_shard"] = torch_fully_shard(rank, x, y)
-    return out
+    step()
+    return held(fbox), peak_of(step) - base, step
 
 
-def torch_fully_shard(rank: int, x: torch.Tensor, y: torch.Tensor) -> Any:
-    """torch's FSDP2 on the same model as modules, or why it does not run here."""
+def torch_fully_shard(x: torch.Tensor, y: torch.Tensor) -> Any:
+    """torch's FSDP2 on the same model as modules: (held, peak, step), or why it does not run."""
     try:
         from torch.distributed.fsdp import fully_shard
 
@@ -210,7 +225,7 @@ def torch_fully_shard(rank: int, x: torch.Tensor, y: torch.Tensor) -> Any:
 
         step()
         gc.collect()
-        return (in_use() - base, peak_of(step) - base)
+        return (in_use() - base, peak_of(step) - base, step)
     except Exception as e:
         return f"refused: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
@@ -236,7 +251,8 @@ def report(size: int, m: dict[str, Any]) -> None:
     print(f"world {size}: {m['units']} units, parameters {params_bytes / MB:.1f} MiB")
     print("| method | held between steps (MiB) | peak in a step (MiB) | peak - activations (MiB) |")
     print("| --- | ---: | ---: | ---: |")
-    for name in ("local (no parallelism)", "fdp DDP", "fdp ZeRO-2", "fdp fully sharded"):
+    methods = ("local (no parallelism)", "fdp DDP", "fdp ZeRO-2", "fdp fully sharded")
+    for name in (*methods, "fdp fully sharded, no prefetch"):
         h, p = m[name]
         print(f"| {name} | {h / MB:.1f} | {p / MB:.1f} | {(p - activations) / MB:.1f} |")
     fs = m["torch fully_shard"]
@@ -253,11 +269,9 @@ def report(size: int, m: dict[str, Any]) -> None:
         f"temporaries, from the local step: {activations / MB:.1f} MiB)"
     )
     t = m["time"]
-    ratio = t["fdp fully sharded"] / t["fdp DDP"]
-    print(
-        f"step time: fully sharded {t['fdp fully sharded'] * 1e3:.1f} ms, DDP "
-        f"{t['fdp DDP'] * 1e3:.1f} ms -> {ratio:.2f}x\n"
-    )
+    ddp = t["fdp DDP"]
+    cells = ", ".join(f"{k} {v * 1e3:.1f} ms ({v / ddp:.2f}x)" for k, v in t.items())
+    print(f"step time (x DDP): {cells}\n")
 
 
 def main() -> None:

@@ -18,9 +18,7 @@ docs/fsdp.md has the data flow.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -31,6 +29,8 @@ from fdp import (
     _bucket,
     _clip,
     _fsdp_gather,
+    _fsdp_plan,
+    _fsdp_prefetch,
     _fsdp_reshard,
     _fsdp_state,
     _groups,
@@ -43,18 +43,6 @@ from fdp._groups import ProcessGroup
 from fdp._zero import ZeroState
 
 T = TypeVar("T")
-
-# A unit is packed whole: one flat buffer per dtype and device.
-_WHOLE = 1 << 62
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One unit: its leaves (indices into the flattened tree) and their flat buffers."""
-
-    name: str
-    buckets: tuple[_bucket.Bucket, ...]  # indices are the tree's leaf indices
-    sizes: tuple[int, ...]  # each bucket's shard: elements per rank
 
 
 class FullyShardedDataParallel:
@@ -101,6 +89,11 @@ class FullyShardedDataParallel:
         reshard_after_forward: free a unit gathered by :meth:`apply` once
             its function returns, and gather it again for backward (FSDP2's
             option); ``False`` keeps it gathered until backward.
+        prefetch: while a unit computes (:meth:`apply`, :meth:`gather`),
+            all-gather the unit that followed it last time (first time: the
+            next in ``unit_names``) asynchronously, and in backward, refill
+            the unit that comes next while this one's backward runs. Eager
+            only; never changes a result, and holds at most one unit ahead.
 
     Example::
 
@@ -121,10 +114,11 @@ class FullyShardedDataParallel:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         reshard_after_forward: bool = True,
+        prefetch: bool = True,
         mesh: Any = None,
     ) -> None:
         call = "fdp.FullyShardedDataParallel"
-        group, self.replicas = _mesh_groups(call, group, mesh)
+        group, self.replicas = _fsdp_plan.mesh_groups(call, group, mesh)
         _agreement.require_member(call, group)
         leaves, _spec, tensors = tensor_leaves(params, call=call, arg="params", float_only=True)
         described = _agreement.signature(params, leaves, "params", requires_grad=False)
@@ -150,7 +144,8 @@ class FullyShardedDataParallel:
         sharded = [None if i in self._ties else t for i, t in enumerate(tensors)]
         # Leaves that are not sharded (None, integer tensors) are kept as given.
         self._kept = {i: leaf for i, leaf in enumerate(leaves) if tensors[i] is None}
-        self.units = _plan(call, params, sharded, units, self.world)
+        self.units = _fsdp_plan.plan(call, params, sharded, units, self.world)
+        self._prefetch = _fsdp_prefetch.Prefetcher(self.unit_names, enabled=prefetch)
         # The same slices as a ZeroRedundancy's, for checkpoints (fdp/_fsdp_state.py).
         buckets = [b for u in self.units for b in u.buckets]
         self._layout = _zero_shards.from_buckets(params, buckets, sharded, group=group)
@@ -190,8 +185,15 @@ class FullyShardedDataParallel:
         call = "fdp.FullyShardedDataParallel.__call__"
         self._check_shards(call, shards)
         out: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
-        for unit in self.units:
-            self._gather_into(out, unit, shards[unit.name])
+        self._prefetch.drop()
+        mine = [t for u in self.units for t in shards[u.name]]
+        started: list[_fsdp_prefetch.Started | None] = [None] * len(self.units)
+        if self._prefetch.enabled and _fsdp_prefetch.eligible(mine):
+            # Every unit's all-gather at once: the later ones arrive while
+            # the first ones are unpacked.
+            started = [self._start(u.name, shards) for u in self.units]
+        for unit, ahead in zip(self.units, started, strict=True):
+            self._gather_into(out, unit, shards[unit.name], ahead.wait() if ahead else None)
         return _tree.unflatten(self._planned.structure(call), self._tied(out))
 
     def gather(self, shards: dict[str, tuple[torch.Tensor, ...]], name: str) -> Any:
@@ -203,8 +205,10 @@ class FullyShardedDataParallel:
         call = "fdp.FullyShardedDataParallel.gather"
         unit = self._unit(call, shards, name)
         out: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
-        self._gather_into(out, unit, shards[name])
-        return _subtree(_tree.unflatten(self._planned.structure(call), self._tied(out)), name)
+        self._gather_into(out, unit, shards[name], self._prefetched(name, shards))
+        return _fsdp_plan.subtree(
+            _tree.unflatten(self._planned.structure(call), self._tied(out)), name
+        )
 
     def apply(
         self,
@@ -227,14 +231,14 @@ class FullyShardedDataParallel:
         call = "fdp.FullyShardedDataParallel.apply"
         unit = self._unit(call, shards, name)
         tree: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
-        gathered = self._gather_into(tree, unit, shards[name])
+        gathered = self._gather_into(tree, unit, shards[name], self._prefetched(name, shards))
         whole = _tree.unflatten(self._planned.structure(call), self._tied(tree))
-        out = fn(_subtree(whole, name), *args, **kwargs)
+        out = fn(_fsdp_plan.subtree(whole, name), *args, **kwargs)
         outputs = [t for t in _tree.flatten(out)[0] if isinstance(t, torch.Tensor)]
         outputs = [t for t in outputs if t.requires_grad]
         if self.reshard_after_forward and _fsdp_reshard.eligible(outputs):
             held = [_fsdp_reshard.Resharded(*g) for g in gathered if g[0].requires_grad]
-            _fsdp_reshard.reshard(held, outputs)
+            _fsdp_reshard.reshard(self._prefetch.held(held), outputs)
         return out
 
     def full(self, shards: dict[str, tuple[torch.Tensor, ...]]) -> Any:
@@ -303,7 +307,7 @@ class FullyShardedDataParallel:
             )
         return _fsdp_state.from_state(self._layout, self._bucket_units, state)
 
-    def _unit(self, call: str, shards: Any, name: str) -> Unit:
+    def _unit(self, call: str, shards: Any, name: str) -> _fsdp_plan.Unit:
         self._check_shards(call, shards)
         found = [u for u in self.units if u.name == name]
         if not found:
@@ -318,18 +322,51 @@ class FullyShardedDataParallel:
             out[i] = out[j]
         return out
 
+    def _prefetched(
+        self, name: str, shards: dict[str, tuple[torch.Tensor, ...]]
+    ) -> list[torch.Tensor] | None:
+        """Unit ``name``'s flat buffers if prefetched; starts the gather of the next unit."""
+        mine = shards[name]
+        if not (self._prefetch.enabled and _fsdp_prefetch.eligible(mine)):
+            self._prefetch.drop()
+            return None
+        ready = self._prefetch.take(name, mine)
+        if ready is None:  # gathered now, before the next unit's gather starts
+            ready = self._start(name, shards).wait()
+        following = self._prefetch.visit(name)
+        if following is not None:
+            self._prefetch.put(self._start(following, shards))
+        return ready
+
+    def _start(
+        self, name: str, shards: dict[str, tuple[torch.Tensor, ...]]
+    ) -> _fsdp_prefetch.Started:
+        unit = next(u for u in self.units if u.name == name)
+        mine = shards[name]
+        hows = [self._gather_how(b, t) for b, t in zip(unit.buckets, mine, strict=True)]
+        return _fsdp_prefetch.Started(name, mine, hows)
+
+    def _gather_how(self, bucket: _bucket.Bucket, shard: torch.Tensor) -> _fsdp_gather.How:
+        # torch has no bfloat16 complex: complex leaves keep their dtype.
+        dtype = self.param_dtype
+        if dtype is None or any(bucket.complex_):
+            dtype = bucket.dtype
+        return self._how(shard.dtype, dtype)
+
     def _gather_into(
-        self, out: list[Any], unit: Unit, shards: Sequence[torch.Tensor]
+        self,
+        out: list[Any],
+        unit: _fsdp_plan.Unit,
+        shards: Sequence[torch.Tensor],
+        ready: Sequence[torch.Tensor] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor, _fsdp_gather.How]]:
-        """Gathers ``unit`` into ``out``; returns each flat buffer with its shard and how."""
+        """Gathers ``unit`` into ``out`` (``ready``: already gathered); returns each flat
+        buffer with its shard and how."""
         gathered = []
-        for bucket, shard in zip(unit.buckets, shards, strict=True):
-            # torch has no bfloat16 complex: complex leaves keep their dtype.
-            dtype = self.param_dtype
-            if dtype is None or any(bucket.complex_):
-                dtype = bucket.dtype
-            how = self._how(shard.dtype, dtype)
-            flat = _fsdp_gather.gather(shard, how)
+        for k, (bucket, shard) in enumerate(zip(unit.buckets, shards, strict=True)):
+            how = self._gather_how(bucket, shard)
+            done = None if ready is None else _fsdp_gather.Ready(ready[k])
+            flat = _fsdp_gather.gather(shard, how, done)
             leaves = bucket.unpack(flat[: bucket.numel])
             for i, leaf in zip(bucket.indices, leaves, strict=True):
                 out[i] = leaf
@@ -359,95 +396,3 @@ class FullyShardedDataParallel:
                     f"{call}: `shards` unit {unit.name!r} expected tensors of shapes {expected} "
                     f"(this rank's shards); got {[_tree.describe(t) for t in given]}"
                 )
-
-
-def _plan(
-    call: str,
-    params: Any,
-    tensors: Sequence[torch.Tensor | None],
-    units: Sequence[str] | None,
-    world: int,
-) -> tuple[Unit, ...]:
-    """The units of ``params``: names, and their leaves planned into flat buffers."""
-    names = _tree.names(params)
-    owners = _owners(call, params, names, units)
-    grouped: dict[str, list[int]] = {}
-    for i, owner in enumerate(owners):
-        if tensors[i] is not None:
-            grouped.setdefault(owner, []).append(i)
-    out = []
-    for name, indices in grouped.items():
-        buckets = []
-        # Frozen leaves get buckets (so shards) of their own, which need no
-        # gradient; complex leaves too, which keep their dtype under a policy.
-        for kind in ((True, False), (True, True), (False, False), (False, True)):
-            mine = [i for i in indices if _kind(tensors[i]) == kind]
-            buckets += [  # indexed by the tree's leaves
-                dataclasses.replace(b, indices=tuple(mine[j] for j in b.indices))
-                for b in _bucket.plan([tensors[i] for i in mine], cap_bytes=_WHOLE)
-            ]
-        sizes = tuple(-(-b.numel // world) for b in buckets)
-        out.append(Unit(name, tuple(buckets), sizes))
-    return tuple(out)
-
-
-def _mesh_groups(call: str, group: Any, mesh: Any) -> tuple[Any, Any]:
-    """(the shard group, the replica group or None) from ``group`` or a 2-D ``mesh``."""
-    if mesh is None:
-        return group, None
-    if group is not None:
-        raise ValueError(f"{call}: pass `group` or `mesh`, not both; got both")
-    ndim = getattr(mesh, "ndim", None)
-    if ndim != 2:
-        raise ValueError(
-            f"{call}: `mesh` expected a 2-D DeviceMesh (replicate, shard); got "
-            f"{_tree.describe(mesh) if ndim is None else f'a {ndim}-D mesh'}"
-        )
-    return mesh.get_group(1), mesh.get_group(0)
-
-
-def _kind(t: torch.Tensor | None) -> tuple[bool, bool]:
-    return (t is not None and t.requires_grad, t is not None and t.is_complex())
-
-
-def _owners(call: str, params: Any, names: list[str], units: Sequence[str] | None) -> list[str]:
-    """Each leaf's unit name."""
-    if units is None:
-        return [_default_unit(params, name) for name in names]
-    if isinstance(units, str):
-        raise TypeError(f"{call}: `units` expected a sequence of dotted names; got {units!r}")
-    for u in units:
-        if not any(n == u or n.startswith(u + ".") for n in names):
-            raise ValueError(
-                f"{call}: `units` names {u!r}, which holds no leaf of `params`; expected "
-                f"a dotted prefix of the leaf names, e.g. {names[:3]}"
-            )
-        nested = [v for v in units if v != u and v.startswith(u + ".")]
-        if nested or list(units).count(u) > 1:
-            raise ValueError(
-                f"{call}: `units` expected disjoint subtrees; got {u!r} and {nested or [u]}"
-            )
-    return [next((u for u in units if n == u or n.startswith(u + ".")), "") for n in names]
-
-
-def _default_unit(params: Any, name: str) -> str:
-    """The top-level entry, or the element of a top-level list or tuple, holding ``name``."""
-    parts = name.split(".")
-    if not parts[0] or isinstance(params, (list, tuple)):
-        return parts[0]
-    entry = params[parts[0]] if isinstance(params, dict) else getattr(params, parts[0], None)
-    if isinstance(entry, (list, tuple)) and not hasattr(entry, "_fields") and len(parts) > 1:
-        return ".".join(parts[:2])
-    return parts[0]
-
-
-def _subtree(tree: Any, name: str) -> Any:
-    """The subtree of ``tree`` at the dotted ``name`` (``""``: the tree)."""
-    for part in name.split(".") if name else ():
-        if isinstance(tree, dict):
-            tree = tree[part]
-        elif isinstance(tree, (list, tuple)) and part.isdigit() and not hasattr(tree, "_fields"):
-            tree = tree[int(part)]
-        else:
-            tree = getattr(tree, part)
-    return tree

@@ -22,6 +22,7 @@ the shard's gradient comes back in the shard's own dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -42,12 +43,20 @@ class How(NamedTuple):
     total: int = 0  # the ranks whose losses are averaged: world times the replicas
 
 
-def gather(shard: torch.Tensor, how: How) -> torch.Tensor:
+@dataclass(frozen=True)
+class Ready:
+    """A gather's result, already all-gathered (prefetched): not an input of autograd."""
+
+    flat: torch.Tensor
+
+
+def gather(shard: torch.Tensor, how: How, ready: Ready | None = None) -> torch.Tensor:
     """Every rank's ``shard`` (1-D), concatenated in rank order, in ``param_dtype``.
 
     The backward gives ``shard`` the mean over ranks of the cotangents'
     parts for this rank (a reduce-scatter in ``reduce_dtype``, divided by
-    the world size), in the shard's dtype.
+    the world size), in the shard's dtype. ``ready``: that result, gathered
+    before from ``shard`` as it is now (eager only).
     """
     if torch.compiler.is_compiling():
         if _compat.compiling_a_transform():
@@ -60,7 +69,7 @@ def gather(shard: torch.Tensor, how: How) -> torch.Tensor:
             )
         traced: torch.Tensor = _Traced.apply(shard, how)  # type: ignore[no-untyped-call]
         return traced
-    out: torch.Tensor = _Gather.apply(shard, how, True)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _Gather.apply(shard, how, True, ready)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -101,39 +110,44 @@ class _Gather(torch.autograd.Function):
     the data-parallel average: summed over the replicas too and divided by every rank."""
 
     @staticmethod
-    def forward(x: torch.Tensor, how: How, mean: bool) -> torch.Tensor:
-        return _all_gather(x, how)
+    def forward(x: torch.Tensor, how: How, mean: bool, ready: Ready | None) -> torch.Tensor:
+        return _all_gather(x, how) if ready is None else ready.flat
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.how, ctx.mean = inputs[1], inputs[2]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         how: How = ctx.how
         out: torch.Tensor = _ReduceScatter.apply(grad, how)  # type: ignore[no-untyped-call]
         if not ctx.mean:
-            return out, None, None
+            return out, None, None, None
         if how.replicas is not None:
             out = _transforms.psum(out, group=how.replicas)
-        return out / how.total, None, None
+        return out / how.total, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, tangent: torch.Tensor, *_: Any) -> torch.Tensor:
-        out: torch.Tensor = _Gather.apply(tangent, ctx.how, ctx.mean)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _Gather.apply(tangent, ctx.how, ctx.mean, None)  # type: ignore[no-untyped-call]
         return out
 
     @staticmethod
     def vmap(
-        info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, how: How, mean: bool
+        info: Any,
+        in_dims: tuple[Any, ...],
+        x: torch.Tensor,
+        how: How,
+        mean: bool,
+        ready: Ready | None,
     ) -> tuple[torch.Tensor, int | None]:
         # Every rank runs the same program and batches alike: the batch goes
         # into the flat buffer, rank-major, and back to the front after.
         if in_dims[0] is None:
-            return _Gather.apply(x, how, mean), None  # type: ignore[no-untyped-call]
+            return _Gather.apply(x, how, mean, None), None  # type: ignore[no-untyped-call]
         rows = x.movedim(in_dims[0], 0)
         batch, n = rows.shape
-        flat = _Gather.apply(rows.reshape(-1), how, mean)  # type: ignore[no-untyped-call]
+        flat = _Gather.apply(rows.reshape(-1), how, mean, None)  # type: ignore[no-untyped-call]
         return flat.view(how.world, batch, n).transpose(0, 1).reshape(batch, -1), 0
 
 
@@ -150,7 +164,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        out: torch.Tensor = _Gather.apply(grad, ctx.how, False)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _Gather.apply(grad, ctx.how, False, None)  # type: ignore[no-untyped-call]
         return out, None
 
     @staticmethod

@@ -9,7 +9,9 @@ so every saved view sees the parameters again; once backward has passed
 the unit (the gradient of the flat buffer exists), the storage is freed
 again. The refill writes through a second tensor over the same storage,
 so the saved views' version counters do not move (autograd would refuse
-them otherwise).
+them otherwise). With prefetching, refilling a unit also starts the
+asynchronous refill of the unit applied before it, which backward reaches
+next, so that its all-gather overlaps this unit's backward.
 
 Every rank runs the same backward, so the re-gathers pair up across ranks
 in the same order. This needs eager autograd: under a ``torch.func``
@@ -19,6 +21,7 @@ caller checks :func:`eligible`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,32 +48,74 @@ class Resharded:
         self.nbytes = self.storage.nbytes()
         self.numel, self.dtype, self.device = flat.numel(), flat.dtype, flat.device
         self.shard, self.how = shard.detach(), how
+        self.work: Any = None  # a refill under way
         flat.register_hook(self._after_backward)  # type: ignore[no-untyped-call]
         self.free()
 
     def free(self) -> None:
         self.storage.resize_(0)
 
-    def refill(self) -> None:
-        if self.storage.nbytes() == self.nbytes:
-            return  # already gathered (a second hook of the same backward)
+    def start(self) -> None:
+        """Starts refilling, asynchronously (a no-op if gathered or under way)."""
+        if self.work is not None or self.storage.nbytes() == self.nbytes:
+            return
         self.storage.resize_(self.nbytes)
         alias = torch.empty(0, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            alias.set_(self.storage, 0, (self.numel,), (1,))
-            alias.copy_(
-                _groups.all_gather(self.shard.to(self.how.param_dtype), group=self.how.group)
-            )
+        alias.set_(self.storage, 0, (self.numel,), (1,))
+        part = self.shard.to(self.how.param_dtype)
+        _, self.work = _groups.all_gather_start(part, group=self.how.group, out=alias)
+
+    def refill(self) -> None:
+        self.start()
+        self.wait()
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+    def settle(self) -> None:
+        """At the end of a backward: nothing under way, nothing held."""
+        self.wait()
+        self.free()
 
     def _after_backward(self, grad: torch.Tensor) -> None:
         self.free()
 
 
-def reshard(held: Sequence[Resharded], outputs: Sequence[torch.Tensor]) -> None:
+class Held:
+    """A unit's buffers resharded by one ``apply``, and the unit applied before it.
+
+    ``previous`` is weak: a unit whose graph is gone is not refilled.
+    """
+
+    def __init__(self, buffers: Sequence[Resharded], previous: Held | None) -> None:
+        self.buffers = list(buffers)
+        self.previous = None if previous is None else weakref.ref(previous)
+
+    def refill(self) -> None:
+        for buffer in self.buffers:
+            buffer.refill()
+        before = None if self.previous is None else self.previous()
+        ahead = before.buffers if before is not None else []
+        for buffer in ahead:
+            buffer.start()  # prefetched: backward reaches that unit next
+        # A unit whose flat gradient this backward never computes (grads
+        # w.r.t. inputs only), or a prefetched one it never reaches, would
+        # otherwise stay gathered until its graph dies.
+        settle = [*self.buffers, *ahead]
+
+        def settled() -> None:
+            for buffer in settle:
+                buffer.settle()
+
+        _compat.queue_backward_callback(settled)
+
+
+def reshard(held: Held, outputs: Sequence[torch.Tensor]) -> None:
     """Refills ``held`` when backward first reaches any of ``outputs``."""
 
     def refill(grads: Any) -> None:
-        for buffer in held:
-            buffer.refill()
+        held.refill()
 
     torch.autograd.graph.register_multi_grad_hook(tuple(outputs), refill, mode="any")

@@ -82,6 +82,22 @@ def all_gather(t: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tensor:
         return rows.flatten(0, 1) if plain.dim() else rows
 
 
+def all_gather_start(
+    t: torch.Tensor, *, group: ProcessGroup | None, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, Any]:
+    """Starts gathering every rank's 1-D ``t`` into ``out`` (new if ``None``); eager only.
+
+    Returns ``out`` and the work; ``out`` holds the result once the work's
+    ``wait()`` returns. Outside autograd: prefetching, whose result enters
+    autograd later (``fdp/_fsdp_prefetch.py``).
+    """
+    with torch.no_grad(), _compat.functorch_disabled():
+        part = _compat.unwrap_functorch(t).detach().contiguous()
+        if out is None:
+            out = part.new_empty(dist.get_world_size(group) * part.numel())
+        return out, _compat.all_gather_single(out, part, group)
+
+
 def reduce_scatter(t: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tensor:
     """This rank's part (dim 0 cut in ``world`` equal parts) of the sum of ``t`` over ``group``."""
     if torch.compiler.is_compiling():

@@ -10,8 +10,9 @@ integer buffer and a ``None`` leaf.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -44,10 +45,12 @@ def make_params() -> dict[str, Any]:
     }
 
 
-def model(params: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+def model(
+    params: dict[str, Any], x: torch.Tensor, order: Sequence[int] = (0, 1, 2)
+) -> torch.Tensor:
     h = x @ params["embed"]
-    for block in params["blocks"]:
-        h = torch.tanh(h @ block["w"] + block["b"])
+    for i in order:
+        h = torch.tanh(h @ params["blocks"][i]["w"] + params["blocks"][i]["b"])
     h = torch.tanh(h @ params["conv"].flatten(1).T)
     phase = params["head"]["phase"].abs().to(h.dtype)  # complex leaves keep their dtype
     out: torch.Tensor = h @ params["head"]["w"] + phase + params["frozen"]
@@ -134,11 +137,7 @@ def _by_func_grad(fsdp: fdp.FullyShardedDataParallel, shards: Shards, x: Any, y:
 
 def _train(rank: int, size: int, grads_of: Grads, steps: int, hybrid: bool = False) -> list[Any]:
     params = make_params()
-    if hybrid:  # HSDP: shards across pairs of ranks, replicated across the pairs
-        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, size // 2))
-        fsdp = fdp.FullyShardedDataParallel(params, mesh=mesh)
-    else:
-        fsdp = fdp.FullyShardedDataParallel(params)
+    fsdp = _sharded(params, size, hybrid)
     shards = fsdp.shard(params)
     opt = fdp.optim.adamw(0.05, weight_decay=0.1)
     state = opt.init(shards)
@@ -166,10 +165,15 @@ def test_training_steps_equal_one_process_on_the_full_batch(size: int, grads_of:
 
 
 def reference_grad(
-    size: int, loss: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
+    size: int,
+    loss: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor],
+    edit: Callable[[dict[str, Any]], None] | None = None,
 ) -> Any:
-    """The gradient of the mean over ranks of ``loss(params, x_r, y_r)``, as a params tree."""
+    """The gradient of the mean over ranks of ``loss(params, x_r, y_r)``, as a params tree
+    (``edit``: changes ``make_params()`` in place first)."""
     params = make_params()
+    if edit is not None:
+        edit(params)
     head = {"w": params["head"]["w"], "phase": params["head"]["phase"]}
     variables = {k: params[k] for k in ("embed", "blocks", "conv", "frozen")} | {"head": head}
     variables = torch.utils._pytree.tree_map(lambda t: t.detach(), variables)
@@ -445,7 +449,12 @@ def _block(unit: dict[str, torch.Tensor], h: torch.Tensor, seen: list[Any] | Non
 
 
 def applied(
-    fsdp: fdp.FullyShardedDataParallel, shards: Shards, x: Any, seen: list[Any] | None
+    fsdp: fdp.FullyShardedDataParallel,
+    shards: Shards,
+    x: Any,
+    seen: list[Any] | None,
+    order: Sequence[int] = (0, 1, 2),
+    block: Callable[..., Any] = _block,
 ) -> Any:
     """``model`` with each unit run through ``fsdp.apply`` (gathered only for its function)."""
 
@@ -455,8 +464,8 @@ def applied(
         return x @ p
 
     h = fsdp.apply(shards, "embed", stem, x)
-    for i in range(3):
-        h = fsdp.apply(shards, f"blocks.{i}", _block, h, seen)
+    for i in order:
+        h = fsdp.apply(shards, f"blocks.{i}", block, h, seen)
     h = torch.tanh(h @ fsdp.gather(shards, "conv").flatten(1).T)
     head, frozen = fsdp.gather(shards, "head"), fsdp.gather(shards, "frozen")
     out = h @ head["w"] + head["phase"].abs() + frozen
@@ -509,6 +518,130 @@ def test_apply_frees_each_unit_between_forward_and_backward(reshard: bool) -> No
         tree_allclose(by_func, expected, **TOL)
 
 
+class Watch(list[Any]):
+    """The storages seen inside unit functions; the gather ahead then; their sizes in backward."""
+
+    def __init__(self, started: list[str], change: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.started, self.change = started, change
+        self.ahead: list[str | None] = []  # per block: the last gather started when it ran
+        self.sizes: list[list[int]] = []  # per block's backward, every storage's size
+
+    def forward(self) -> None:
+        self.ahead.append(self.started[-1] if self.started else None)
+        if self.change is not None:  # once, between a prefetch and its use
+            self.change()
+            self.change = None
+
+    def backward(self) -> None:
+        self.sizes.append([s.nbytes() for s in self])
+
+
+def _watched(unit: dict[str, torch.Tensor], h: torch.Tensor, watch: Watch) -> Any:
+    watch.forward()
+    h = h.clone()  # its gradient arrives once this block's backward is done
+    h.register_hook(lambda grad: watch.backward())  # type: ignore[no-untyped-call]
+    return _block(unit, h, watch)
+
+
+def _double_blocks_1(params: dict[str, Any]) -> None:
+    block = params["blocks"][1]
+    params["blocks"][1] = {k: (2 * v).detach().requires_grad_() for k, v in block.items()}
+
+
+# Passes of a prefetching run: the block order, and whether blocks.1's shards
+# are doubled in place after its gather was started ahead (before its use).
+PASSES = [((0, 1, 2), False), ((0, 1, 2), False), ((2, 0, 1), False), ((0, 1, 2), True)]
+
+
+def _prefetching(rank: int, size: int, prefetch: bool) -> Any:
+    from fdp import _fsdp_prefetch  # the gathers started, logged by unit
+
+    params = make_params()
+    fsdp = fdp.FullyShardedDataParallel(params, prefetch=prefetch)
+    x, y = data(size)
+    started: list[str] = []
+
+    class Logged(_fsdp_prefetch.Started):
+        def __init__(self, name: str, *args: Any) -> None:
+            started.append(name)
+            super().__init__(name, *args)
+
+    with mock.patch.object(_fsdp_prefetch, "Started", Logged):
+        out = []
+        for order, change in PASSES:
+            shards = fsdp.shard(params)
+
+            def double(block: tuple[torch.Tensor, ...] = shards["blocks.1"]) -> None:
+                with torch.no_grad():
+                    for t in block:
+                        t.mul_(2)
+
+            watch = Watch(started, double if change else None)
+            got = applied(fsdp, shards, mine(x, rank), watch, order, _watched)
+            torch.autograd.backward((got - mine(y, rank)).square().mean())
+            grads = fsdp.full({k: tuple(_zero_if_none(t) for t in ts) for k, ts in shards.items()})
+            after = [s.nbytes() for s in watch]
+            out.append((grads, watch.ahead, watch.sizes, after))
+        # Gradients w.r.t. the inputs only: the units' flat gradients never
+        # come, yet each unit is freed when backward ends.
+        shards, xr = fsdp.shard(params), mine(x, rank).requires_grad_()
+        watch = Watch(started)
+        loss = (applied(fsdp, shards, xr, watch, (0, 1, 2), _watched) - mine(y, rank)).square()
+        (dx,) = torch.autograd.grad(loss.mean(), xr)
+        return out, dx, [s.nbytes() for s in watch]
+
+
+def _zero_if_none(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(t) if t.grad is None else t.grad
+
+
+def _input_grad(size: int) -> torch.Tensor:
+    params, (x, y) = make_params(), data(size)
+    return torch.cat(
+        [
+            torch.func.grad(local_loss, argnums=1)(params, mine(x, r), mine(y, r))
+            for r in range(size)
+        ]
+    )
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
+def test_prefetching_runs_one_unit_ahead_and_changes_no_result(prefetch: bool) -> None:
+    def loss_in(order: Sequence[int]) -> Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]:
+        return lambda p, x, y: (model(p, x, order) - y).square().mean()
+
+    results = ranks.world(2).run(_prefetching, prefetch)
+    for (order, change), *per_rank in zip(PASSES, *[out for out, _, _ in results], strict=True):
+        expected = reference_grad(2, loss_in(order), _double_blocks_1 if change else None)
+        expected = {**expected, "frozen": torch.zeros_like(expected["frozen"])}
+        for grads, ahead, sizes, after in per_rank:
+            tree_allclose(grads, expected, **TOL)
+            assert after == [0, 0, 0, 0]  # embed and three blocks, freed after backward
+            # In backward, each block's predecessor is refilled while it runs.
+            before = [s[i] for s, i in zip(sizes, [2, 1, 0], strict=True)]
+            assert all(n > 0 for n in before) if prefetch else before == [0, 0, 0]
+            if order == (0, 1, 2) and not change:  # each block ran with the next one ahead
+                assert ahead == (["blocks.1", "blocks.2", "conv"] if prefetch else [None] * 3)
+    dx = torch.cat([dx for _, dx, _ in results])
+    torch.testing.assert_close(dx, _input_grad(2), **TOL)
+    assert all(after == [0, 0, 0, 0] for _, _, after in results)
+
+
+def test_prefetcher_predicts_the_last_order_and_nothing_used_in_this_pass() -> None:
+    from fdp._fsdp_prefetch import Prefetcher
+
+    ahead = Prefetcher(["e", "a", "b", "c"], enabled=True)
+    # First: the plan's order, nothing used in this pass ("b" after "a");
+    # "e" used again (a tied embedding) starts a new pass.
+    assert [ahead.visit(u) for u in ["e", "b", "a", "c", "e"]] == ["a", "c", None, None, "a"]
+    # Then what followed the same two uses last time: after "c", "e" (used
+    # in this pass, so nothing); after the second "e", "e" again (nothing).
+    assert [ahead.visit(u) for u in ["e", "b", "a", "c", "e"]] == ["a", "a", "c", None, None]
+    # The third step starts as the second did; a new order falls back to the plan.
+    assert [ahead.visit(u) for u in ["e", "a"]] == ["b", "b"]
+
+
 def _compiled(rank: int, size: int, backend: str) -> Any:
     """``fsdp(shards)`` and ``fsdp.apply`` inside one ``fullgraph=True`` compiled loss."""
     params = make_params()
@@ -540,10 +673,17 @@ def test_inside_one_compiled_graph_the_gradients_are_the_eager_ones(backend: str
         tree_allclose(grads, expected, **TOL)
 
 
-def _save(rank: int, size: int, path: str) -> Any:
+def _sharded(params: Any, size: int, hybrid: bool) -> fdp.FullyShardedDataParallel:
+    if hybrid:  # HSDP: shards across pairs of ranks, replicated across the pairs
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, size // 2))
+        return fdp.FullyShardedDataParallel(params, mesh=mesh)
+    return fdp.FullyShardedDataParallel(params)
+
+
+def _save(rank: int, size: int, path: str, hybrid: bool = False) -> Any:
     """Two AdamW steps fully sharded, then a checkpoint of the shards and the state."""
     params = make_params()
-    fsdp = fdp.FullyShardedDataParallel(params)
+    fsdp = _sharded(params, size, hybrid)
     shards = _detached(fsdp.shard(params))
     opt = fdp.optim.adamw(0.05)
     state = opt.init(shards)
@@ -556,10 +696,10 @@ def _save(rank: int, size: int, path: str) -> Any:
     return fsdp.full(shards), fsdp.full(state["exp_avg"])
 
 
-def _load(rank: int, size: int, path: str) -> Any:
-    """The checkpoint on another world size, then one more step."""
+def _load(rank: int, size: int, path: str, hybrid: bool = False) -> Any:
+    """The checkpoint on another world size (or mesh)."""
     params = make_params()
-    fsdp = fdp.FullyShardedDataParallel(params)
+    fsdp = _sharded(params, size, hybrid)
     shards = _detached(fsdp.shard(params))
     opt = fdp.optim.adamw(0.05)
     like = {"params": fsdp.to_checkpoint(shards), "opt": fsdp.to_checkpoint(opt.init(shards))}
@@ -640,3 +780,4 @@ def test_hybrid_sharding_on_a_2d_mesh_trains_as_one_process(grads_of: Grads) -> 
     for per_rank in ranks.world(4).run(_train, grads_of, 2, True):
         for got, want in zip(per_rank, expected, strict=True):
             tree_allclose(got, want, **TOL)
+

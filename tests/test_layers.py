@@ -50,6 +50,8 @@ SHARDING = {
     "_checkpoint",
     "_fsdp",
     "_fsdp_gather",
+    "_fsdp_plan",
+    "_fsdp_prefetch",
     "_fsdp_reshard",
     "_fsdp_state",
 }

@@ -1,0 +1,116 @@
+"""The plan of fully sharded parameters: which leaves form each unit, and its flat buffers."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fdp import _bucket, _tree
+
+# A unit is packed whole: one flat buffer per dtype and device.
+_WHOLE = 1 << 62
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit: its leaves (indices into the flattened tree) and their flat buffers."""
+
+    name: str
+    buckets: tuple[_bucket.Bucket, ...]  # indices are the tree's leaf indices
+    sizes: tuple[int, ...]  # each bucket's shard: elements per rank
+
+
+def plan(
+    call: str,
+    params: Any,
+    tensors: Sequence[torch.Tensor | None],
+    units: Sequence[str] | None,
+    world: int,
+) -> tuple[Unit, ...]:
+    """The units of ``params``: names, and their leaves planned into flat buffers."""
+    names = _tree.names(params)
+    owners = _owners(call, params, names, units)
+    grouped: dict[str, list[int]] = {}
+    for i, owner in enumerate(owners):
+        if tensors[i] is not None:
+            grouped.setdefault(owner, []).append(i)
+    out = []
+    for name, indices in grouped.items():
+        buckets = []
+        # Frozen leaves get buckets (so shards) of their own, which need no
+        # gradient; complex leaves too, which keep their dtype under a policy.
+        for kind in ((True, False), (True, True), (False, False), (False, True)):
+            mine = [i for i in indices if _kind(tensors[i]) == kind]
+            buckets += [  # indexed by the tree's leaves
+                dataclasses.replace(b, indices=tuple(mine[j] for j in b.indices))
+                for b in _bucket.plan([tensors[i] for i in mine], cap_bytes=_WHOLE)
+            ]
+        sizes = tuple(-(-b.numel // world) for b in buckets)
+        out.append(Unit(name, tuple(buckets), sizes))
+    return tuple(out)
+
+
+def mesh_groups(call: str, group: Any, mesh: Any) -> tuple[Any, Any]:
+    """(the shard group, the replica group or None) from ``group`` or a 2-D ``mesh``."""
+    if mesh is None:
+        return group, None
+    if group is not None:
+        raise ValueError(f"{call}: pass `group` or `mesh`, not both; got both")
+    ndim = getattr(mesh, "ndim", None)
+    if ndim != 2:
+        raise ValueError(
+            f"{call}: `mesh` expected a 2-D DeviceMesh (replicate, shard); got "
+            f"{_tree.describe(mesh) if ndim is None else f'a {ndim}-D mesh'}"
+        )
+    return mesh.get_group(1), mesh.get_group(0)
+
+
+def _kind(t: torch.Tensor | None) -> tuple[bool, bool]:
+    return (t is not None and t.requires_grad, t is not None and t.is_complex())
+
+
+def _owners(call: str, params: Any, names: list[str], units: Sequence[str] | None) -> list[str]:
+    """Each leaf's unit name."""
+    if units is None:
+        return [_default_unit(params, name) for name in names]
+    if isinstance(units, str):
+        raise TypeError(f"{call}: `units` expected a sequence of dotted names; got {units!r}")
+    for u in units:
+        if not any(n == u or n.startswith(u + ".") for n in names):
+            raise ValueError(
+                f"{call}: `units` names {u!r}, which holds no leaf of `params`; expected "
+                f"a dotted prefix of the leaf names, e.g. {names[:3]}"
+            )
+        nested = [v for v in units if v != u and v.startswith(u + ".")]
+        if nested or list(units).count(u) > 1:
+            raise ValueError(
+                f"{call}: `units` expected disjoint subtrees; got {u!r} and {nested or [u]}"
+            )
+    return [next((u for u in units if n == u or n.startswith(u + ".")), "") for n in names]
+
+
+def _default_unit(params: Any, name: str) -> str:
+    """The top-level entry, or the element of a top-level list or tuple, holding ``name``."""
+    parts = name.split(".")
+    if not parts[0] or isinstance(params, (list, tuple)):
+        return parts[0]
+    entry = params[parts[0]] if isinstance(params, dict) else getattr(params, parts[0], None)
+    if isinstance(entry, (list, tuple)) and not hasattr(entry, "_fields") and len(parts) > 1:
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def subtree(tree: Any, name: str) -> Any:
+    """The subtree of ``tree`` at the dotted ``name`` (``""``: the tree)."""
+    for part in name.split(".") if name else ():
+        if isinstance(tree, dict):
+            tree = tree[part]
+        elif isinstance(tree, (list, tuple)) and part.isdigit() and not hasattr(tree, "_fields"):
+            tree = tree[int(part)]
+        else:
+            tree = getattr(tree, part)
+    return tree
