@@ -290,11 +290,8 @@ class FullyShardedDataParallel:
         :meth:`from_checkpoint`.
         """
         call = "fdp.FullyShardedDataParallel.to_checkpoint"
-        if self.replicas is not None:
-            raise NotImplementedError(
-                f"{call}: checkpoints of hybrid-sharded (mesh=) shards are not supported yet; "
-                "gather them with full() and save the unsharded tree"
-            )
+        # Hybrid (mesh=): each replica's ranks present the same pieces at the
+        # same offsets; torch.distributed.checkpoint writes each piece once.
         return _fsdp_state.to_state(self._layout, self._bucket_units, value, call=call)
 
     def from_checkpoint(self, state: Any) -> Any:

@@ -781,3 +781,16 @@ def test_hybrid_sharding_on_a_2d_mesh_trains_as_one_process(grads_of: Grads) -> 
         for got, want in zip(per_rank, expected, strict=True):
             tree_allclose(got, want, **TOL)
 
+
+def test_hybrid_checkpoints_load_on_a_flat_world_and_back(tmp_path: Any) -> None:
+    path, flat = str(tmp_path / "hybrid"), str(tmp_path / "flat")
+    (saved, moments), *_ = ranks.world(4).run(_save, path, True)
+    for got, got_moments, step in ranks.world(3).run(_load, path):
+        tree_allclose(got, saved, rtol=0, atol=0)
+        tree_allclose(got_moments, moments, rtol=0, atol=0)
+        assert step == 2.0
+    (saved, moments), *_ = ranks.world(2).run(_save, flat)
+    for got, got_moments, step in ranks.world(4).run(_load, flat, True):
+        tree_allclose(got, saved, rtol=0, atol=0)
+        tree_allclose(got_moments, moments, rtol=0, atol=0)
+        assert step == 2.0
