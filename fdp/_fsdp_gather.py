@@ -22,6 +22,8 @@ the shard's gradient comes back in the shard's own dtype.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -97,12 +99,43 @@ class _Traced(torch.autograd.Function):
         return mine / how.total, None
 
 
+@contextlib.contextmanager
+def in_step(what: str) -> Iterator[None]:
+    """Explains an eager collective that failed, most often because ranks are out of step.
+
+    There is no ``join()`` for fully sharded ranks: each forward and backward
+    is a sequence of collectives that every rank must make. A rank with more
+    batches than another waits for collectives nobody answers, until the
+    process group's timeout; this says why, instead of the backend's
+    "timed out" alone (chained as the cause).
+    """
+    try:
+        yield
+    except RuntimeError as err:  # gloo raises RuntimeError, NCCL a subclass (DistBackendError)
+        raise RuntimeError(
+            f"fdp.FullyShardedDataParallel: {what} failed on this rank: {err}\n"
+            "Every rank must make the same fully sharded calls (gather, apply, backward) in "
+            "the same order. Most often a rank has more batches than another (uneven inputs) "
+            "and waits for collectives the others never make: FullyShardedDataParallel has no "
+            "join(), so give every rank the same number of batches (DistributedSampler with "
+            "drop_last=True), or stop every rank when the first runs out of data"
+        ) from err
+
+
 def _all_gather(x: torch.Tensor, how: How) -> torch.Tensor:
-    return _groups.all_gather(x.to(how.param_dtype), group=how.group)
+    part = x.to(how.param_dtype)
+    if torch.compiler.is_compiling():
+        return _groups.all_gather(part, group=how.group)
+    with in_step("the all-gather of a unit's shards"):
+        return _groups.all_gather(part, group=how.group)
 
 
 def _reduce_scatter(y: torch.Tensor, how: How) -> torch.Tensor:
-    return _groups.reduce_scatter(y.to(how.reduce_dtype), group=how.group).to(how.shard_dtype)
+    part = y.to(how.reduce_dtype)
+    if torch.compiler.is_compiling():
+        return _groups.reduce_scatter(part, group=how.group).to(how.shard_dtype)
+    with in_step("the reduce-scatter of a unit's gradient"):
+        return _groups.reduce_scatter(part, group=how.group).to(how.shard_dtype)
 
 
 class _Gather(torch.autograd.Function):

@@ -55,8 +55,9 @@ class Started:
         self.works = [work for _, work in started]
 
     def wait(self) -> list[torch.Tensor]:
-        for work in self.works:
-            work.wait()
+        with _fsdp_gather.in_step(f"the all-gather of unit {self.name!r}"):
+            for work in self.works:
+                work.wait()
         self.works = []
         return self.flats
 

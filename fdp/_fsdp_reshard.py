@@ -71,8 +71,9 @@ class Resharded:
 
     def wait(self) -> None:
         if self.work is not None:
-            self.work.wait()
-            self.work = None
+            work, self.work = self.work, None
+            with _fsdp_gather.in_step("the all-gather of a unit for backward"):
+                work.wait()
 
     def settle(self) -> None:
         """At the end of a backward: nothing under way, nothing held."""

@@ -10,6 +10,7 @@ integer buffer and a ``None`` leaf.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Sequence
 from typing import Any
 from unittest import mock
@@ -440,6 +441,31 @@ def _bad_input(rank: int, size: int) -> list[str]:
 def test_bad_input_is_refused_alike_on_every_rank() -> None:
     results = ranks.world(2).run(_bad_input)
     assert results[0] == results[1]
+
+
+def _uneven(rank: int, size: int, prefetch: bool) -> str | None:
+    """Rank 1 has one batch more than rank 0, on a group with a 3 s timeout."""
+    params = make_params()
+    group = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    fsdp = fdp.FullyShardedDataParallel(params, group=group, prefetch=prefetch)
+    shards = fsdp.shard(params)
+    x, y = data(size)
+    try:
+        for _ in range(1 + rank):
+            _by_backward(fsdp, shards, mine(x, rank), mine(y, rank))
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
+def test_a_rank_with_more_batches_gets_a_clear_error_at_the_timeout(prefetch: bool) -> None:
+    finished, waited = ranks.world(2).run(_uneven, prefetch)
+    assert finished is None
+    assert waited is not None
+    assert "fdp.FullyShardedDataParallel: the all-gather of" in waited
+    assert "more batches than another (uneven inputs)" in waited
+    assert "no join()" in waited
 
 
 def _block(unit: dict[str, torch.Tensor], h: torch.Tensor, seen: list[Any] | None) -> Any:
