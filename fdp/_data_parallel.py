@@ -93,6 +93,8 @@ def _write_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     detected. It costs one copy per such leaf when replica 0 is not on the
     leaf's device (keep ``params`` on ``devices[0]`` to avoid it).
     """
+    if not pairs:  # the common case; entering no_grad costs more than the rest of it
+        return
     with torch.no_grad():
         for leaf, copy in pairs:
             leaf.copy_(copy)

@@ -18,6 +18,8 @@ def as_device(device: object, *, call: str, arg: str) -> torch.device:
     """Normalises one device argument; ``-1`` means CPU, a bare int a CUDA index."""
     if isinstance(device, torch.device) and device == _CPU:
         return device  # already normalised (the common case, checked first)
+    if device == "cpu":  # the next most common: CPU replicas
+        return _CPU
     # bool is an int subclass; True silently meaning cuda:1 would be a trap.
     if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
         raise TypeError(

@@ -222,8 +222,11 @@ def _call(
     *,
     on_caller: bool = False,
 ) -> Any:
-    with _replica.running(*which):
+    token = _replica.enter(*which)
+    try:
         return _call_on_device(fn, replica, args, kwargs, device, state, on_caller=on_caller)
+    finally:
+        _replica.leave(token)
 
 
 def _call_on_device(
@@ -234,7 +237,7 @@ def _call_on_device(
     device: torch.device,
     state: _State | None,
     *,
-    on_caller: bool,
+    on_caller: bool = False,
 ) -> Any:
     if state is None:
         if device.type != "cuda":
@@ -465,14 +468,20 @@ def _loop(
     outputs = []
     errors: list[tuple[int, BaseException]] = []
     for i in range(len(replicas)):
+        token = _replica.enter(i, deferred)
         try:
-            outputs.append(_call(fn, replicas[i], args[i], kws[i], devs[i], None, (i, deferred)))
+            if devs[i].type == "cuda":
+                outputs.append(_call_on_device(fn, replicas[i], args[i], kws[i], devs[i], None))
+            else:  # the call itself: the loop is the hot path of CPU replicas
+                outputs.append(fn(replicas[i], *args[i], **kws[i]))
         except Exception as err:
             # As with threads: every replica runs before the first error is raised.
             errors.append((i, err))
             outputs.append(None)
         except BaseException as err:  # KeyboardInterrupt, SystemExit: nothing else runs
             _reraise(i, devs[i], err)
+        finally:
+            _replica.leave(token)
     if errors:
         _reraise(errors[0][0], devs[errors[0][0]], errors[0][1])
     return outputs

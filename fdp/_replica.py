@@ -19,7 +19,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 
-__all__ = ["Deferred", "defer", "running"]
+__all__ = ["Deferred", "defer", "enter", "leave", "running"]
 
 
 class Deferred:
@@ -44,11 +44,21 @@ _current: contextvars.ContextVar[tuple[int, Deferred] | None] = contextvars.Cont
 @contextlib.contextmanager
 def running(index: int, deferred: Deferred) -> Iterator[None]:
     """Marks the current thread as running replica ``index`` until the block ends."""
-    token = _current.set((index, deferred))
+    token = enter(index, deferred)
     try:
         yield
     finally:
-        _current.reset(token)
+        leave(token)
+
+
+def enter(index: int, deferred: Deferred) -> contextvars.Token[tuple[int, Deferred] | None]:
+    """:func:`running` without a context manager (a few microseconds a replica less)."""
+    return _current.set((index, deferred))
+
+
+def leave(token: contextvars.Token[tuple[int, Deferred] | None]) -> None:
+    """Ends what :func:`enter` began."""
+    _current.reset(token)
 
 
 def defer(action: Callable[[], None]) -> None:

@@ -217,6 +217,38 @@ def replicate_on(
     unique, leaf_slots = _unique_leaves(params, leaves, call=call)
     targets = list(dict.fromkeys(devs))
     per_device: dict[torch.device, list[torch.Tensor]] = {d: list(unique) for d in targets}
+    if _plan(unique, targets):  # anything to copy at all (usually not, on one device)
+        _copy_to(per_device, unique, targets, call=call)
+    state_slots = [s for s, t in enumerate(unique) if not t.requires_grad]
+
+    def build(i: int, device: torch.device) -> Any:
+        mine = list(per_device[device])
+        for s in state_slots:
+            # State (buffers) is private to each replica: only replica 0 may
+            # hold the leaf itself, so that exactly one replica's in-place
+            # update (BatchNorm statistics) lands on it, as with DataParallel.
+            # Differentiable: under a torch.func transform or while tracing,
+            # a parameter may not report requires_grad and still need grads.
+            if i > 0 and (mine[s] is unique[s] or device in devs[:i]):
+                mine[s] = mine[s].clone()
+        return _tree.unflatten(spec, [None if s < 0 else mine[s] for s in leaf_slots])
+
+    # Replicas on one device share one copy of each parameter (a forward pass
+    # only reads parameters) but each gets a tree of its own.
+    if copied_state is not None:
+        first = per_device[devs[0]]
+        copied_state.extend((unique[s], first[s]) for s in state_slots if first[s] is not unique[s])
+    return [build(i, d) for i, d in enumerate(devs)]
+
+
+def _copy_to(
+    per_device: dict[torch.device, list[torch.Tensor]],
+    unique: list[torch.Tensor],
+    targets: list[torch.device],
+    *,
+    call: str,
+) -> None:
+    """Fills ``per_device`` with each target's copies of ``unique`` (differentiably)."""
     differentiable = torch.is_grad_enabled()
     grad_slots = [s for s, t in enumerate(unique) if differentiable and t.requires_grad]
     plain_slots = [s for s, t in enumerate(unique) if not (differentiable and t.requires_grad)]
@@ -241,24 +273,3 @@ def replicate_on(
             for i, out in zip(indices, outputs[offset : offset + len(indices)], strict=True):
                 per_device[device][slots[i]] = out
             offset += len(indices)
-
-    state_slots = [s for s, t in enumerate(unique) if not t.requires_grad]
-
-    def build(i: int, device: torch.device) -> Any:
-        mine = list(per_device[device])
-        for s in state_slots:
-            # State (buffers) is private to each replica: only replica 0 may
-            # hold the leaf itself, so that exactly one replica's in-place
-            # update (BatchNorm statistics) lands on it, as with DataParallel.
-            # Differentiable: under a torch.func transform or while tracing,
-            # a parameter may not report requires_grad and still need grads.
-            if i > 0 and (mine[s] is unique[s] or device in devs[:i]):
-                mine[s] = mine[s].clone()
-        return _tree.unflatten(spec, [None if s < 0 else mine[s] for s in leaf_slots])
-
-    # Replicas on one device share one copy of each parameter (a forward pass
-    # only reads parameters) but each gets a tree of its own.
-    if copied_state is not None:
-        first = per_device[devs[0]]
-        copied_state.extend((unique[s], first[s]) for s in state_slots if first[s] is not unique[s])
-    return [build(i, d) for i, d in enumerate(devs)]

@@ -124,11 +124,15 @@ def _scatter_leaves(
             for chunk in per_device:
                 chunk.append(leaf)
             continue
-        parts = torch.split(leaf, sizes, dim) if len(sizes) > 1 else (leaf,)
+        # Tensor.split_with_sizes: torch.split's Python wrapper costs as much again.
+        parts = leaf.split_with_sizes(sizes, dim) if len(sizes) > 1 else (leaf,)
+        where = leaf.device
         # ``devices`` may be longer: a small batch uses the first few.
         for chunk, part, device in zip(per_device, parts, devices, strict=False):
-            # non_blocking is safe only when the destination is an accelerator.
-            chunk.append(part.to(device, non_blocking=device.type != "cpu"))
+            if device == where:
+                chunk.append(part)
+            else:  # non_blocking is safe only when the destination is an accelerator.
+                chunk.append(part.to(device, non_blocking=device.type != "cpu"))
     return per_device
 
 
@@ -230,7 +234,7 @@ def scatter_kwargs_to(
     args = _as_args(inputs)
     kw = dict(kwargs)
     arg_leaves, arg_spec = _batch.flatten(args, call=call, root="inputs")
-    kw_leaves, kw_spec = _batch.flatten(kw, call=call, root="kwargs")
+    kw_leaves, kw_spec = _batch.flatten(kw, call=call, root="kwargs") if kw else ([], None)
     n_args = len(arg_leaves)
 
     def path_of(i: int) -> str:
@@ -243,7 +247,7 @@ def scatter_kwargs_to(
     )
     return (
         [_batch.unflatten(arg_spec, c[:n_args]) for c in chunks],
-        [_batch.unflatten(kw_spec, c[n_args:]) for c in chunks],
+        [_batch.unflatten(kw_spec, c[n_args:]) if kw else {} for c in chunks],
     )
 
 
@@ -288,6 +292,8 @@ def gather_to(outputs: Sequence[Any], target: torch.device, *, dim: int, call: s
         raise ValueError(f"{call}: `outputs` expected a non-empty sequence of per-replica outputs")
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"{call}: `dim` expected an int; got {dim!r}")
+    if all(type(out) is torch.Tensor for out in outputs):  # one tensor each: no tree to walk
+        return _join(list(outputs), lambda: "output", target, dim=dim, call=call, warned=[])
     flat = [_batch.flatten(out, call=call, root="output") for out in outputs]
     spec = flat[0][1]
     for r, (_, other) in enumerate(flat[1:], start=1):
@@ -350,7 +356,7 @@ def _join(
         leaf_dim = _check_joinable(tensors, dim, path, call=call)
     if len(tensors) == 1 and tensors[0].device == target:
         return tensors[0]
-    return torch.cat([t.to(target) for t in tensors], leaf_dim)
+    return torch.cat([t if t.device == target else t.to(target) for t in tensors], leaf_dim)
 
 
 def _check_joinable(
