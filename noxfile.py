@@ -148,6 +148,7 @@ def bench(session: nox.Session) -> None:
     """Benchmarks (ratios measured side by side in one run); not run by default."""
     install(session, "examples")
     session.run("python", "benchmarks/bench_data_parallel.py", *session.posargs)
+    session.run("python", "benchmarks/bench_train.py", *session.posargs)
     session.run("python", "benchmarks/bench_distributed.py", *session.posargs)
     session.run("python", "benchmarks/bench_optim.py", *session.posargs, env=COMPILE_CACHE)
     session.run("python", "benchmarks/bench_zero.py", *session.posargs)

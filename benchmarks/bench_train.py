@@ -1,0 +1,86 @@
+"""The main example's training step: ``data_parallel`` over 2 CPU replicas vs a plain loop.
+
+``examples/train_digits.py`` (``nox -s train``) steps a 64-256-256-10 MLP
+with Adam on batches of 128 digits. Here one step of it, with the forward
+through ``fdp.data_parallel(devices=["cpu", "cpu"])``, is timed side by
+side with the same step calling the model directly (a plain
+single-process loop), at 1 and at 2 intra-op threads, and optionally with
+a CPU-burning process beside it (``--loaded``: a shared machine). The
+issue 24 target: data_parallel within 1.2x of the plain loop whatever the
+thread setting.
+
+    python benchmarks/bench_train.py [--quick] [--loaded]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timing import side_by_side
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from train_digits import init_params, load_data, mlp, replicated_loss
+
+
+def _burn() -> None:  # pragma: no cover (a child process)
+    while True:
+        pass
+
+
+def step_fns(batch: int) -> tuple[Any, Any]:
+    """One Adam step of the example, through data_parallel and directly."""
+    x, y, _, _ = load_data(0)
+    x, y = x[:batch], y[:batch]
+
+    def make(loss_of: Any) -> Any:
+        params = init_params([64, 256, 256, 10], device="cpu", generator=torch.Generator())
+        leaves = [t for layer in params["layers"] for t in layer.values()]
+        opt = torch.optim.Adam(leaves, lr=3e-3)
+
+        def step() -> None:
+            loss = loss_of(params)
+            opt.zero_grad(set_to_none=True)
+            torch.autograd.backward(loss)
+            opt.step()
+
+        return step
+
+    replicas = make(lambda p: replicated_loss(p, x, y, ["cpu", "cpu"]))
+    plain = make(lambda p: F.cross_entropy(mlp(p, x), y))
+    return replicas, plain
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--loaded", action="store_true", help="a CPU-burning process beside")
+    args = parser.parse_args()
+    rounds = 5 if args.quick else 11
+    burner = mp.Process(target=_burn, daemon=True) if args.loaded else None
+    if burner is not None:
+        burner.start()
+    try:
+        print(f"torch {torch.__version__}, {'one CPU burner beside' if burner else 'no load'}")
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            replicas, plain = step_fns(128)
+            t_dp, t_plain = side_by_side(replicas, plain, rounds=rounds, repeats=20)
+            print(
+                f"train step, {threads} intra-op thread(s): data_parallel 2 CPU replicas "
+                f"{1e3 * t_dp:.2f} ms, plain loop {1e3 * t_plain:.2f} ms -> "
+                f"{t_dp / t_plain:.3f}x (target <= 1.2x)"
+            )
+    finally:
+        if burner is not None:
+            burner.terminate()
+            burner.join()
+
+
+if __name__ == "__main__":
+    main()
