@@ -82,7 +82,9 @@ def as_devices(devices: object, *, call: str, arg: str = "devices") -> list[torc
     """Normalises a device list; ``None`` means :func:`default_devices`. Repeats are kept."""
     if devices is None:
         return default_devices()
-    if isinstance(devices, (str, torch.device, int)) or not isinstance(devices, Sequence):
+    if type(devices) is not list and (  # a list, the common case, skips the ABC check
+        isinstance(devices, (str, torch.device, int)) or not isinstance(devices, Sequence)
+    ):
         raise TypeError(
             f"{call}: `{arg}` expected a sequence of devices such as ['cuda:0', 'cuda:1'] "
             f"or ['cpu', 'cpu']; got {devices!r} of type {type(devices).__name__}"

@@ -2,8 +2,9 @@
 
 Eager calls on several devices use persistent worker threads (see
 :class:`_Job`): torch releases the GIL inside its kernels, so the devices
-overlap. Replicas that all live on the CPU run in a loop while torch's
-intra-op parallelism already uses the cores (see :func:`_one_busy_cpu`).
+overlap. Replicas that all live on the CPU run in a loop: they share the
+same cores, which torch's intra-op parallelism already uses (see
+:func:`_all_cpu`).
 Worker threads start with torch's default thread-local state, so grad mode,
 inference mode, autocast and the current CUDA device and stream are carried
 over explicitly. Threads cannot be traced by dynamo and ``torch.func``
@@ -37,6 +38,7 @@ T = TypeVar("T")
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
 _SPIN_S = 200e-6
+_CPU = torch.device("cpu")
 
 _worker = threading.local()
 
@@ -150,14 +152,16 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_pool_after_fork)
 
 
-def _one_busy_cpu(devices: list[torch.device]) -> bool:
-    """Whether every replica is on the CPU and torch already spreads each op over cores.
+def _all_cpu(devices: list[torch.device]) -> bool:
+    """Whether every replica is on the CPU: then they run in a loop, whatever the thread count.
 
-    Then concurrent replicas only compete for the same cores (two OpenMP
-    teams spinning on two cores): threads are slower than a loop there
-    (docs/performance.md, "Measurements behind design choices").
+    With several intra-op threads, concurrent replicas only compete for the
+    same cores (two OpenMP teams spinning on two cores). With one, a worker's
+    wake-up and the GIL cost more than small replicas gain, most of all on a
+    loaded machine, and a user who asked torch for one thread asked for one
+    core (docs/performance.md, "Measurements behind design choices").
     """
-    return torch.get_num_threads() > 1 and all(d.type == "cpu" for d in devices)
+    return all(d == _CPU for d in devices)  # normalised by as_device; d.type costs 0.6 us
 
 
 def _run_inline() -> bool:
@@ -313,10 +317,10 @@ def parallel_apply(
     Replicas on distinct devices run concurrently on persistent worker
     threads. They run in a loop on the calling thread inside ``torch.func``
     transforms and while compiling (threads cannot be traced), when all
-    replicas share the CPU and torch's intra-op threads already use its cores,
-    and on the first call of a compiled function (it compiles once, on the
-    caller). The choice depends only on the arguments and that state, never
-    on timings.
+    replicas are on the CPU (they share its cores, which torch's intra-op
+    threads already use, whatever their number), and on the first call of a
+    compiled function (it compiles once, on the caller). The choice depends
+    only on the arguments and that state, never on timings.
 
     They also run in a loop when the caller has thread-local state a worker
     cannot reproduce (a dispatch mode such as ``FlopCounterMode``,
@@ -363,10 +367,11 @@ def parallel_apply_on(
     args = [a if type(a) is tuple else (a,) for a in inputs]
     deferred = _replica.Deferred()
     state = None
-    if not (n == 1 or _run_inline() or _one_busy_cpu(devs) or _cold_compiled(fn)):
+    on_cpu = _all_cpu(devs)
+    if not (n == 1 or on_cpu or _run_inline() or _cold_compiled(fn)):
         state = _State(devs)
     if state is None or state.uncarried is not None:
-        outputs = _loop(fn, replicas, args, kws, devs, deferred)
+        outputs = _loop(fn, replicas, args, kws, devs, deferred, on_cpu=on_cpu)
     else:
         outputs = _threaded(fn, replicas, args, kws, devs, state, deferred)
     # Only now, so that no replica saw another's changes (see fdp._replica).
@@ -461,6 +466,8 @@ def _loop(
     kws: Sequence[dict[str, Any]],
     devs: list[torch.device],
     deferred: _replica.Deferred,
+    *,
+    on_cpu: bool,
 ) -> list[Any]:
     """The replicas one after another on the calling thread."""
     if torch.compiler.is_compiling():
@@ -470,10 +477,10 @@ def _loop(
     for i in range(len(replicas)):
         token = _replica.enter(i, deferred)
         try:
-            if devs[i].type == "cuda":
-                outputs.append(_call_on_device(fn, replicas[i], args[i], kws[i], devs[i], None))
-            else:  # the call itself: the loop is the hot path of CPU replicas
+            if on_cpu:  # the call itself: the loop is the hot path of CPU replicas
                 outputs.append(fn(replicas[i], *args[i], **kws[i]))
+            else:
+                outputs.append(_call_on_device(fn, replicas[i], args[i], kws[i], devs[i], None))
         except Exception as err:
             # As with threads: every replica runs before the first error is raised.
             errors.append((i, err))

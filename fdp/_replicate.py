@@ -214,8 +214,10 @@ def replicate_on(
     leaf that does not require grad and that replica 0 holds as a copy.
     """
     leaves, spec = _tree.flatten(params)
-    unique, leaf_slots = _unique_leaves(params, leaves, call=call)
     targets = list(dict.fromkeys(devs))
+    if _shared_as_is(leaves, targets):
+        return [_tree.unflatten(spec, leaves) for _ in devs]
+    unique, leaf_slots = _unique_leaves(params, leaves, call=call)
     per_device: dict[torch.device, list[torch.Tensor]] = {d: list(unique) for d in targets}
     if _plan(unique, targets):  # anything to copy at all (usually not, on one device)
         _copy_to(per_device, unique, targets, call=call)
@@ -239,6 +241,25 @@ def replicate_on(
         first = per_device[devs[0]]
         copied_state.extend((unique[s], first[s]) for s in state_slots if first[s] is not unique[s])
     return [build(i, d) for i, d in enumerate(devs)]
+
+
+def _shared_as_is(leaves: list[Any], targets: list[torch.device]) -> bool:
+    """Whether every replica gets the leaves themselves (the usual case on one device).
+
+    So when every leaf is ``None`` or a parameter that requires grad and
+    already sits on every target: nothing to copy, no state to keep private.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    for leaf in leaves:
+        if leaf is None:
+            continue
+        if type(leaf) is not torch.Tensor or not leaf.requires_grad:
+            return False
+        where = leaf.device
+        if any(where != target for target in targets):
+            return False
+    return True
 
 
 def _copy_to(

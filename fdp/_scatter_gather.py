@@ -97,7 +97,8 @@ def _scatter_leaves(
         if not isinstance(leaf, torch.Tensor):
             _refuse_arrays(leaf, path_of, i, call=call)
             continue
-        _refuse_layouts(leaf, path_of, i, call=call)
+        if leaf.layout != torch.strided or leaf.is_nested:
+            _refuse_layouts(leaf, path_of, i, call=call)
         ndim = leaf.dim()
         if not -ndim <= dim < ndim:
             expected = f"dim in [{-ndim}, {ndim - 1}]" if ndim else "at least one dimension"
@@ -232,6 +233,12 @@ def scatter_kwargs_to(
     if not isinstance(kwargs, Mapping):
         raise TypeError(f"{call}: `kwargs` expected a mapping or None; got {type(kwargs).__name__}")
     args = _as_args(inputs)
+    if not kwargs and _plain_tensors(args):  # the common case: no tree to walk or rebuild
+        leaves = list(args)
+        plain = _scatter_leaves(
+            leaves, lambda i: f"inputs[{i}]", devs, dim=dim, chunk_sizes=chunk_sizes, call=call
+        )
+        return [tuple(c) for c in plain], [{} for _ in plain]
     kw = dict(kwargs)
     arg_leaves, arg_spec = _batch.flatten(args, call=call, root="inputs")
     kw_leaves, kw_spec = _batch.flatten(kw, call=call, root="kwargs") if kw else ([], None)
@@ -249,6 +256,10 @@ def scatter_kwargs_to(
         [_batch.unflatten(arg_spec, c[:n_args]) for c in chunks],
         [_batch.unflatten(kw_spec, c[n_args:]) if kw else {} for c in chunks],
     )
+
+
+def _plain_tensors(args: tuple[Any, ...]) -> bool:
+    return not torch.compiler.is_compiling() and all(type(a) is torch.Tensor for a in args)
 
 
 def _same(a: object, b: object) -> bool:
@@ -293,6 +304,9 @@ def gather_to(outputs: Sequence[Any], target: torch.device, *, dim: int, call: s
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"{call}: `dim` expected an int; got {dim!r}")
     if all(type(out) is torch.Tensor for out in outputs):  # one tensor each: no tree to walk
+        fast = None if torch.compiler.is_compiling() else _cat_checked(outputs, target, dim)
+        if fast is not None:
+            return fast
         return _join(list(outputs), lambda: "output", target, dim=dim, call=call, warned=[])
     flat = [_batch.flatten(out, call=call, root="output") for out in outputs]
     spec = flat[0][1]
@@ -312,6 +326,26 @@ def gather_to(outputs: Sequence[Any], target: torch.device, *, dim: int, call: s
         values = [leaves[j] for leaves, _ in flat]
         joined.append(_join(values, path, target, dim=dim, call=call, warned=scalars))
     return _batch.unflatten(spec, joined)
+
+
+def _cat_checked(tensors: Sequence[torch.Tensor], target: torch.device, dim: int) -> Any:
+    """The join of same-rank, same-dtype tensors on ``target``, or None: let :func:`_join` explain.
+
+    ``torch.cat`` checks the other dimensions itself once every tensor has
+    the same rank (it skips empty 1-D tensors only beside other ranks).
+    """
+    first = tensors[0]
+    ndim, dtype = first.dim(), first.dtype
+    if ndim == 0 or not all(
+        t.device == target and t.dtype == dtype and t.dim() == ndim for t in tensors
+    ):
+        return None
+    if len(tensors) == 1:
+        return first
+    try:
+        return torch.cat(list(tensors), dim)
+    except (RuntimeError, IndexError):  # _join raises the clear error
+        return None
 
 
 def _join(

@@ -128,9 +128,10 @@ def test_a_training_loop_compiles_once() -> None:
 
 
 def test_compiled_function_in_worker_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    # With one intra-op thread, CPU replicas run in fdp's worker threads, however small.
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    # CPU replicas forced onto fdp's worker threads, the path replicas on
+    # distinct devices take (a compiled function on a fake device is not traceable).
     module = _parallel_apply
+    monkeypatch.setattr(module, "_all_cpu", lambda devices: False)
     threads: set[int] = set()
     original = module._call
     # In thread mode (state given) both replicas meet at a barrier, so replica 1

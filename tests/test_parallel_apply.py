@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fdp
 from fdp import _parallel_apply
-from tests.helpers import fake
+from tests.helpers import fake, label
 
 FAKE = [fake(i) for i in range(4)]  # distinct devices: replicas run in threads
 
@@ -55,21 +55,19 @@ def test_replicas_on_distinct_devices_run_concurrently() -> None:
     assert fdp.parallel_apply(fn, [1, 2, 3], [(10,)] * 3, None, FAKE[:3]) == [10, 20, 30]
 
 
-def test_cpu_replicas_run_in_a_loop_while_intra_op_threads_use_the_cores() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_replicas_run_in_a_loop_whatever_the_intra_op_threads(threads: int) -> None:
     idents: list[int] = []
 
-    def fn(p: Any, x: Any) -> int:
+    def fn(p: int, x: Any) -> int:
         idents.append(threading.get_ident())
-        return 0
+        return p
 
     old = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
-        fdp.parallel_apply(fn, [0, 1, 2], [(0,)] * 3, None, ["cpu"] * 3)
+        torch.set_num_threads(threads)
+        assert fdp.parallel_apply(fn, [0, 1, 2], [(0,)] * 3, None, ["cpu"] * 3) == [0, 1, 2]
         assert idents == [threading.get_ident()] * 3
-        torch.set_num_threads(1)  # no intra-op parallelism: threads put the cores to use
-        got = fdp.parallel_apply(concurrently(fn, 2), [0, 1], [(0,)] * 2, None, ["cpu"] * 2)
-        assert got == [0, 0]
     finally:
         torch.set_num_threads(old)
 
@@ -83,9 +81,9 @@ def test_the_thread_or_loop_choice_does_not_depend_on_timing(
     for name in ("_threaded", "_loop"):
         original = getattr(_parallel_apply, name)
 
-        def recording(*args: Any, _name: str = name, _original: Any = original) -> Any:
+        def recording(*args: Any, _name: str = name, _original: Any = original, **kw: Any) -> Any:
             paths.append(_name)
-            return _original(*args)
+            return _original(*args, **kw)
 
         monkeypatch.setattr(_parallel_apply, name, recording)
     for _ in range(5):
@@ -315,21 +313,12 @@ def test_default_device_context_reaches_the_workers() -> None:
 
 
 def _thread_mode_calls(n_calls: int) -> torch.Tensor:
-    """The last output (its graph alive), after ``n_calls`` thread-mode calls."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # CPU replicas on worker threads
-    try:
-        w = torch.randn(32, 32, requires_grad=True)
-        x = torch.randn(64, 32)
-        for _ in range(n_calls):
-            y: torch.Tensor = fdp.data_parallel(
-                lambda p, x: torch.tanh(x @ p), w, x, devices=["cpu"] * 3
-            )
-        return y
-    finally:
-        # The intra-op thread count is per-thread state that dynamo guards on:
-        # left changed, it makes later compiled tests recompile.
-        torch.set_num_threads(previous)
+    """The last output (its graph alive) after ``n_calls`` calls, replicas on worker threads."""
+    w = label(torch.randn(32, 32, requires_grad=True), 0)
+    x = label(torch.randn(64, 32), 0)
+    for _ in range(n_calls):
+        y: torch.Tensor = fdp.data_parallel(lambda p, x: torch.tanh(x @ p), w, x, devices=FAKE[:3])
+    return y
 
 
 def test_a_forked_child_gets_fresh_workers(tmp_path: Any) -> None:

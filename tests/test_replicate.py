@@ -107,6 +107,27 @@ def test_non_tensor_leaf_in_params_is_a_type_error() -> None:
         fdp.replicate({"layers": [{"w": torch.ones(1)}, {"scale": 0.5}]}, ["cpu"])
 
 
+@pytest.mark.parametrize("with_state", [False, True])
+def test_replicas_on_the_source_device_hold_the_leaves_in_trees_of_their_own(
+    with_state: bool,
+) -> None:
+    w = torch.randn(3, requires_grad=True)
+    params: dict[str, Any] = {"w": w, "tied": w, "none": None}
+    if with_state:
+        params["mean"] = torch.zeros(3)
+    replicas = fdp.replicate(params, ["cpu", "cpu", "cpu"])
+    assert len({id(r) for r in replicas}) == 3  # a user's function may change its own tree
+    for i, r in enumerate(replicas):
+        assert r["w"] is w
+        assert r["tied"] is w
+        assert r["none"] is None
+        if with_state:  # only replica 0 holds the buffer itself
+            assert (r["mean"] is params["mean"]) == (i == 0)
+            torch.testing.assert_close(r["mean"], params["mean"])
+    grads = torch.autograd.grad(sum(r["w"].sum() * (i + 1) for i, r in enumerate(replicas)), w)
+    torch.testing.assert_close(grads[0], torch.full((3,), 6.0))
+
+
 def test_no_grad_mode_builds_no_graph() -> None:
     params = label({"w": torch.randn(3, requires_grad=True)}, 0)
     with torch.no_grad():

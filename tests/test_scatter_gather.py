@@ -251,6 +251,37 @@ def test_gather_errors(outputs: list[Any], match: str) -> None:
         fdp.gather(outputs, "cpu")
 
 
+@pytest.mark.parametrize(
+    ("outputs", "dim", "match"),
+    [
+        (
+            [torch.ones(2, 3), torch.ones(2, 4)],
+            0,
+            r"output leaf output cannot be joined along dim 0: expected \(replica 0\) shape "
+            r"\(2, 3\) in every other dimension, got \(replica 1\) \(2, 4\)",
+        ),
+        (
+            # torch.cat alone would skip the empty 1-D tensor and succeed.
+            [torch.ones(2, 3), torch.ones(0)],
+            0,
+            r"output leaf output cannot be joined along dim 0.*got \(replica 1\) \(0,\)",
+        ),
+        (
+            [torch.ones(2), torch.ones(2, dtype=torch.float64)],
+            0,
+            r"output has dtype torch.float32 in replica 0 but torch.float64 in replica 1",
+        ),
+        ([torch.ones(2, 2)] * 2, 2, r"out of range for output leaf output, .*got dim=2"),
+    ],
+)
+def test_gather_errors_for_one_tensor_per_replica(
+    outputs: list[torch.Tensor], dim: int, match: str
+) -> None:
+    # One tensor per replica takes the fast join; errors must read the same.
+    with pytest.raises(ValueError, match=match):
+        fdp.gather(outputs, "cpu", dim=dim)
+
+
 def test_gather_dim_out_of_range() -> None:
     with pytest.raises(ValueError, match=r"out of range for output leaf output\['y'\].*got dim=2"):
         fdp.gather([{"y": torch.ones(2, 2)}] * 2, "cpu", dim=2)
