@@ -46,6 +46,8 @@ class Bucket:
     # Derived in __post_init__. An init field (with a default), because torch
     # 2.10's dynamo rebuilds a frozen dataclass from all its fields.
     _split_sizes: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+    # Per leaf, its shape as plain ints, or None where the split piece has it already.
+    _view_shapes: tuple[tuple[int, ...] | None, ...] = field(default=(), compare=False, repr=False)
 
     def width(self, j: int) -> int:
         """How many real elements leaf ``j`` takes in the flat buffer."""
@@ -77,12 +79,18 @@ class Bucket:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat``, one per leaf, shaped like the leaves."""
         sizes = self._split_sizes
-        if sizes is not None:  # one split: faster than a view per leaf (docs/performance.md)
-            return [
-                part.view(sh)
-                for part, sh in zip(torch.split(flat, list(sizes)), self.shapes, strict=True)
-            ]
-        return [self.view(flat, j) for j in range(len(self.indices))]
+        if sizes is None:
+            return [self.view(flat, j) for j in range(len(self.indices))]
+        # One split: faster than a view per leaf (docs/performance.md).
+        if torch.compiler.is_compiling():
+            parts = torch.split(flat, list(sizes))
+            return [part.view(sh) for part, sh in zip(parts, self.shapes, strict=True)]
+        # Plain ints, not a torch.Size: view() parses a Size 3x slower (3.4 us vs 1.2 us).
+        parts = flat.split_with_sizes(list(sizes))
+        return [
+            part if sh is None else part.view(*sh) if sh else part.view(())
+            for part, sh in zip(parts, self._view_shapes, strict=True)
+        ]
 
     def __post_init__(self) -> None:
         # Computed once here, not in a cached_property: dynamo cannot trace
@@ -100,6 +108,8 @@ class Bucket:
         )
         # Each leaf's numel, if the leaves tile the buffer contiguously and in order.
         object.__setattr__(self, "_split_sizes", tuple(sizes) if tiled else None)
+        view_shapes = tuple(None if len(sh) == 1 else tuple(sh) for sh in self.shapes)
+        object.__setattr__(self, "_view_shapes", view_shapes)
 
     def pack(
         self,
@@ -107,13 +117,23 @@ class Bucket:
         *,
         scale: float = 1.0,
         out: torch.Tensor | None = None,
+        views: Sequence[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """A flat buffer (``out``, or a new one) holding ``tensors`` times ``scale``.
 
-        ``None`` packs zeros. Contiguous real leaves are concatenated; any
-        other bucket is filled through its leaf views by one foreach copy.
+        ``None`` packs zeros. Contiguous real leaves are concatenated, or,
+        given ``out``'s leaf ``views`` and a scale, each multiplied into its
+        view: one pass where a ``cat`` and a scaling are two (7.2 ms against
+        5.2 + 3.3 ms for 25.6 MB in 200 leaves). Any other bucket is filled
+        through its leaf views by one foreach copy.
         """
-        if all(t is not None and t.is_contiguous() for t in tensors) and not any(self.complex_):
+        contiguous = all(t is not None and t.is_contiguous() for t in tensors)
+        fused = out is not None and views is not None and scale != 1.0
+        if fused and contiguous and not any(self.complex_):
+            for view, t in zip(views, tensors, strict=True):  # type: ignore[arg-type]
+                torch.mul(t, scale, out=view)  # type: ignore[arg-type]
+            return out  # type: ignore[return-value]
+        if contiguous and not any(self.complex_):
             flat_leaves = [t.reshape(-1) for t in tensors if t is not None]
             flat = torch.cat(flat_leaves) if out is None else torch.cat(flat_leaves, out=out)
         else:

@@ -249,6 +249,10 @@ def has_tangent(t: torch.Tensor) -> bool:
     """
     import torch.autograd.forward_ad as fwAD
 
+    # Outside every dual level no tensor has a tangent; asking costs 1.5 us a
+    # leaf, 0.3 ms for a 200-leaf tree. If ``_current_level`` goes, ask always.
+    if getattr(fwAD, "_current_level", 0) < 0:
+        return False
     return fwAD.unpack_dual(t).tangent is not None  # type: ignore[no-untyped-call]
 
 

@@ -461,7 +461,7 @@ def _all_reduce(rank: int, size: int, cap: float, average: bool) -> Any:
 @pytest.mark.parametrize("cap", [1e-6, 25.0])
 @pytest.mark.parametrize("average", [True, False])
 def test_all_reduce_grads_equals_the_mean_over_ranks(cap: float, average: bool) -> None:
-    size = 4 if average else 2
+    size = 3 if average else 2  # 3: a division by the world size that is not exact
     results = ranks.world(size).run(_all_reduce, cap, average)
     corpus: Any = params_corpus()
 
