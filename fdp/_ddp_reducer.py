@@ -216,8 +216,8 @@ class Step:
                 _compat.queue_backward_callback(self.finish)
                 self.queued = True
             k = self.reduction.layout.where[i][0]
-            if grad is not None and i in self.buckets[k].filled and self._again(i, k, grad):
-                return grad
+            if grad is not None and i in self.buckets[k].filled:
+                return self._again(i, k, grad)
             view = self._view(i)
             old = None if self.returned else leaf.grad
             scale = self.prescale
@@ -232,22 +232,36 @@ class Step:
             self.buckets[k].filled.add(i)
             while self.next_launch < len(self.buckets) and self._complete(self.next_launch):
                 self._launch(self.next_launch)
-        if grad is None:
-            return None
-        return view if self.returned else grad
+            if grad is None:
+                return None
+            return view if self.returned else self._into_bucket(leaf, view)
+
+    @staticmethod
+    def _into_bucket(leaf: Any, view: torch.Tensor) -> torch.Tensor:
+        """What the engine stores in ``.grad``: a fresh alias of the leaf's bucket view.
+
+        The engine keeps a tensor that nothing else references instead of
+        copying it, so ``.grad`` lives in the bucket from here on and the
+        local gradient is freed at once, not held (a model's worth of
+        memory) until backward ends; ``.grad`` is cleared first, or the
+        engine would add into it what is already folded in.
+        """
+        leaf.grad = None
+        return view.detach()
 
     def _complete(self, k: int) -> bool:
         """Whether bucket ``k`` holds every gradient this rank will give it."""
         return len(self.buckets[k].filled) == self.buckets[k].expected
 
-    def _again(self, i: int, k: int, grad: torch.Tensor) -> bool:
-        """Whether a second gradient for leaf ``i`` in one backward was set aside.
+    def _again(self, i: int, k: int, grad: torch.Tensor) -> torch.Tensor:
+        """A second gradient for leaf ``i`` in one backward: folded in, or set aside.
 
         A nested backward (reentrant activation checkpointing) gives a leaf
         used in several places one gradient per backward. Before the
-        bucket's launch the normal path folds it in (``.grad``, which the
-        engine accumulated, holds the earlier ones); after, it is kept aside
-        and reduced at the end (see :meth:`_reduce_late`).
+        bucket's launch it is added to the leaf's slot; after, it is kept
+        aside and reduced at the end (see :meth:`_reduce_late`), while the
+        engine gets it for a ``.grad`` that the hand-out replaces (never the
+        bucket, which the collective may be using).
         """
         if self.returned:
             raise RuntimeError(
@@ -257,9 +271,13 @@ class Step:
                 "return one gradient per leaf; use checkpoint(..., use_reentrant=False), or "
                 "loss.backward()"
             )
-        if k >= self.next_launch:
-            return False
+        self.used.add(i)
         grad = _compat.unwrap_functorch(grad)
+        leaf = self.leaves[i]
+        if k >= self.next_launch:
+            view = self._view(i)
+            view.add_(grad, alpha=self.prescale)
+            return self._into_bucket(leaf, view)
         scale = (
             self.prescale
             if self.reduction.hook is None
@@ -267,7 +285,8 @@ class Step:
         )
         late = self.late.get(i)
         self.late[i] = grad * scale if late is None else late.add_(grad, alpha=scale)
-        return True
+        leaf.grad = None
+        return grad
 
     def _reduce_late(self) -> None:
         """Reduces the gradients that missed their bucket, on every rank (some had them)."""

@@ -86,6 +86,76 @@ def test_activation_checkpointing(where: str, reentrant: bool) -> None:
             assert torch.equal(got[name], results[0][name])
 
 
+def twice(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``w`` in two reentrant checkpoints: one gradient from each nested backward."""
+
+    def layer(h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ p["w"])
+
+    h = x @ p["v"]
+    for _ in range(2):
+        h = checkpoint(layer, h, use_reentrant=True)
+    return (h @ p["u"]).square().mean()
+
+
+def twice_params() -> dict[str, torch.Tensor]:
+    w = chain_params()
+    return {"v": w["w0"], "w": w["w1"], "u": w["w2"][:, :2].detach().requires_grad_()}
+
+
+def _twice_after_no_sync(rank: int, size: int, caps: str) -> Any:
+    params = twice_params()
+    ddp = fdp.DistributedDataParallel(params, **({} if caps == "one bucket" else TINY))
+    x = shard(data(size), rank)
+    with ddp.no_sync():
+        torch.autograd.backward(twice(ddp(params), x[:2]))
+    torch.autograd.backward(twice(ddp(params), x[2:]))
+    return grads(params)
+
+
+@pytest.mark.parametrize("caps", ["a bucket per leaf", "one bucket"])
+def test_a_second_gradient_in_one_backward_after_no_sync(caps: str) -> None:
+    """Folded into its bucket before the launch (one bucket), reduced late after (per leaf)."""
+    results = ranks.world(2).run(_twice_after_no_sync, caps)
+    params = twice_params()
+    x = data(2)
+    for r in range(2):  # the mean over ranks of the sum over each rank's two backwards
+        part = shard(x, r)
+        torch.autograd.backward((twice(params, part[:2]) + twice(params, part[2:])) / 2)
+    for got in results:
+        for name, p in params.items():
+            torch.testing.assert_close(got[name], p.grad, **TOL, msg=name)
+
+
+def _grad_in_bucket_during_backward(rank: int, size: int) -> Any:
+    params = chain_params()
+    ddp = fdp.DistributedDataParallel(params)  # one bucket
+    seen: list[int] = []
+
+    # After w0's gradient is accumulated, w1's and w2's (packed earlier) must
+    # already be in the same buffer: no local gradient is held until the end.
+    def look(_: torch.Tensor) -> None:
+        grads_now = [q.grad for q in params.values() if q.grad is not None]
+        seen.extend(g.untyped_storage().data_ptr() for g in grads_now)
+
+    params["w0"].register_post_accumulate_grad_hook(look)  # type: ignore[no-untyped-call]
+    torch.autograd.backward(chain(ddp(params), shard(data(size), rank), "last", reentrant=False))
+    return seen, grads(params)
+
+
+def test_grads_live_in_their_bucket_as_soon_as_packed() -> None:
+    results = ranks.world(2).run(_grad_in_bucket_during_backward)
+    params = chain_params()
+    x = data(2)
+    losses = [chain(params, shard(x, r), "last", reentrant=False) for r in range(2)]
+    torch.autograd.backward(torch.stack(losses).mean())
+    for seen, got in results:
+        assert len(seen) == 3, seen
+        assert len(set(seen)) == 1, seen
+        for name, p in params.items():
+            torch.testing.assert_close(got[name], p.grad, **TOL, msg=name)
+
+
 # --------------------------------------------------------------- create_graph
 
 
