@@ -150,6 +150,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_data_parallel.py", *session.posargs)
     session.run("python", "benchmarks/bench_train.py", *session.posargs)
     session.run("python", "benchmarks/bench_distributed.py", *session.posargs)
+    session.run("python", "benchmarks/bench_ddp_step.py", "--compiled", *session.posargs)
     session.run("python", "benchmarks/bench_optim.py", *session.posargs, env=COMPILE_CACHE)
     session.run("python", "benchmarks/bench_zero.py", *session.posargs)
     session.run(

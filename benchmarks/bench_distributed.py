@@ -1,11 +1,13 @@
 """fdp.distributed benchmarks on 2 gloo ranks (1 intra-op thread each), ratios from one run.
 
 The script spawns the ranks itself (127.0.0.1); rank 0 prints. Every figure
-compares two timings interleaved round by round (median over rounds).
+compares timings interleaved round by round (median over rounds). The DDP
+training step has its own script, ``bench_ddp_step.py``, which runs each
+variant in its own ranks.
 
-    python benchmarks/bench_distributed.py            # both benchmarks
+    python benchmarks/bench_distributed.py            # all of them
     python benchmarks/bench_distributed.py --quick    # fewer rounds
-    python benchmarks/bench_distributed.py --only step --ranks 1   # DDP cost, no communication
+    python benchmarks/bench_distributed.py --only all_reduce
 
 1. all_reduce_grads over 200 leaves of 32768 float32 (25.6 MB) vs one flat
    ``dist.all_reduce`` of the same bytes (target <= 1.2x), vs the least any
@@ -13,18 +15,11 @@ compares two timings interleaved round by round (median over rounds).
    pass, then that flat all-reduce: the inputs stay untouched, so one copy
    is the floor), and vs one ``dist.all_reduce`` per leaf (target: fdp at
    least 5x faster).
-2. A DDP training step (forward, backward, SGD) on an 8-layer 1024-wide tanh
-   MLP plus a 10-way head, batch 64 per rank, every variant interleaved in
-   one run: fdp.DistributedDataParallel eager; with ``--only compiled`` (or
-   all) also ``ddp(params)`` inside a ``fullgraph=True`` inductor-compiled
-   loss, with and without ``fdp.overlap_options()``; torch's DDP eager and
-   compiled (DDPOptimizer, its graph count printed); and the machine's
-   bounds: the local step without communication, followed by one flat
-   all-reduce of all gradient bytes, and with that all-reduce started in
-   the background with the step (the most overlap possible). Targets: fdp
-   eager <= 0.9x torch DDP and <= 1.1x that last bound; fdp compiled <=
-   0.9x eager torch DDP.
-3. A fully compiled functional step (``torch.func.grad``, ``all_reduce_grads``
+2. ``broadcast_buffers`` on a BatchNorm MLP, fdp against torch's DDP, and
+   ``fdp.sync_batch_norm`` against local batch norm.
+3. One compiled DDP step with ``fdp.overlap_options()``, profiled: when each
+   bucket's all-reduce is issued and waited (``--only timeline``).
+4. A fully compiled functional step (``torch.func.grad``, ``all_reduce_grads``
    on functional collectives, an SGD update with ``optree.tree_map``) vs eager.
 """
 
@@ -33,24 +28,20 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import itertools
 import multiprocessing as mp
 import os
 import socket
 import sys
-import time
 from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bench_ddp_step import CLASSES, DEPTH, WIDTH, data, make_params, mlp
 from timing import interleaved, side_by_side
-from torch._dynamo.testing import CompileCounterWithBackend
 
 import fdp
-
-WIDTH, DEPTH, BATCH, CLASSES = 1024, 8, 64, 10
 
 
 def bench_all_reduce(rounds: int) -> dict[str, float]:
@@ -88,134 +79,6 @@ def bench_all_reduce(rounds: int) -> dict[str, float]:
         "per_leaf_ms": 1e3 * t_leaf,
         "speedup_leaf": t_leaf / t_ours2,
     }
-
-
-def make_params(seed: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    sizes = [WIDTH] * (DEPTH + 1) + [CLASSES]
-    return [
-        {
-            "w": (torch.randn(n_out, n_in, generator=g) / n_in**0.5).requires_grad_(),
-            "b": torch.zeros(n_out, requires_grad=True),
-        }
-        for n_in, n_out in itertools.pairwise(sizes)
-    ]
-
-
-def mlp(params: list[dict[str, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
-    *hidden, head = params
-    for layer in hidden:
-        x = torch.tanh(F.linear(x, layer["w"], layer["b"]))
-    return F.linear(x, head["w"], head["b"])
-
-
-def torch_ddp_step(x: torch.Tensor, y: torch.Tensor, cap_mb: float, *, backend: Any = None) -> Any:
-    """An SGD step of the same MLP as a module under torch's DDP, compiled if ``backend``."""
-    layers: list[torch.nn.Module] = []
-    for _ in range(DEPTH):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()]
-    layers.append(torch.nn.Linear(WIDTH, CLASSES))
-    module = torch.nn.Sequential(*layers)
-    torch_ddp = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=cap_mb)
-    model = torch_ddp if backend is None else torch.compile(torch_ddp, backend=backend)
-    torch_opt = torch.optim.SGD(torch_ddp.parameters(), lr=1e-3)
-
-    def torch_step() -> None:
-        torch_opt.zero_grad()
-        torch.autograd.backward(F.cross_entropy(model(x), y))
-        torch_opt.step()
-
-    return torch_step
-
-
-def data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(BATCH, WIDTH, generator=g)
-    return x, torch.randint(0, CLASSES, (BATCH,), generator=g)
-
-
-def step_fns(rank: int, cap_mb: float, *, compiled: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The DDP steps to compare, the machine's bounds among them, and facts to print."""
-    x, y = data(rank)
-    params = make_params(0)
-    leaves = [t for layer in params for t in layer.values()]
-    ddp = fdp.DistributedDataParallel(params, bucket_cap_mb=cap_mb)
-    opt = torch.optim.SGD(leaves, lr=1e-3)
-    flat = torch.cat([t.detach().reshape(-1) for t in leaves])
-
-    # The bounds step a copy: between two ddp(params) calls, a backward into
-    # ddp's params that no ddp(params) prepared is refused.
-    own = make_params(0)
-    own_opt = torch.optim.SGD([t for layer in own for t in layer.values()], lr=1e-3)
-
-    def sgd(loss_fn: Any, *, local: bool = False) -> Any:
-        tree, optimizer = (own, own_opt) if local else (params, opt)
-
-        def step() -> None:
-            optimizer.zero_grad()
-            torch.autograd.backward(loss_fn(tree))
-            optimizer.step()
-
-        return step
-
-    def ddp_loss(p: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        return F.cross_entropy(mlp(ddp(p), x), y)
-
-    local = sgd(lambda p: F.cross_entropy(mlp(p, x), y), local=True)
-
-    def then_comm() -> None:
-        local()
-        dist.all_reduce(flat)
-
-    def comm_from_start() -> None:
-        work = dist.all_reduce(flat, async_op=True)
-        local()
-        assert work is not None
-        work.wait()
-
-    fns = {
-        BOUNDS[0]: local,
-        BOUNDS[1]: then_comm,
-        BOUNDS[2]: comm_from_start,
-        "torch DDP (eager)": torch_ddp_step(x, y, cap_mb),
-        "fdp DDP (eager)": sgd(ddp_loss),
-    }
-    facts: dict[str, Any] = {"grad_mb": flat.numel() * 4 / 1e6, "buckets": len(ddp.buckets)}
-    facts["comm_wall_ms"], facts["comm_cpu_ms"] = wall_and_cpu(lambda: dist.all_reduce(flat))
-    if compiled:
-        fns["fdp DDP compiled"] = sgd(torch.compile(ddp_loss, fullgraph=True))
-        options = fdp.overlap_options()
-        fns["fdp DDP compiled, overlap_options()"] = sgd(
-            torch.compile(ddp_loss, fullgraph=True, options=options)
-        )
-        counter = CompileCounterWithBackend("inductor")
-        fns["torch DDP compiled (DDPOptimizer)"] = torch_ddp_step(x, y, cap_mb, backend=counter)
-        fns["torch DDP compiled (DDPOptimizer)"]()
-        facts["torch_graphs"] = counter.frame_count
-    return fns, facts
-
-
-def wall_and_cpu(fn: Any, calls: int = 5) -> tuple[float, float]:
-    """Milliseconds per call of wall time, and of this process's CPU time (all its threads)."""
-    dist.barrier()
-    wall, cpu = time.perf_counter(), time.process_time()
-    for _ in range(calls):
-        fn()
-    return 1e3 * (time.perf_counter() - wall) / calls, 1e3 * (time.process_time() - cpu) / calls
-
-
-BOUNDS = (
-    "bound: local step, no communication",
-    "bound: local step, then one flat all-reduce",
-    "bound: one flat all-reduce started with the step",
-)
-
-
-def bench_step(rounds: int, rank: int, cap_mb: float, *, compiled: bool) -> dict[str, Any]:
-    fns, facts = step_fns(rank, cap_mb, compiled=compiled)
-    facts["ms"] = {k: 1e3 * t for k, t in interleaved(fns, rounds=rounds, repeats=3,
-                                                      sync=dist.barrier).items()}  # fmt: skip
-    return facts
 
 
 def bench_functional(rounds: int, rank: int) -> dict[str, float]:
@@ -351,34 +214,7 @@ def bench_sync_bn(rounds: int, rank: int) -> dict[str, Any]:
     return {"fdp_ms": 1e3 * t_fdp, "local_ms": 1e3 * t_local, "refused": refused}
 
 
-def report_step(s: dict[str, Any], cap_mb: float, say: Any) -> None:
-    ms = s["ms"]
-    say(
-        f"DDP step, 8x{WIDTH} tanh MLP + {CLASSES}-way head, batch {BATCH}/rank, "
-        f"{s['grad_mb']:.1f} MB of grads in {s['buckets']} buckets of <= {cap_mb} MiB "
-        "(medians, all interleaved in one run):"
-    )
-    best, torch_eager = ms[BOUNDS[2]], ms["torch DDP (eager)"]
-    for name, t in ms.items():
-        say(f"  {name:<50} {t:6.1f} ms  {t / best:5.2f}x bound  {t / torch_eager:5.2f}x torch DDP")
-    if "torch_graphs" in s:
-        why = (
-            "none of the model: pytorch/pytorch#140416"
-            if s["torch_graphs"] == 0
-            else "DDPOptimizer"
-        )
-        say(
-            "  graphs per step: fdp compiled 1 (fullgraph=True); torch DDP compiled "
-            f"{s['torch_graphs']} ({why})"
-        )
-    say(
-        f"  one flat all-reduce of the gradients alone: {s['comm_wall_ms']:.1f} ms, "
-        f"{s['comm_cpu_ms']:.1f} ms of it CPU time in each process (gloo's threads)"
-    )
-    say("  targets: fdp eager <= 0.9x torch DDP and <= 1.1x bound; fdp compiled <= 0.9x torch DDP")
-
-
-def run(rank: int, size: int, port: int, quick: bool, which: str, cap_mb: float) -> None:
+def run(rank: int, size: int, port: int, quick: bool, which: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -405,8 +241,6 @@ def run(rank: int, size: int, port: int, quick: bool, which: str, cap_mb: float)
             f"                 one all_reduce per leaf {r['per_leaf_ms']:.1f} ms -> fdp "
             f"{r['speedup_leaf']:.1f}x faster (target >= 5x)"
         )
-    if which in ("all", "step", "compiled"):
-        report_step(bench_step(rounds, rank, cap_mb, compiled=which != "step"), cap_mb, say)
     if which in ("all", "buffers"):
         b = bench_buffers(rounds, rank)
         say(
@@ -440,17 +274,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument(
         "--only",
-        choices=["all", "all_reduce", "step", "buffers", "sync_bn", "compiled", "timeline"],
+        choices=["all", "all_reduce", "buffers", "sync_bn", "compiled", "timeline"],
         default="all",
-    )
-    parser.add_argument(
-        "--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size, fdp and torch alike"
     )
     parser.add_argument(
         "--ranks",
         type=int,
         default=2,
-        help="gloo ranks; 1 leaves each DDP only its own cost (an all-reduce of one rank is free)",
+        help="gloo ranks",
     )
     args = parser.parse_args()
     with socket.socket() as s:
@@ -458,9 +289,7 @@ def main() -> None:
         port = int(s.getsockname()[1])
     ctx = mp.get_context("spawn")
     procs = [
-        ctx.Process(
-            target=run, args=(rank, args.ranks, port, args.quick, args.only, args.bucket_cap_mb)
-        )
+        ctx.Process(target=run, args=(rank, args.ranks, port, args.quick, args.only))
         for rank in range(args.ranks)
     ]
     for p in procs:

@@ -32,7 +32,7 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_distributed import CLASSES, DEPTH, WIDTH, data, make_params, mlp
+from bench_ddp_step import CLASSES, DEPTH, WIDTH, data, make_params, mlp
 from timing import interleaved
 from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -44,7 +44,7 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_distributed import data, make_params, mlp
+from bench_ddp_step import data, make_params, mlp
 from timing import interleaved
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -31,7 +31,7 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_distributed import data, make_params, mlp
+from bench_ddp_step import data, make_params, mlp
 
 import fdp
 from fdp import _zero_comm
