@@ -17,9 +17,11 @@ collectives in the same order. A callback queued on the engine runs when
 backward ends: it launches what is left (leaves nobody used count as zero),
 waits, and hands the reduced gradients out:
 
-- ``loss.backward()``: each leaf's ``.grad`` becomes a view of its reduced
-  bucket. A ``.grad`` already there (accumulated under ``no_sync``) is folded
-  into the reduction, DDP's semantics.
+- ``loss.backward()``: each leaf's ``.grad`` is a view of its bucket from the
+  moment it is packed (the engine keeps the alias the hook returns, and the
+  local gradient is freed), reduced in place by the end. A ``.grad`` already
+  there (accumulated under ``no_sync``) is folded into the reduction, DDP's
+  semantics.
 - ``torch.autograd.grad`` and ``torch.func.grad``: the hook hands the engine
   the bucket view itself, and the callback reduces the bucket in place before
   the engine returns it, so the returned gradients are the reduced ones.
