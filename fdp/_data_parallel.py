@@ -10,7 +10,7 @@ import torch
 from fdp._device import DeviceLike, as_device, as_devices
 from fdp._parallel_apply import parallel_apply_on
 from fdp._replicate import replicate_on
-from fdp._scatter_gather import gather_to, scatter_kwargs_to
+from fdp._scatter_gather import as_args, cat_plain, gather_to, scatter_kwargs_to, split_plain
 
 __all__ = ["data_parallel"]
 
@@ -73,15 +73,23 @@ def data_parallel(
         if output_device is None
         else as_device(output_device, call=call, arg="output_device")
     )
-    chunks, kw_chunks = scatter_kwargs_to(
-        inputs, kwargs, devs, dim=dim, chunk_sizes=None, call=call
-    )
+    eager = not torch.compiler.is_compiling()
+    # Plain tensors split without a tree to walk; anything else, the general path.
+    chunks = split_plain(as_args(inputs), devs, dim) if eager and kwargs is None else None
+    if chunks is None:
+        chunks, kw_chunks = scatter_kwargs_to(
+            inputs, kwargs, devs, dim=dim, chunk_sizes=None, call=call
+        )
+    else:
+        kw_chunks = [{}] * len(chunks)
     used = devs[: len(chunks)]
     copied_state: list[tuple[torch.Tensor, torch.Tensor]] = []
     replicas = replicate_on(params, used, call=call, copied_state=copied_state)
     outputs = parallel_apply_on(fn, replicas, chunks, kw_chunks, used)
-    _write_back(copied_state)
-    gathered: T = gather_to(outputs, target, dim=dim, call=call)
+    if copied_state:  # the common case has none; entering no_grad costs more than the rest
+        _write_back(copied_state)
+    joined = cat_plain(outputs, target, dim) if eager else None
+    gathered: T = gather_to(outputs, target, dim=dim, call=call) if joined is None else joined
     return gathered
 
 
@@ -93,8 +101,6 @@ def _write_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     detected. It costs one copy per such leaf when replica 0 is not on the
     leaf's device (keep ``params`` on ``devices[0]`` to avoid it).
     """
-    if not pairs:  # the common case; entering no_grad costs more than the rest of it
-        return
     with torch.no_grad():
         for leaf, copy in pairs:
             leaf.copy_(copy)

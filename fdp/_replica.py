@@ -15,25 +15,21 @@ one replica's call: nothing outlives the call.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import TypeAlias
 
-__all__ = ["Deferred", "defer", "enter", "leave", "running"]
+__all__ = ["Deferred", "defer", "enter", "leave", "run"]
 
 
-class Deferred:
-    """What replica 0 left to do once every replica of a call has finished."""
+Deferred: TypeAlias = "list[Callable[[], None]]"
+"""What replica 0 left to do once every replica of a call has finished (a plain list: cheap)."""
 
-    __slots__ = ("actions",)
 
-    def __init__(self) -> None:
-        self.actions: list[Callable[[], None]] = []
-
-    def apply(self) -> None:
-        actions, self.actions = self.actions, []
-        for action in actions:
-            action()
+def run(deferred: Deferred) -> None:
+    """Runs what replica 0 deferred, in order."""
+    for action in deferred:
+        action()
 
 
 _current: contextvars.ContextVar[tuple[int, Deferred] | None] = contextvars.ContextVar(
@@ -41,24 +37,11 @@ _current: contextvars.ContextVar[tuple[int, Deferred] | None] = contextvars.Cont
 )
 
 
-@contextlib.contextmanager
-def running(index: int, deferred: Deferred) -> Iterator[None]:
-    """Marks the current thread as running replica ``index`` until the block ends."""
-    token = enter(index, deferred)
-    try:
-        yield
-    finally:
-        leave(token)
-
-
-def enter(index: int, deferred: Deferred) -> contextvars.Token[tuple[int, Deferred] | None]:
-    """:func:`running` without a context manager (a few microseconds a replica less)."""
-    return _current.set((index, deferred))
-
-
-def leave(token: contextvars.Token[tuple[int, Deferred] | None]) -> None:
-    """Ends what :func:`enter` began."""
-    _current.reset(token)
+# Replica ``index`` of a call runs between ``token = enter((index, deferred))``
+# and ``leave(token)``: the context variable's own methods, since a Python
+# function around them costs as much as the rest of a tiny replica's bookkeeping.
+enter = _current.set
+leave = _current.reset
 
 
 def defer(action: Callable[[], None]) -> None:
@@ -67,4 +50,4 @@ def defer(action: Callable[[], None]) -> None:
     if current is None:
         action()
     elif current[0] == 0:
-        current[1].actions.append(action)
+        current[1].append(action)

@@ -14,13 +14,13 @@ way and reduce-adds them onto each source leaf's device (the C++ seed's
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from fdp import _bucket, _compat, _tree
-from fdp._device import DeviceLike, as_devices
+from fdp._device import DeviceLike, all_cpu, as_devices
 
 __all__ = ["replicate"]
 
@@ -213,10 +213,18 @@ def replicate_on(
     ``copied_state``, if given, receives (leaf, replica 0's copy) for each
     leaf that does not require grad and that replica 0 holds as a copy.
     """
-    leaves, spec = _tree.flatten(params)
+    spec: _tree.Spec
+    if torch.compiler.is_compiling():
+        leaves, spec = _tree.flatten(params)
+    else:
+        # Nothing to copy: each replica is a tree of its own holding the leaves.
+        if type(params) is dict and _shared_as_is(params.values(), devs):
+            return [params.copy() for _ in devs]  # a flat dict (make_functional's state)
+        leaves, eager_spec = _tree.flatten_eager(params)
+        if _shared_as_is(leaves, devs):
+            return [eager_spec.unflatten(leaves) for _ in devs]
+        spec = eager_spec
     targets = list(dict.fromkeys(devs))
-    if _shared_as_is(leaves, targets):
-        return [_tree.unflatten(spec, leaves) for _ in devs]
     unique, leaf_slots = _unique_leaves(params, leaves, call=call)
     per_device: dict[torch.device, list[torch.Tensor]] = {d: list(unique) for d in targets}
     if _plan(unique, targets):  # anything to copy at all (usually not, on one device)
@@ -243,22 +251,35 @@ def replicate_on(
     return [build(i, d) for i, d in enumerate(devs)]
 
 
-def _shared_as_is(leaves: list[Any], targets: list[torch.device]) -> bool:
+# Leaf types shared as they are: other tensor subclasses may place or copy
+# themselves their own way, so they take the general path.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _shared_as_is(leaves: Iterable[Any], targets: list[torch.device]) -> bool:
     """Whether every replica gets the leaves themselves (the usual case on one device).
 
     So when every leaf is ``None`` or a parameter that requires grad and
     already sits on every target: nothing to copy, no state to keep private.
     """
-    if torch.compiler.is_compiling():
-        return False
+    if all_cpu(targets):
+        # CPU replicas: Tensor.is_cpu costs half of .device and a comparison,
+        # which matters at 1 us per leaf and call (docs/performance.md).
+        for leaf in leaves:
+            if leaf is not None and (
+                type(leaf) not in _PLAIN or not leaf.requires_grad or not leaf.is_cpu
+            ):
+                return False
+        return True
     for leaf in leaves:
         if leaf is None:
             continue
-        if type(leaf) is not torch.Tensor or not leaf.requires_grad:
+        if type(leaf) not in _PLAIN or not leaf.requires_grad:
             return False
         where = leaf.device
-        if any(where != target for target in targets):
-            return False
+        for target in targets:  # a loop, not any(): a generator costs more than the test
+            if where != target:
+                return False
     return True
 
 

@@ -22,7 +22,7 @@ __all__ = ["gather", "scatter", "scatter_kwargs"]
 T = TypeVar("T")
 
 
-def _as_args(inputs: Any) -> tuple[Any, ...]:
+def as_args(inputs: Any) -> tuple[Any, ...]:
     # A plain tuple is the positional arguments; anything else (a tensor, a
     # dict, a namedtuple batch) is the single positional argument.
     return inputs if type(inputs) is tuple else (inputs,)
@@ -127,13 +127,10 @@ def _scatter_leaves(
             continue
         # Tensor.split_with_sizes: torch.split's Python wrapper costs as much again.
         parts = leaf.split_with_sizes(sizes, dim) if len(sizes) > 1 else (leaf,)
-        where = leaf.device
         # ``devices`` may be longer: a small batch uses the first few.
-        for chunk, part, device in zip(per_device, parts, devices, strict=False):
-            if device == where:
-                chunk.append(part)
-            else:  # non_blocking is safe only when the destination is an accelerator.
-                chunk.append(part.to(device, non_blocking=device.type != "cpu"))
+        moved = _moved(parts, devices[: len(parts)], leaf.device)
+        for chunk, part in zip(per_device, moved, strict=True):
+            chunk.append(part)
     return per_device
 
 
@@ -181,7 +178,7 @@ def scatter(
     """
     call = "fdp.scatter"
     devs = as_devices(devices, call=call)
-    args = _as_args(inputs)
+    args = as_args(inputs)
     leaves, spec = _batch.flatten(args, call=call, root="inputs")
     chunks = _scatter_leaves(
         leaves,
@@ -228,17 +225,16 @@ def scatter_kwargs_to(
     chunk_sizes: Sequence[int] | None,
     call: str,
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    args = as_args(inputs)
+    no_kwargs = kwargs is None or (type(kwargs) is dict and not kwargs)
+    if no_kwargs and chunk_sizes is None and not torch.compiler.is_compiling():
+        plain = split_plain(args, devs, dim)
+        if plain is not None:
+            return plain, [{}] * len(plain)  # one empty dict: ``**`` unpacks, never mutates
     if kwargs is None:
         kwargs = {}
     if not isinstance(kwargs, Mapping):
         raise TypeError(f"{call}: `kwargs` expected a mapping or None; got {type(kwargs).__name__}")
-    args = _as_args(inputs)
-    if not kwargs and _plain_tensors(args):  # the common case: no tree to walk or rebuild
-        leaves = list(args)
-        plain = _scatter_leaves(
-            leaves, lambda i: f"inputs[{i}]", devs, dim=dim, chunk_sizes=chunk_sizes, call=call
-        )
-        return [tuple(c) for c in plain], [{} for _ in plain]
     kw = dict(kwargs)
     arg_leaves, arg_spec = _batch.flatten(args, call=call, root="inputs")
     kw_leaves, kw_spec = _batch.flatten(kw, call=call, root="kwargs") if kw else ([], None)
@@ -258,8 +254,55 @@ def scatter_kwargs_to(
     )
 
 
-def _plain_tensors(args: tuple[Any, ...]) -> bool:
-    return not torch.compiler.is_compiling() and all(type(a) is torch.Tensor for a in args)
+def split_plain(
+    args: tuple[Any, ...], devices: list[torch.device], dim: int
+) -> list[tuple[Any, ...]] | None:
+    """The common case, plain tensors only and nothing to refuse, split; else None.
+
+    No tree to walk or rebuild, and no error to word: anything unusual
+    returns None, and :func:`_scatter_leaves` splits it or explains why not.
+    """
+    if type(dim) is not int or not args:
+        return None
+    batch = -1
+    for a in args:
+        if type(a) is not torch.Tensor or a.layout is not _STRIDED or a.is_nested:
+            return None
+        ndim = a.dim()
+        if not -ndim <= dim < ndim:
+            return None
+        size = a.shape[dim]
+        if size != batch and batch >= 0:
+            return None
+        batch = size
+    n = len(devices)
+    if batch < n:
+        return None
+    q, r = divmod(batch, n)
+    sizes = [q] * n if r == 0 else [q + 1] * r + [q] * (n - r)  # as _chunk_sizes
+    per_arg = []
+    for a in args:
+        parts = a.split_with_sizes(sizes, dim) if n > 1 else (a,)
+        where = a.device
+        for device in devices:
+            if device != where:
+                parts = _moved(parts, devices, where)
+                break
+        per_arg.append(parts)
+    return list(zip(*per_arg))  # noqa: B905 (every arg has one part per device)
+
+
+def _moved(
+    parts: Sequence[torch.Tensor], devices: list[torch.device], where: torch.device
+) -> tuple[torch.Tensor, ...]:
+    # non_blocking is safe only when the destination is an accelerator.
+    return tuple(
+        p if d == where else p.to(d, non_blocking=d.type != "cpu")
+        for p, d in zip(parts, devices, strict=True)
+    )
+
+
+_STRIDED = torch.strided
 
 
 def _same(a: object, b: object) -> bool:
@@ -299,14 +342,15 @@ def gather(outputs: Sequence[T], output_device: DeviceLike, *, dim: int = 0) -> 
 
 
 def gather_to(outputs: Sequence[Any], target: torch.device, *, dim: int, call: str) -> Any:
+    if type(outputs) is list and type(dim) is int and not torch.compiler.is_compiling():
+        fast = cat_plain(outputs, target, dim)  # one tensor each: no tree to walk
+        if fast is not None:
+            return fast
     if isinstance(outputs, (str, bytes)) or not isinstance(outputs, Sequence) or not outputs:
         raise ValueError(f"{call}: `outputs` expected a non-empty sequence of per-replica outputs")
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"{call}: `dim` expected an int; got {dim!r}")
-    if all(type(out) is torch.Tensor for out in outputs):  # one tensor each: no tree to walk
-        fast = None if torch.compiler.is_compiling() else _cat_checked(outputs, target, dim)
-        if fast is not None:
-            return fast
+    if all(type(out) is torch.Tensor for out in outputs):
         return _join(list(outputs), lambda: "output", target, dim=dim, call=call, warned=[])
     flat = [_batch.flatten(out, call=call, root="output") for out in outputs]
     spec = flat[0][1]
@@ -328,22 +372,25 @@ def gather_to(outputs: Sequence[Any], target: torch.device, *, dim: int, call: s
     return _batch.unflatten(spec, joined)
 
 
-def _cat_checked(tensors: Sequence[torch.Tensor], target: torch.device, dim: int) -> Any:
+def cat_plain(tensors: list[torch.Tensor], target: torch.device, dim: int) -> Any:
     """The join of same-rank, same-dtype tensors on ``target``, or None: let :func:`_join` explain.
 
     ``torch.cat`` checks the other dimensions itself once every tensor has
     the same rank (it skips empty 1-D tensors only beside other ranks).
     """
+    if not tensors or type(tensors[0]) is not torch.Tensor:
+        return None
     first = tensors[0]
     ndim, dtype = first.dim(), first.dtype
-    if ndim == 0 or not all(
-        t.device == target and t.dtype == dtype and t.dim() == ndim for t in tensors
-    ):
+    if ndim == 0 or first.device != target:  # the others: cat refuses a second device
         return None
+    for t in tensors:  # a loop, not all(): a generator costs more than these checks
+        if type(t) is not torch.Tensor or t.dtype is not dtype or t.dim() != ndim:
+            return None
     if len(tensors) == 1:
         return first
     try:
-        return torch.cat(list(tensors), dim)
+        return torch.cat(tensors, dim)
     except (RuntimeError, IndexError):  # _join raises the clear error
         return None
 

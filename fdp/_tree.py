@@ -31,6 +31,11 @@ def flatten(tree: Any) -> tuple[list[Any], Spec]:
     return optree.tree_flatten(tree, none_is_leaf=NONE_IS_LEAF)
 
 
+def flatten_eager(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    """:func:`flatten` for a caller that has checked that nothing is being compiled."""
+    return optree.tree_flatten(tree, none_is_leaf=NONE_IS_LEAF)
+
+
 def unflatten(spec: Spec, leaves: list[Any]) -> Any:
     """Inverse of :func:`flatten`."""
     if isinstance(spec, tuple):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any, cast
 
 import optree
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 import fdp
+from fdp import _data_parallel, _scatter_gather
 from tests.helpers import (
     Pair,
     detached_copy,
@@ -88,6 +91,70 @@ def test_outputs_and_grads_match_one_call(n: int, batch: int) -> None:
     ref = model(ref_params, *inputs, **kwargs)
     tree_allclose(out, ref)
     assert_same_grads(out, params, ref, ref_params)
+
+
+PLAIN_PARAMS: dict[str, Callable[[torch.Tensor, torch.Tensor], dict[str, Any]]] = {
+    # A flat dict of parameters is replicated without walking a tree, a nested
+    # tree with optree; a buffer (no grad) gives each replica a private copy.
+    "flat": lambda w, b: {"w": w, "b": b},
+    "nested": lambda w, b: {"layer": [w, (b, None)]},
+    "flat_with_buffer": lambda w, b: {"w": w, "b": b, "scale": torch.full((4,), 0.5)},
+}
+
+
+def weight_and_bias(p: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    return (p["w"], p["b"]) if "w" in p else (p["layer"][0], p["layer"][1][0])
+
+
+def plain_model(p: dict[str, Any], x: torch.Tensor, *rest: torch.Tensor, dim: int) -> Any:
+    w, b = weight_and_bias(p)
+    h = torch.tanh(x.movedim(dim, 0) @ w + b) * p.get("scale", 1.0)
+    for y in rest:
+        h = h + y.movedim(dim, 0)[..., :1]
+    return h.movedim(0, dim)
+
+
+@pytest.mark.parametrize("calling", ["one tensor", "two tensors", "tuple out"])
+@pytest.mark.parametrize("params_kind", list(PLAIN_PARAMS))
+@pytest.mark.parametrize(("batch", "dim"), [(7, 0), (2, 0), (7, 1), (7, -1)])
+@pytest.mark.parametrize("n", [2, 3])
+def test_plain_tensor_calls_match_one_call(
+    n: int, batch: int, dim: int, params_kind: str, calling: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Plain tensor inputs take a path of their own (no tree to walk), down to
+    # a bare torch.cat of the outputs; each stage falls back to the general
+    # one (here: fewer rows than replicas, a buffer, a tuple output).
+    g = torch.Generator().manual_seed(batch)
+    w = torch.randn(5, 4, generator=g, requires_grad=True)
+    b = torch.randn(4, generator=g, requires_grad=True)
+    params = PLAIN_PARAMS[params_kind](w, b)
+    ref_params = detached_copy(params)
+    shape = [3, 5, 5]
+    shape[dim] = batch
+    inputs = [torch.randn(*shape, generator=g) for _ in range(2 if calling == "two tensors" else 1)]
+
+    def fn(p: dict[str, Any], *xs: torch.Tensor) -> Any:
+        out = plain_model(p, *xs, dim=dim)
+        return (out, xs[0].sum()) if calling == "tuple out" else out
+
+    general: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        general.append(1)
+        return _scatter_gather.scatter_kwargs_to(*args, **kwargs)
+
+    monkeypatch.setattr(_data_parallel, "scatter_kwargs_to", counted)
+    warns = pytest.warns(UserWarning, match="one entry per replica")
+    with warns if calling == "tuple out" else contextlib.nullcontext():
+        out = fdp.data_parallel(fn, params, tuple(inputs), devices=["cpu"] * n, dim=dim)
+    assert general == ([1] if batch < n else [])
+    ref = plain_model(ref_params, *inputs, dim=dim)
+    got = out[0] if calling == "tuple out" else out
+    torch.testing.assert_close(got, ref)
+    grads = torch.autograd.grad((got**2).sum(), [w, b])
+    expected = torch.autograd.grad((ref**2).sum(), weight_and_bias(ref_params))
+    for got_grad, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got_grad, want)
 
 
 @pytest.mark.parametrize("api", ["autograd.grad", "func.grad", "func.grad_and_value"])

@@ -230,3 +230,21 @@ def test_structure_and_none_preserved() -> None:
     )
     assert replica["bias"] is None
     assert replica["more"][0] is None
+
+
+def test_module_parameters_are_shared_like_plain_tensors() -> None:
+    net = torch.nn.Linear(3, 2)
+    fn, state = fdp.make_functional(net)
+    replicas = fdp.replicate(state, ["cpu", "cpu"])
+    for r in replicas:
+        assert r is not state
+        assert all(r[name] is leaf for name, leaf in state.items())
+    x = torch.randn(4, 3)
+    ref = torch.nn.Linear(3, 2)
+    ref.load_state_dict(net.state_dict())
+    loss = sum((fn(r, x) * (i + 1)).sum() for i, r in enumerate(replicas))
+    assert isinstance(loss, torch.Tensor)
+    torch.autograd.backward(loss)
+    torch.autograd.backward(ref(x).sum() * 3)
+    for name, leaf in state.items():
+        torch.testing.assert_close(leaf.grad, dict(ref.named_parameters())[name].grad)

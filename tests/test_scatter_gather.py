@@ -146,8 +146,9 @@ def test_scatter_kwargs_splits_both_with_one_batch() -> None:
     assert all(k["flag"] is True for k in kws)
     with pytest.raises(ValueError, match=r"leaf inputs\[0\] has 5, leaf kwargs\['mask'\] has 4"):
         fdp.scatter_kwargs((x,), {"mask": torch.arange(4)}, ["cpu", "cpu"])
-    with pytest.raises(TypeError, match=r"`kwargs` expected a mapping"):
-        fdp.scatter_kwargs((x,), [1], ["cpu"])  # type: ignore[arg-type]
+    for not_a_mapping in ([1], [], ()):  # an empty one too: falsy is not "no kwargs"
+        with pytest.raises(TypeError, match=r"`kwargs` expected a mapping"):
+            fdp.scatter_kwargs((x,), not_a_mapping, ["cpu"])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -215,6 +216,20 @@ def test_gather_scalars_become_a_vector_with_a_warning() -> None:
 def test_gather_single_output_on_target_is_not_copied() -> None:
     y = torch.randn(3)
     assert fdp.gather([y], "cpu") is y
+
+
+@pytest.mark.parametrize("on_target", [(True, False), (False, True), (False, False)])
+def test_gather_moves_each_tensor_not_on_the_target(on_target: tuple[bool, bool]) -> None:
+    # The meta device stands in for a second device: the join checks only the
+    # first tensor's device and leaves the others to torch.cat, which refuses a
+    # second device, so the general path must move them.
+    outputs = [
+        torch.empty(2 + i, 3, device="meta") if there else torch.randn(2 + i, 3)
+        for i, there in enumerate(on_target)
+    ]
+    got = fdp.gather(outputs, "meta")
+    expected = torch.cat([t.to("meta") for t in outputs])
+    assert (got.device, got.shape, got.dtype) == (expected.device, expected.shape, expected.dtype)
 
 
 @pytest.mark.parametrize(
