@@ -149,6 +149,10 @@ def bench(session: nox.Session) -> None:
     install(session, "examples")
     session.run("python", "benchmarks/bench_data_parallel.py", *session.posargs)
     session.run("python", "benchmarks/bench_train.py", *session.posargs)
+    if shutil.which("valgrind"):  # instruction counts: steady where timings are noisy
+        session.run("python", "benchmarks/count_instructions.py", "--stages", *session.posargs)
+    else:
+        session.log("benchmarks/count_instructions.py skipped: it needs valgrind")
     session.run("python", "benchmarks/bench_distributed.py", *session.posargs)
     session.run("python", "benchmarks/bench_ddp_step.py", "--compiled", *session.posargs)
     session.run("python", "benchmarks/bench_optim.py", *session.posargs, env=COMPILE_CACHE)

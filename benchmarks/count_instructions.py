@@ -135,11 +135,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", action="store_true", help="also each stage alone")
     parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--quick", action="store_true", help="300 calls per variant")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child.split(","), args.calls)
         return
+    if args.quick:
+        args.calls = 300
     names = VARIANTS + (STAGES if args.stages else [])
     got = count(names, args.calls)
     print(f"torch {torch.__version__}, instructions per call (callgrind, {args.calls} calls)")
