@@ -124,3 +124,53 @@ class Fingerprint:
         if high != -neg_low:
             check(self.described, group=group, call=call, arg=arg)
             raise ValueError(f"{call}: `{arg}` differs across ranks (the tree signatures differ)")
+
+
+SAME_START = (
+    "Give every rank the same initial values before construction: "
+    "fdp.broadcast_params(params) (rank 0's), or the same seed on every rank"
+)
+
+
+def _value_fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Two float64 numbers that ranks holding the same values compute bit for bit."""
+    d = t.detach()
+    d = torch.view_as_real(d) if d.is_complex() else d
+    d = torch.nan_to_num(d.reshape(-1).to(torch.float64, copy=True))
+    # The weights tell a permutation of the values apart from the values.
+    weights = torch.arange(1, d.numel() + 1, dtype=torch.float64, device=d.device).remainder_(7)
+    return torch.stack([d.sum(), (d * weights).sum()])
+
+
+def check_values(
+    tensors: Sequence[torch.Tensor | None],
+    paths: Sequence[str],
+    *,
+    group: ProcessGroup | None,
+    call: str,
+    arg: str,
+    fix: str = SAME_START,
+) -> None:
+    """Raises the same ValueError on every rank unless every rank holds the same values.
+
+    One all-reduce (MAX of each leaf's fingerprint and its negation) at
+    construction, where fdp keeps no rank-0 copy (ZeRO, fully sharded): a rank
+    starting from other values would silently train another model.
+    """
+    held = [(i, t) for i, t in enumerate(tensors) if t is not None]
+    if not held:
+        return
+    with torch.no_grad(), _compat.functorch_disabled():
+        mine = torch.stack([_value_fingerprint(t).to(_device_for(group)) for _, t in held])
+        both = torch.cat([mine, -mine])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        high, neg_low = both[: len(held)], both[len(held) :]
+        differs = (high != -neg_low).any(dim=1).tolist()
+    for (i, _), bad in zip(held, differs, strict=True):
+        if bad:
+            raise ValueError(
+                f"{call}: `{arg}` leaf {paths[i]} expected the same values on every rank at "
+                f"construction; got different values on different ranks (checksums from "
+                f"{-float(neg_low[differs.index(True)][0]):.6g} to "
+                f"{float(high[differs.index(True)][0]):.6g}). {fix}"
+            )

@@ -266,18 +266,47 @@ def functorch_disabled() -> Any:
 
 
 def engine_captures_grads(leaf: torch.Tensor) -> bool:
-    """Whether the running backward returns grads (autograd.grad) instead of accumulating.
+    """Whether the running backward returns ``leaf``'s grads instead of accumulating them.
 
-    torch refuses ``_will_engine_execute_node`` for a leaf exactly when
-    ``autograd.grad`` runs; the DDP tests cover both modes, so a change in
-    torch shows there.
+    Call from a hook on the path to ``leaf``. torch refuses
+    ``_will_engine_execute_node`` for a leaf exactly when ``autograd.grad``
+    returns its gradient, and answers False when the engine stops before the
+    leaf (``autograd.grad`` with a tensor on the way among its inputs); the
+    DDP tests cover each mode, so a change in torch shows there.
     """
     node = torch.autograd.graph.get_gradient_edge(leaf).node
     try:
-        torch._C._will_engine_execute_node(node)
+        return not torch._C._will_engine_execute_node(node)
     except RuntimeError:
         return True
-    return False
+
+
+# Just below AccumulateGrad's (UINT64_MAX), which must still run right after.
+_EARLY = 2**64 - 2
+
+
+def early_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``t``'s memory whose node hands gradients to ``t`` as soon as it can.
+
+    Not an autograd view: a view's node is made anew (without its hooks)
+    once its base is changed in place, as an optimizer step does, so hooks
+    on a view would reduce the first backward only. ``_unsafe_view`` aliases
+    without view tracking (torch's own ``reshape`` uses it). The engine runs
+    the ready node with the highest sequence number first; a node made before
+    the model's forward would otherwise wait for the end of backward. Without
+    ``_set_sequence_nr`` results stay right and the reduction starts only when
+    backward ends (``test_buckets_launch_while_backward_runs`` fails).
+    """
+    alias: torch.Tensor = torch.ops.aten._unsafe_view.default(t, t.shape)
+    setter = getattr(alias.grad_fn, "_set_sequence_nr", None)
+    if setter is not None:
+        setter(_EARLY)
+    return alias
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread."""
+    return int(torch._C._current_graph_task_id()) != -1
 
 
 def is_compiled_module(obj: object) -> bool:

@@ -12,8 +12,6 @@ buffers in ``fdp/_ddp_buffers.py`` and ``join`` in ``fdp/_ddp_join.py``;
 from __future__ import annotations
 
 import dataclasses
-import functools
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
@@ -35,16 +33,10 @@ from fdp import (
 from fdp._collectives import tensor_leaves
 from fdp._comm_hooks import CommHook
 from fdp._ddp_join import Joiner
-from fdp._ddp_reducer import Reduction, Step
+from fdp._ddp_reducer import Reducer, Reduction
 from fdp._groups import ProcessGroup
 
 __all__ = ["DistributedDataParallel"]
-
-
-def _compiled_since(ref: weakref.ref[DistributedDataParallel]) -> bool:
-    """Whether the DDP's latest call was compiled (its backward reduces in the graph)."""
-    ddp = ref()
-    return ddp is None or ddp._compiled_since
 
 
 def _ddp_eagerly(ddp: DistributedDataParallel, params: Any) -> Any:
@@ -71,11 +63,16 @@ class DistributedDataParallel:
         the same ``ValueError``, naming the first differing leaf, if not.
 
     Each step:
-        ``ddp(params)`` returns ``params`` unchanged; call it in every step.
-        The backward that follows all-reduces (averages) each bucket as soon
-        as all its gradients exist, while the rest of backward runs,
-        launching buckets in the same order on every rank. Gradients are
-        handed out only once reduced:
+        ``ddp(params)`` returns the same tree with an alias (the same memory)
+        of each leaf that requires grad. Every backward that passes through
+        a call's output all-reduces (averages) each bucket as soon as all its
+        gradients exist, while the rest of backward runs, launching buckets
+        in the same order on every rank; a backward that does not is local
+        and communicates nothing (torch's DDP through ``ddp.module``). So a
+        call's output may be reused: ``retain_graph=True``, several forwards
+        then several backwards, or ``p = ddp(params)`` kept across steps all
+        reduce every backward once. Gradients are handed out only once
+        reduced:
 
         - ``loss.backward()``: every leaf's ``.grad`` holds the average over
           ranks, including leaves this rank did not use (they count as
@@ -101,19 +98,25 @@ class DistributedDataParallel:
         there a leaf that no rank used gets a zero ``.grad``.
 
     Buffers:
-        The tensor leaves that do not require grad (BatchNorm's running
-        statistics, integer counters) get rank 0's values in place at
-        construction and on every synchronised call (grad enabled, not
-        under ``no_sync``) when ``broadcast_buffers`` is true, coalesced
+        Construction gives every rank rank 0's parameters and buffers, in
+        place, as torch's DDP does (``init_sync=False`` for those who sync
+        themselves). Buffers are the tensor leaves that do not require grad
+        and are not ``nn.Parameter``s (BatchNorm's running statistics,
+        integer counters; a frozen parameter in ``make_functional``'s state
+        is an ``nn.Parameter`` and is synced at construction only, as torch
+        does; in a plain tree, wrap a frozen weight in
+        ``nn.Parameter(w, requires_grad=False)`` to say the same). They get
+        rank 0's values in place on every synchronised call (grad enabled,
+        not under ``no_sync``) when ``broadcast_buffers`` is true, coalesced
         into one broadcast per device and dtype, eagerly, under
         ``torch.func`` and while compiling. As in torch's DDP, a call under
-        ``torch.no_grad`` or ``no_sync`` communicates nothing, so one rank
-        may evaluate alone.
+        ``torch.no_grad`` or ``no_sync``, or of a tree with no buffer,
+        communicates nothing, so one rank may evaluate alone.
 
     Refused, with a clear error:
         Backward with ``create_graph=True`` (double backward through the
-        reduced gradients), sparse gradients, a second backward through one
-        ``ddp(params)`` call, a ``params`` tree with no floating-point leaf,
+        reduced gradients), sparse gradients, a ``params`` tree with no
+        floating-point leaf,
         and trees whose structure, shapes, dtypes or ``requires_grad``
         differ across ranks. Reentrant activation checkpointing
         (``use_reentrant=True``) works: the reduction finishes when the
@@ -129,6 +132,8 @@ class DistributedDataParallel:
             bytes sent. Default: :func:`allreduce_hook`.
         broadcast_buffers: give every rank rank 0's buffers (see above);
             False leaves each rank's buffers as its own forward left them.
+        init_sync: give every rank rank 0's parameters and buffers at
+            construction (torch's ``init_sync``).
 
     Example::
 
@@ -149,6 +154,7 @@ class DistributedDataParallel:
         first_bucket_cap_mb: float = 1.0,
         comm_hook: CommHook | None = None,
         broadcast_buffers: bool = True,
+        init_sync: bool = True,
     ) -> None:
         call = "fdp.DistributedDataParallel"
         cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
@@ -170,15 +176,18 @@ class DistributedDataParallel:
         every = [t if isinstance(t, torch.Tensor) else None for t in leaves]
         self._meta = [None if t is None else (t.shape, t.dtype, t.device) for t in every]
         self._buffers = _ddp_buffers.Buffers(every, group) if broadcast_buffers else None
-        if self._buffers is not None:  # as torch's DDP at construction: no_sync calls use them
+        final = _ddp_buffers.Buffers(every, group, with_params=True)  # every tensor leaf
+        if init_sync:  # as torch's DDP: every rank starts from rank 0's parameters and buffers
+            final.sync(leaves, src=0)
+        elif self._buffers is not None:  # no_sync calls use them
             self._buffers.sync(leaves, src=0)
         self._refs = _ddp_join.weak(leaves)  # the tensors join synchronises if none come later
         self._layout = _bucket.Layout(tensors, cap_bytes=cap, first_cap_bytes=first_cap)
         paths = _tree.paths(params, "params")
         # Without a hook the division by the world size is folded into
         # packing the bucket (one pass over the gradients instead of two).
-        self._reduction = Reduction(
-            layout=self._layout, hook=comm_hook, state=group, group=group, paths=paths
+        self._reducer = Reducer(
+            Reduction(layout=self._layout, hook=comm_hook, state=group, group=group, paths=paths)
         )
         self.buckets: list[tuple[str, ...]] = [
             tuple(paths[i] for i in b.indices) for b in self._layout.buckets
@@ -191,7 +200,6 @@ class DistributedDataParallel:
         self._ties = {i: j for i, j in self._ties.items() if i != j}
         self._sync = True
         self._called = False
-        self._compiled_since = False
         self._joiner: Joiner | None = None
         # How many leaves a step's usage all-reduce counts (hooked: needing
         # grad, each tensor once), for join's mirroring ranks.
@@ -203,10 +211,9 @@ class DistributedDataParallel:
             buckets=tuple(self._layout.buckets),
             counted=counted,
             buffers=self._buffers,
-            final=_ddp_buffers.Buffers(every, group, with_params=True),  # the final sync
+            final=final,  # join's final synchronisation
             meta=tuple(self._meta),
         )
-        self._step: Step | None = None
 
     def __repr__(self) -> str:
         buckets = self._layout.buckets
@@ -232,13 +239,14 @@ class DistributedDataParallel:
         """
         call = "fdp.DistributedDataParallel.register_comm_hook"
         _comm_hooks.check_hook(hook, call=call)
-        if self._reduction.hook is not None or self._called:
+        if self._reducer.reduction.hook is not None or self._called:
             raise RuntimeError(
                 f"{call}: a comm hook can be registered only once, before the first "
                 "ddp(params); got a second registration (as torch's DDP refuses)"
             )
-        self._reduction = dataclasses.replace(self._reduction, hook=hook, state=state)
-        self._traced_hook = _ddp_traced.traced_hook(hook, state, self._reduction.group)
+        reduction = dataclasses.replace(self._reducer.reduction, hook=hook, state=state)
+        self._reducer = Reducer(reduction)
+        self._traced_hook = _ddp_traced.traced_hook(hook, state, reduction.group)
 
     @contextmanager
     def join(self, *, divide_by_initial_world_size: bool = True) -> Iterator[None]:
@@ -270,7 +278,7 @@ class DistributedDataParallel:
                     opt.step()
                     opt.zero_grad()
         """
-        if self._reduction.hook not in (None, _comm_hooks.allreduce_hook):
+        if self._reducer.reduction.hook not in (None, _comm_hooks.allreduce_hook):
             raise NotImplementedError(
                 "fdp.DistributedDataParallel.join: a rank that has left mirrors the default "
                 "reduction only; got a comm hook, whose collectives it cannot know"
@@ -301,14 +309,8 @@ class DistributedDataParallel:
             self._sync = previous
 
     def __call__(self, params: T) -> T:
-        """``params`` unchanged; the backward that follows averages their gradients across ranks."""
+        """``params`` as aliases; each backward through them averages the gradients across ranks."""
         self._called = True
-        # A constant store, no read: dynamo replays it after the graph, unguarded.
-        self._compiled_since = torch.compiler.is_compiling()
-        spent = self._step is not None and self._step.spent
-        if spent and not torch.compiler.is_compiling():  # its backward ran: drop its guard hooks
-            self._step.remove()  # type: ignore[union-attr]
-            self._step = None
         leaves = self._checked_leaves(params)
         synchronised = self._sync and torch.is_grad_enabled()
         src, prescale = 0, None
@@ -320,7 +322,8 @@ class DistributedDataParallel:
             ):
                 return cast(T, _UNDER_TRANSFORM(self, params))
         if self._joiner is not None:
-            src, prescale = self._joiner.step(leaves, synchronised=synchronised)
+            refused = synchronised and self._under_transform(leaves)
+            src, prescale = self._joiner.step(leaves, synchronised=synchronised, refused=refused)
         if self._buffers is not None and synchronised:  # as torch: one rank may evaluate
             self._buffers.sync(leaves, src=src)
         if not synchronised:
@@ -331,7 +334,7 @@ class DistributedDataParallel:
                 leaves,
                 self._layout,
                 hook=self._traced_hook,
-                group=self._reduction.group,
+                group=self._reducer.reduction.group,
                 ties=self._ties,
             )
             return cast(T, _tree.unflatten(self._traced_spec or (), synced))
@@ -357,11 +360,6 @@ class DistributedDataParallel:
 
     def _transformed(self, leaves: list[Any]) -> list[Any]:
         """Leaves that carry the psum rule: identity forward, bucketed average backward."""
-        if self._joiner is not None:
-            raise NotImplementedError(
-                "fdp.DistributedDataParallel.join: ddp(params) under a torch.func transform is "
-                "not supported in a join block; call it on plain tensors there"
-            )
         if self._traced_hook.refusal is not None:
             raise NotImplementedError(
                 "fdp.DistributedDataParallel: ddp(params) under a torch.func transform (or on "
@@ -370,12 +368,12 @@ class DistributedDataParallel:
                 "cannot be differentiated. Call ddp(params) outside the transform, or "
                 "reduce the transform's gradients with fdp.all_reduce_grads"
             )
-        world = dist.get_world_size(self._reduction.group)
+        group = self._reducer.reduction.group
         return _transforms.replicated(
             leaves,
             self._layout.buckets,
-            scale=1.0 / world,
-            group=self._reduction.group,
+            scale=1.0 / dist.get_world_size(group),
+            group=group,
             dtype=self._traced_hook.dtype,
         )
 
@@ -395,21 +393,9 @@ class DistributedDataParallel:
         return leaves
 
     def _hooked(self, params: T, leaves: list[Any], *, prescale: float | None) -> T:
-        """The eager path: hooks on the leaves reduce during the backward that follows."""
-        if self._step is not None:  # the last step's backward never ran
-            self._step.remove()
-            self._step = None
-        step = Step(
-            self._reduction,
-            leaves,
-            prescale=prescale,
-            always_count=self._joiner is not None,
-            compiled_since=functools.partial(_compiled_since, weakref.ref(self)),
-        )
-        step.register()
-        if step.hooked:
-            self._step = step
-        return params
+        """The eager path: the backward through the returned aliases reduces as it runs."""
+        armed = self._reducer.arm(leaves, prescale=prescale, always_count=self._joiner is not None)
+        return cast(T, _tree.unflatten(self._spec, armed))
 
 
 def overlap_options() -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """``DistributedDataParallel(broadcast_buffers=True)``: rank 0's buffers on every rank.
 
 Buffers (BatchNorm's running statistics, step counters: every tensor leaf of
-the tree that does not require grad) are updated by each rank's own forward,
-so without care ranks drift apart and a checkpoint from rank 0 evaluates
-differently from rank 1. torch's DDP broadcasts them from rank 0 before
+the tree that does not require grad and is not an ``nn.Parameter``) are
+updated by each rank's own forward, so without care ranks drift apart and a
+checkpoint from rank 0 evaluates differently from rank 1. torch's DDP broadcasts them from rank 0 before
 forwards; :class:`Buffers` does it whenever ``ddp(state)`` is called, in
 place, coalesced by device and dtype into few broadcasts, like
 :func:`fdp.broadcast_params`.
@@ -29,11 +29,16 @@ from fdp import _bucket, _groups
 from fdp._groups import ProcessGroup
 
 
+def is_buffer(t: torch.Tensor) -> bool:
+    """Whether a leaf is a buffer: no grad, and not an ``nn.Parameter`` (a frozen one)."""
+    return not t.requires_grad and not isinstance(t, torch.nn.Parameter)
+
+
 class Buffers:
     """The buffer leaves of a DDP's tree, broadcast from rank 0 on every call.
 
-    ``indices`` are the tree's tensor leaves that do not require grad
-    (decided once, at construction, where ranks agree on the tree).
+    ``indices`` are the tree's buffers (:func:`is_buffer`, decided once, at
+    construction, where ranks agree on the tree).
 
     torch's DDP broadcasts before a forward that follows a synchronised
     training forward. Broadcasting on every call gives rank 0 the same
@@ -52,11 +57,9 @@ class Buffers:
         *,
         with_params: bool = False,
     ) -> None:
-        # with_params: every tensor leaf (join's final synchronisation).
+        # with_params: every tensor leaf (construction, join's final synchronisation).
         self.indices = [
-            i
-            for i, t in enumerate(tensors)
-            if t is not None and (with_params or not t.requires_grad)
+            i for i, t in enumerate(tensors) if t is not None and (with_params or is_buffer(t))
         ]
         self.buckets = _bucket.plan(
             [tensors[i] for i in self.indices], cap_bytes=_groups.BROADCAST_CAP_BYTES

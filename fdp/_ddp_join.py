@@ -38,6 +38,13 @@ from fdp._ddp_buffers import Buffers
 from fdp._groups import ProcessGroup
 from fdp._training import ALONE, TRAINING, Group, Training
 
+UNDER_TRANSFORM = (
+    "fdp.DistributedDataParallel.join: ddp(params) under a torch.func transform (or on "
+    "forward-mode dual tensors) inside a join block, on some rank; a rank that has left "
+    "cannot mirror the transform's reduction, so every rank raises. Inside join, call "
+    "ddp(params) on plain tensors and use loss.backward() or torch.autograd.grad"
+)
+
 
 def weak(leaves: Sequence[Any]) -> list[weakref.ref[torch.Tensor] | None]:
     """Weak references to the tensors among ``leaves`` (under functorch's wrappers)."""
@@ -118,13 +125,24 @@ class Joiner:
                 sub = made
         self.training.ranks, self.training.sub = ranks, sub
 
-    def _exchange(self, *, training: bool, synchronised: bool) -> tuple[int, int, bool]:
-        """(ranks still training, the first of them, whether this step reduces)."""
-        flags = torch.zeros(self.world + 1)
+    def _exchange(
+        self, *, training: bool, synchronised: bool, refused: bool = False
+    ) -> tuple[int, int, bool]:
+        """(ranks still training, the first of them, whether this step reduces).
+
+        The last flag says a training rank refuses its step: then every rank
+        raises the same error, the ranks that have left too, instead of
+        waiting for collectives that will not come.
+        """
+        flags = torch.zeros(self.world + 2)
         if training:
             flags[self.rank] = 1.0
             flags[self.world] = 1.0 if synchronised else 0.0
-        dist.all_reduce(flags, group=self.group)
+            flags[self.world + 1] = 1.0 if refused else 0.0
+        with _compat.functorch_disabled():  # plain flags, also under a torch.func transform
+            dist.all_reduce(flags, group=self.group)
+        if flags[self.world + 1] > 0:
+            raise NotImplementedError(UNDER_TRANSFORM)
         active = tuple(int(r) for r in flags[: self.world].nonzero())
         if active and active != self.training.ranks:
             self._regroup(active)
@@ -133,10 +151,12 @@ class Joiner:
         first = active[0] if active else 0
         return len(active), first, bool(flags[self.world] > 0)
 
-    def step(self, leaves: Sequence[Any], *, synchronised: bool) -> tuple[int, float | None]:
+    def step(
+        self, leaves: Sequence[Any], *, synchronised: bool, refused: bool = False
+    ) -> tuple[int, float | None]:
         """A training rank's call: (the source rank for buffers, the gradient scale or None)."""
         self.remember(leaves)
-        active, first, _ = self._exchange(training=True, synchronised=synchronised)
+        active, first, _ = self._exchange(training=True, synchronised=synchronised, refused=refused)
         return first, None if self.by_initial else 1.0 / active
 
     def shadow(self) -> None:

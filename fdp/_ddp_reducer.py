@@ -1,30 +1,38 @@
 """The per-step gradient reduction behind ``DistributedDataParallel``.
 
-One :class:`Step` lives from ``ddp(params)`` to the end of the backward that
-follows. Its leaf hooks pack gradients into bucket buffers and launch full
-buckets in order; the engine callback it queues launches the rest, waits and
-hands the reduced gradients out.
+What arms a reduction: ``ddp(params)`` returns, for each leaf that requires
+grad, a fresh alias on the leaf's memory (``_compat.early_alias``) and registers a gradient hook on
+it (:class:`Reducer`). Every backward that passes through a call's output
+runs those hooks, and so is reduced, once per backward: one :class:`Step`
+lives from the first hook of a backward to the end of that backward. A
+backward that does not pass through one (a local backward on ``params``
+itself, torch's backward through ``ddp.module``) runs no hook and issues no
+collective. A call's output reused for several backwards (``retain_graph``,
+``p = ddp(params)`` kept across steps, several forwards then several
+backwards) is reduced in each of them, as torch's DDP does.
 
-How it hooks into backward: ``ddp(params)`` registers a gradient hook on
-every parameter leaf. Leaf hooks run as soon as a leaf's gradient is
-complete (the autograd engine runs them at top priority), which is
-what lets a bucket's all-reduce start while the rest of backward is still
-running. A node inserted between the params and the model would run only at
-the end of backward, because the engine orders ready nodes by creation. Each
-hook copies its gradient into its bucket's flat buffer; a full bucket is
-launched once every earlier bucket has been, so every rank issues the same
-collectives in the same order. A callback queued on the engine runs when
-backward ends: it launches what is left (leaves nobody used count as zero),
-waits, and hands the reduced gradients out:
+Note: why the alias's node is given the top priority. The engine runs the
+ready node created last first; an alias made before the model's forward
+would run only when backward ends, and every bucket would launch then. Given
+a sequence number just below the leaves' own (``_compat.early_alias``), each
+alias's node runs, and its hook packs the gradient, as soon as the gradient
+is complete, which is what lets a bucket's all-reduce start while the rest
+of backward is still running. Each hook copies its gradient into its
+bucket's flat buffer; a full bucket is launched once every earlier bucket
+has been, so every rank issues the same collectives in the same order. A
+callback queued on the engine runs when backward ends: it launches what is
+left (leaves nobody used count as zero), waits, and hands the reduced
+gradients out:
 
 - ``loss.backward()``: each leaf's ``.grad`` is a view of its bucket from the
   moment it is packed (the engine keeps the alias the hook returns, and the
   local gradient is freed), reduced in place by the end. A ``.grad`` already
-  there (accumulated under ``no_sync``) is folded into the reduction, DDP's
-  semantics.
-- ``torch.autograd.grad`` and ``torch.func.grad``: the hook hands the engine
-  the bucket view itself, and the callback reduces the bucket in place before
-  the engine returns it, so the returned gradients are the reduced ones.
+  there (accumulated under ``no_sync`` or by a local backward) is folded into
+  the reduction, DDP's semantics.
+- ``torch.autograd.grad`` (with the leaves or the call's outputs as inputs):
+  the hook hands the engine the bucket view itself, and the callback reduces
+  the bucket in place before the engine returns it, so the returned
+  gradients are the reduced ones.
 
 Collectives run under ``torch.no_grad()`` and with functorch's dispatch
 disabled: the c10d ops are differentiable and would otherwise be recorded
@@ -34,6 +42,7 @@ disabled: the c10d ops are differentiable and would otherwise be recorded
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +50,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.hooks import RemovableHandle
 
 from fdp import _comm_hooks, _compat
 from fdp._bucket import Layout
@@ -107,63 +115,35 @@ class Step:
         self,
         reduction: Reduction,
         leaves: list[Any],
+        hooked: list[int],
         *,
         prescale: float | None = None,
         always_count: bool = False,
-        compiled_since: Callable[[], bool] | None = None,
+        done: Callable[[Step], None] | None = None,
     ) -> None:
         self.reduction = reduction
-        # After the backward, the hooks stay (until the next eager
-        # ddp(params)) to refuse a second backward through the same call;
-        # ``compiled_since`` says whether a compiled call came since, whose
-        # graph reduces its own backward.
-        self.compiled_since = compiled_since
-        self.spent = False
+        self.done = done  # told when this backward's reduction has finished
         # ``join`` may divide by the ranks still training, and needs the
         # usage all-reduce on every step, which shadowing ranks mirror.
         self.prescale = reduction.prescale if prescale is None else prescale
         self.always_count = always_count
         self.leaves = leaves
         self.buckets = [InFlight() for _ in reduction.layout.buckets]
-        self.hooked: list[int] = []
+        self.hooked = hooked
         self.used: set[int] = set()  # leaves that got a gradient on this rank
         # Gradients that came after their bucket was launched (see _late).
         self.late: dict[int, torch.Tensor] = {}
         self.next_launch = 0
         self.delivery = Delivery.UNDECIDED
         self.queued = False
-        self.handles: list[RemovableHandle] = []
         self.lock = threading.Lock()
+        for i in hooked:
+            self.buckets[reduction.layout.where[i][0]].expected += 1
 
     @property
     def returned(self) -> bool:
         """Whether gradients are returned (not accumulated in ``.grad``)."""
         return self.delivery is Delivery.RETURNED
-
-    def register(self) -> None:
-        seen: set[int] = set()
-        for k, bucket in enumerate(self.reduction.layout.buckets):
-            for i in bucket.indices:
-                leaf = self.leaves[i]
-                # A tensor at several leaves (tied weights) is hooked once; its
-                # other leaves reduce zeros and get the same .grad.
-                if not leaf.requires_grad or id(leaf) in seen:
-                    continue
-                seen.add(id(leaf))
-                self.buckets[k].expected += 1
-                self.hooked.append(i)
-                self.handles.append(leaf.register_hook(self._hook(i)))
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-    def _hook(self, i: int) -> Callable[[torch.Tensor | None], torch.Tensor | None]:
-        def hook(grad: torch.Tensor | None) -> torch.Tensor | None:
-            return self.on_grad(i, grad)
-
-        return hook
 
     def _flat(self, k: int) -> torch.Tensor:
         state = self.buckets[k]
@@ -198,16 +178,6 @@ class Step:
             )
 
     def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
-        if self.spent:
-            if self.compiled_since is not None and self.compiled_since():
-                return grad  # a compiled ddp(params) since: its graph reduces
-            raise RuntimeError(
-                f"fdp.DistributedDataParallel: params leaf {self.reduction.paths[i]} got a "
-                "gradient in a second backward through one ddp(params) call; its gradients were "
-                "reduced in the first, so these would stay this rank's own. Call "
-                "ddp(params) in every step, in the function that computes the loss (not "
-                "once before the loop), or under ddp.no_sync() to accumulate locally"
-            )
         self._refuse(i, grad)
         with self.lock, torch.no_grad(), _compat.functorch_disabled():
             leaf = self.leaves[i]
@@ -365,12 +335,10 @@ class Step:
                 elif usage is not None:
                     self._hand_out(usage)
             finally:
-                if self.compiled_since is None:
-                    self.remove()
-                else:
-                    self.spent = True
                 for state in self.buckets:  # the buffers may be reused now
                     state.flat, state.views = None, []
+                if self.done is not None:
+                    self.done(self)
 
     def _defer_to_outer_backward(self) -> bool:
         """Whether this is a nested backward's end, with gradients still to come.
@@ -419,6 +387,93 @@ class Step:
         for i, count in zip(self.hooked, used, strict=True):
             if count > 0:
                 self.leaves[i].grad = self._view(i)
+
+
+def hooked_leaves(layout: Layout, leaves: list[Any]) -> list[int]:
+    """The leaves a step reduces: in buckets, requiring grad, each tensor once (tied weights).
+
+    A tensor at several leaves gets one alias and one hook; its other leaves
+    reduce zeros and get the same ``.grad``.
+    """
+    seen: set[int] = set()
+    out = []
+    for bucket in layout.buckets:
+        for i in bucket.indices:
+            leaf = leaves[i]
+            if leaf.requires_grad and id(leaf) not in seen:
+                seen.add(id(leaf))
+                out.append(i)
+    return out
+
+
+class Reducer:
+    """Arms ``ddp(params)`` calls; each backward through an armed output is reduced once.
+
+    ``open`` is the step of the backward running now (None between
+    backwards). A step belongs to the outermost backward: hooks that run in a
+    nested backward (reentrant activation checkpointing) join it.
+    """
+
+    def __init__(self, reduction: Reduction) -> None:
+        self.reduction = reduction
+        self.open: Step | None = None
+        self.lock = threading.Lock()
+
+    def arm(self, leaves: list[Any], *, prescale: float | None, always_count: bool) -> list[Any]:
+        """``leaves`` with an armed alias in place of each leaf a backward reduces."""
+        if self.open is not None and not _compat.in_backward():
+            self.open = None  # an earlier backward failed before its end: start afresh
+        hooked = hooked_leaves(self.reduction.layout, leaves)
+        call = _Call(self, leaves, hooked, prescale, always_count)
+        aliases: dict[int, torch.Tensor] = {}
+        # Plain leaves, also inside a transform of the inputs (jvp, vmap):
+        # their aliases belong to ordinary autograd, as the leaves do.
+        with _compat.functorch_disabled():
+            for i in hooked:
+                leaf = leaves[i]
+                alias = _compat.early_alias(leaf)
+                # The hook holds the call (the leaves), never the alias: a
+                # reference from the node's hook back to its own output would
+                # be a cycle through C++ that Python's collector cannot free.
+                alias.register_hook(functools.partial(call.on_grad, i))  # type: ignore[no-untyped-call]
+                aliases[id(leaf)] = alias
+        out = list(leaves)
+        for i in self.reduction.layout.where:  # tied leaves share one alias
+            shared = aliases.get(id(leaves[i]))
+            if shared is not None:
+                out[i] = shared
+        return out
+
+    def step(self, call: _Call) -> Step:
+        with self.lock:
+            if self.open is None:
+                self.open = Step(
+                    self.reduction,
+                    call.leaves,
+                    call.hooked,
+                    prescale=call.prescale,
+                    always_count=call.always_count,
+                    done=self._closed,
+                )
+            return self.open
+
+    def _closed(self, step: Step) -> None:
+        if self.open is step:
+            self.open = None
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One ``ddp(params)`` call's leaves and options, held by its aliases' hooks."""
+
+    reducer: Reducer
+    leaves: list[Any]
+    hooked: list[int]
+    prescale: float | None
+    always_count: bool
+
+    def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        return self.reducer.step(self).on_grad(i, grad)
 
 
 def _pack_old(view: torch.Tensor, old: torch.Tensor | None, scale: float) -> None:

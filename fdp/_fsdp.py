@@ -123,8 +123,11 @@ class FullyShardedDataParallel:
         leaves, _spec, tensors = tensor_leaves(params, call=call, arg="params", float_only=True)
         described = _agreement.signature(params, leaves, "params", requires_grad=False)
         _agreement.check(described, group=group, call=call, arg="params")
+        paths = _tree.paths(params, "params")
+        _agreement.check_values(tensors, paths, group=group, call=call, arg="params")
         if self.replicas is not None:
             _agreement.check(described, group=self.replicas, call=call, arg="params")
+            _agreement.check_values(tensors, paths, group=self.replicas, call=call, arg="params")
         self.replicas_world = 1 if self.replicas is None else dist.get_world_size(self.replicas)
         for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and not (

@@ -175,9 +175,11 @@ def replicated(
 ) -> list[Any]:
     """``leaves`` through :class:`_Replicated`: the bucketed leaves only, the rest as they are.
 
-    ``buckets`` index ``leaves``; a leaf that does not require grad (a
-    buffer) and is not under a transform goes in all the same: it gets a
-    cotangent only if a transform asks for one.
+    ``buckets`` index ``leaves``. A leaf that does not require grad and that
+    no transform wraps (a buffer the function closes over) comes back as it
+    went in: as an output of the Function it would require grad, and ops
+    that refuse a differentiable buffer (``batch_norm``'s running
+    statistics) would raise.
     """
     order = [i for b in buckets for i in b.indices]
     slot = {i: s for s, i in enumerate(order)}
@@ -188,7 +190,9 @@ def replicated(
     outputs = _Replicated.apply(local, how, *(leaves[i] for i in order))  # type: ignore[no-untyped-call]
     result = list(leaves)
     for s, i in enumerate(order):
-        result[i] = outputs[s]
+        t = leaves[i]
+        if t.requires_grad or _compat.is_transformed(t) or _compat.has_tangent(t):
+            result[i] = outputs[s]
     return result
 
 

@@ -108,6 +108,8 @@ class ZeroRedundancy:
         trained = [t if t is not None and t.numel() > 0 else None for t in tensors]
         described = _agreement.signature(params, leaves, "params", requires_grad=False)
         _agreement.check(described, group=group, call=call, arg="params")
+        paths = _tree.paths(params, "params")
+        _agreement.check_values(tensors, paths, group=group, call=call, arg="params")
         self.optimizer, self.group, self.stage = optimizer, group, stage
         self._planned = _tree.Planned(params, owner="this ZeroRedundancy")
         # The structure as flatten() gives it while compiling (None: custom nodes).

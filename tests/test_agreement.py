@@ -192,3 +192,33 @@ def test_bad_bucket_caps_are_refused_before_any_collective(
     with pytest.raises(error, match=match.replace("bucket_cap_mb", "first_bucket_cap_mb")):
         fdp.DistributedDataParallel({"w": torch.ones(1)}, first_bucket_cap_mb=cap)
     assert not dist.is_initialized()
+
+
+# --------------------------------------------------------------- initial values
+
+
+def _sharded(kind: str, params: dict[str, torch.Tensor]) -> object:
+    if kind == "zero":
+        return fdp.ZeroRedundancy(fdp.optim.adamw(1e-3), params)
+    return fdp.FullyShardedDataParallel(params)
+
+
+def _differing_start(rank: int, size: int, kind: str) -> str:
+    g = torch.Generator().manual_seed(rank)
+    params = {"w": torch.randn(4, 3, generator=g), "b": torch.zeros(3)}
+    with pytest.raises(ValueError, match="expected the same values on every rank") as info:
+        _sharded(kind, params)
+    fdp.broadcast_params(params)  # the fix the message names
+    _sharded(kind, params)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["zero", "fsdp"])
+def test_sharded_constructors_refuse_ranks_that_start_apart(kind: str) -> None:
+    # No rank-0 copy is made there (each rank keeps a shard): before, each rank
+    # stepped its own slice of a different model, silently.
+    messages = ranks.world(2).run(_differing_start, kind)
+    assert messages[0] == messages[1]
+    assert "leaf params['w']" in messages[0]
+    assert "fdp.broadcast_params(params)" in messages[0]
+    assert "params['b']" not in messages[0]

@@ -32,7 +32,6 @@ from tests.helpers import (
     mlp_params,
     params_corpus,
     shard,
-    tensor_leaves,
     tree_allclose,
 )
 
@@ -677,46 +676,6 @@ def test_data_parallel_inside_each_rank_matches_the_full_batch_reference(kind: s
         for g, e in zip(got, expected, strict=True):
             torch.testing.assert_close(g, e, **tol)
         torch.testing.assert_close(out, replicated_model(ref, shard(x, r)), **tol)
-
-
-def _reused(rank: int, size: int) -> list[str]:
-    """``p = ddp(params)`` once, then several steps; then the rule followed, eager and compiled."""
-    torch._dynamo.reset()
-    params = mlp_params()
-    ddp = fdp.DistributedDataParallel(params)
-    x, y = batch(size * PER_RANK)
-    x, y = shard(x, rank), shard(y, rank)
-    out = []
-    p = ddp(params)
-    for _ in range(2):
-        try:
-            torch.autograd.backward(torch.nn.functional.mse_loss(mlp(p, x), y))
-            out.append("ok")
-        except RuntimeError as e:
-            out.append(str(e))
-
-    # Called every step, eagerly, then compiled, then eagerly again: all reduce.
-    def eager(q: Any) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(mlp(ddp(q), x), y)
-
-    compiled: Callable[[Any], torch.Tensor] = torch.compile(eager, backend="aot_eager")
-    for loss in (eager, compiled, eager):
-        for t in tensor_leaves(params):
-            t.grad = None
-        torch.autograd.backward(loss(params))
-        grads = torch.cat([t.grad.reshape(-1) for t in tensor_leaves(params) if t.grad is not None])
-        out.append(repr(grads.sum().item()))
-    return out
-
-
-def test_a_reused_ddp_result_refuses_the_second_backward() -> None:
-    # Before: the second step's gradients stayed local and ranks diverged silently.
-    results = ranks.world(2).run(_reused)
-    for out in results:
-        assert out[0] == "ok"
-        assert "second backward through one ddp(params) call" in out[1]
-        assert "Call ddp(params) in every step" in out[1]
-    assert results[0][2:] == results[1][2:]  # reduced: every rank has the same gradients
 
 
 def _custom_node_compiled(rank: int, size: int) -> str:

@@ -192,3 +192,119 @@ def test_one_rank_may_evaluate_alone() -> None:
     torch.testing.assert_close(results[0][0], expected)
     for out in results:
         torch.testing.assert_close(out[-1], torch.ones_like(out[-1]))
+
+
+# --------------------------------------------------------------- where ranks start
+
+
+def _start_apart(rank: int, size: int, init_sync: bool) -> dict[str, Any]:
+    """Each rank builds its own weights (another seed) and trains two SGD steps."""
+    tree = functional_tree(rank)
+    with torch.no_grad():
+        tree["params"]["w"].add_(rank)  # as if each rank drew its own initialisation
+    ddp = fdp.DistributedDataParallel(tree, init_sync=init_sync)
+    start = {"w": tree["params"]["w"].detach().clone(), "scale": tree["buffers"]["scale"].clone()}
+    opt = torch.optim.SGD([tree["params"]["w"]], lr=0.1)
+    for step in range(2):
+        x, y = batch(size * PER_RANK, seed=step)
+        opt.zero_grad()
+        torch.autograd.backward(functional_loss(ddp(tree), shard(x, rank), shard(y, rank)))
+        opt.step()
+    return {"start": start, "w": tree["params"]["w"].detach()}
+
+
+def test_construction_gives_every_rank_rank_0s_parameters_and_buffers() -> None:
+    # As torch's DDP. Before, each rank trained its own weights with no warning.
+    size = 2
+    ref = functional_tree(0)
+    opt = torch.optim.SGD([ref["params"]["w"]], lr=0.1)
+    for step in range(2):
+        x, y = batch(size * PER_RANK, seed=step)
+        opt.zero_grad()
+        losses = [functional_loss(ref, shard(x, r), shard(y, r)) for r in range(size)]
+        torch.autograd.backward(torch.stack(losses).mean())
+        opt.step()
+    for out in ranks.world(size).run(_start_apart, True):
+        torch.testing.assert_close(out["start"]["w"], functional_tree(0)["params"]["w"].detach())
+        torch.testing.assert_close(out["start"]["scale"], functional_tree(0)["buffers"]["scale"])
+        torch.testing.assert_close(out["w"], ref["params"]["w"].detach(), **TOL)
+
+
+def test_init_sync_false_leaves_the_parameters_alone() -> None:
+    first, second = ranks.world(2).run(_start_apart, False)
+    assert torch.equal(second["start"]["w"], functional_tree(1)["params"]["w"].detach() + 1)
+    assert not torch.equal(first["start"]["w"], second["start"]["w"])
+
+
+class FrozenNet(torch.nn.Module):
+    """torch's test_ddp_inference model: a frozen integer parameter, no buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = torch.nn.Linear(2, 10, bias=False)
+        self.fc2 = torch.nn.Linear(10, 4, bias=False)
+        self.no_grad_param = torch.nn.Parameter(torch.tensor([2, 2]).long(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softmax(self.fc2(F.relu(self.fc1(x))), dim=1) * self.no_grad_param[0]
+
+
+def _inference(rank: int, size: int) -> list[torch.Tensor]:
+    net = FrozenNet().eval()
+    fn, state = fdp.make_functional(net)
+    ddp = fdp.DistributedDataParallel(state)
+    x = batch(10)[0][:, :2]
+    out = []
+    if rank == 0:  # alone, grad mode on, as torch's test: no collective may wait for rank 1
+        out = [fn(ddp(state), x).detach() for _ in range(6)]
+    net.train()  # then both ranks train a step: their collectives still pair up
+    torch.autograd.backward(fn(ddp(state), shard(batch(size * PER_RANK)[0][:, :2], rank)).sum())
+    return [*out, state["fc1.weight"].grad]
+
+
+def test_ddp_inference_one_rank_with_a_frozen_parameter() -> None:
+    # torch's test_ddp_inference: a frozen nn.Parameter is synced at construction
+    # only; before, it was broadcast as a buffer on every call and rank 0 hung.
+    size = 2
+    net = FrozenNet().eval()
+    x = batch(10)[0][:, :2]
+    expected = net(x).detach()
+    torch.autograd.backward(net(batch(size * PER_RANK)[0][:, :2]).sum() / size)
+    first, second = ranks.world(size).run(_inference)
+    assert len(first) == 7
+    assert len(second) == 1
+    for got in first[:6]:
+        torch.testing.assert_close(got, expected)
+    for out in (first, second):
+        torch.testing.assert_close(out[-1], net.fc1.weight.grad, **TOL)
+
+
+def _func_grad_batch_norm(rank: int, size: int) -> dict[str, torch.Tensor]:
+    net = bn_module().eval()
+    fn, state = fdp.make_functional(net)
+    params = {k: v.detach() for k, v in state.items() if v.requires_grad}
+    buffers = {k: v for k, v in state.items() if not v.requires_grad}
+    ddp = fdp.DistributedDataParallel({**params, **buffers})
+    x, y = (shard(t, rank) for t in batch(size * PER_RANK))
+
+    def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.mse_loss(fn(ddp({**p, **buffers}), x), y)
+
+    grads: dict[str, torch.Tensor] = torch.func.grad(loss)(params)
+    return grads
+
+
+def test_func_grad_through_ddp_of_params_and_buffers() -> None:
+    # Buffers come out of ddp(...) as they went in, never requiring grad: before,
+    # batch_norm raised "not differentiable with respect to argument running_mean".
+    size = 2
+    net = bn_module().eval()
+    x, y = batch(size * PER_RANK)
+    losses = [F.mse_loss(net(shard(x, r)), shard(y, r)) for r in range(size)]
+    torch.autograd.backward(torch.stack(losses).mean())
+    expected = {k: v.grad for k, v in net.named_parameters()}
+    for grads in ranks.world(size).run(_func_grad_batch_norm):
+        assert grads.keys() == expected.keys()
+        for k, g in grads.items():
+            torch.testing.assert_close(g, expected[k], **TOL, msg=k)

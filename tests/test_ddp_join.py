@@ -289,3 +289,30 @@ def test_ddp_inside_a_compiled_loss_in_a_join_block_runs_eagerly() -> None:
         assert len(steps) == BATCHES[rank]
         for step, got in enumerate(steps):
             torch.testing.assert_close(got, expected(step, True, 1), **TOL)
+
+
+def _join_func_grad(rank: int, size: int) -> str:
+    """Rank 0 has no data (it leaves at once); rank 1 steps with torch.func.grad."""
+    tree: dict[str, Any] = optree.tree_map(torch.Tensor.detach, mlp_params())  # type: ignore[arg-type,assignment]
+    layers = tree["layers"]  # what torch.func.grad differentiates: no None leaf
+    ddp = fdp.DistributedDataParallel(layers)
+    x, y = data(0, rank)
+
+    def train() -> None:
+        with ddp.join():
+            for _ in range(rank):
+                torch.func.grad(lambda p: loss({**tree, "layers": ddp(p)}, x, y))(layers)
+
+    with pytest.raises(NotImplementedError) as info:
+        train()
+    # Every rank raised at the same call: the group still pairs collectives.
+    (reduced,) = fdp.all_reduce_grads([torch.full((2,), float(rank))])
+    torch.testing.assert_close(reduced, torch.full((2,), (size - 1) / 2))
+    return str(info.value)
+
+
+def test_a_transform_inside_join_raises_on_every_rank() -> None:
+    # Before, rank 1 raised and rank 0 waited in join until the group's timeout.
+    first, second = ranks.world(2).run(_join_func_grad, timeout_s=20)
+    assert first == second
+    assert "every rank raises" in first

@@ -343,3 +343,158 @@ def test_all_reduce_grads_of_complex_and_strided_leaves() -> None:
             expected = (results[0][0][name] + results[1][0][name]) / 2
             torch.testing.assert_close(reduced[name], expected, **TOL, msg=name)
             assert reduced[name].dtype == expected.dtype
+
+
+# --------------------------------------------------------------- what arms a reduction
+# Every backward that passes through the output of a ddp(params) call is
+# reduced, once per backward; a backward that does not is local (torch's DDP
+# through ``ddp.module``). Each pattern runs on 2 ranks and is compared with
+# one process: the local gradient of this rank's shard, or the average.
+
+
+def _chain_loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return chain(p, x, "last", reentrant=False)
+
+
+def _local_grads(x: torch.Tensor, *, times: int = 1) -> dict[str, torch.Tensor | None]:
+    params = chain_params()
+    for _ in range(times):
+        torch.autograd.backward(_chain_loss(params, x))
+    return grads(params)
+
+
+def _reduced_grads(xs: list[torch.Tensor], size: int) -> dict[str, torch.Tensor | None]:
+    """Each backward in ``xs`` averaged over ranks: the mean of the shards' losses."""
+    params = chain_params()
+    for x in xs:
+        losses = [_chain_loss(params, shard(x, r)) for r in range(size)]
+        torch.autograd.backward(torch.stack(losses).mean())
+    return grads(params)
+
+
+def _pattern(rank: int, size: int, pattern: str) -> Any:
+    params = chain_params()
+    ddp = fdp.DistributedDataParallel(params, **TINY)
+    x1, x2 = shard(data(size), rank), shard(batch(size * PER_RANK, seed=7)[0], rank)
+    out: dict[str, Any] = {}
+    if pattern == "local_after":  # a DDP step, then a local one on rank 0 only
+        torch.autograd.backward(_chain_loss(ddp(params), x1))
+        out["ddp"] = {k: v.clone() for k, v in grads(params).items()}  # type: ignore[union-attr]
+        for p in params.values():
+            p.grad = None
+        if rank == 0:
+            torch.autograd.backward(_chain_loss(params, x2))
+            out["local"] = grads(params)
+    elif pattern == "local_between":  # ddp(params), a local autograd.grad (rank 0), then DDP
+        armed = ddp(params)
+        if rank == 0:
+            local = torch.autograd.grad(_chain_loss(params, x2), list(params.values()))
+            out["local"] = dict(zip(params, local, strict=True))
+        torch.autograd.backward(_chain_loss(armed, x1))
+        out["ddp"] = grads(params)
+    elif pattern == "retain_graph":
+        loss = _chain_loss(ddp(params), x1)
+        torch.autograd.backward(loss, retain_graph=True)
+        torch.autograd.backward(loss)
+        out["ddp"] = grads(params)
+    elif pattern == "two_forwards":
+        l1, l2 = _chain_loss(ddp(params), x1), _chain_loss(ddp(params), x2)
+        torch.autograd.backward(l1)
+        torch.autograd.backward(l2)
+        out["ddp"] = grads(params)
+    elif pattern == "one_backward_two_calls":
+        torch.autograd.backward(_chain_loss(ddp(params), x1) + _chain_loss(ddp(params), x2))
+        out["ddp"] = grads(params)
+    elif pattern == "grad_wrt_outputs":  # autograd.grad with the call's outputs as inputs
+        armed = ddp(params)
+        got = torch.autograd.grad(_chain_loss(armed, x1), list(armed.values()))
+        out["ddp"] = dict(zip(params, got, strict=True))
+        assert all(v.grad is None for v in params.values())
+    return out
+
+
+@pytest.mark.parametrize("when", ["local_after", "local_between"])
+def test_a_backward_that_never_called_ddp_is_local(when: str) -> None:
+    # Only rank 0 runs the local backward: a collective in it would pair with
+    # nothing (a timeout) or with the other rank's next step (wrong results).
+    size = 2
+    results = ranks.world(size).run(_pattern, when)
+    x2 = batch(size * PER_RANK, seed=7)[0]
+    for key, expected in _local_grads(shard(x2, 0)).items():
+        torch.testing.assert_close(results[0]["local"][key], expected, **TOL, msg=key)
+    reduced = _reduced_grads([data(size)], size)
+    for out in results:
+        for key, expected in reduced.items():
+            torch.testing.assert_close(out["ddp"][key], expected, **TOL, msg=key)
+
+
+@pytest.mark.parametrize(
+    "pattern", ["retain_graph", "two_forwards", "one_backward_two_calls", "grad_wrt_outputs"]
+)
+def test_every_backward_through_a_call_is_reduced_once(pattern: str) -> None:
+    size = 2
+    x1, x2 = data(size), batch(size * PER_RANK, seed=7)[0]
+    xs = {
+        "retain_graph": [x1, x1],
+        "two_forwards": [x1, x2],
+        "one_backward_two_calls": [x1, x2],
+        "grad_wrt_outputs": [x1],
+    }[pattern]
+    expected = _reduced_grads(xs, size)
+    for out in ranks.world(size).run(_pattern, pattern):
+        for key, e in expected.items():
+            torch.testing.assert_close(out["ddp"][key], e, **TOL, msg=key)
+
+
+def _reused_across_steps(rank: int, size: int, steps: int) -> dict[str, torch.Tensor]:
+    params = chain_params()
+    ddp = fdp.DistributedDataParallel(params, **TINY)
+    opt = torch.optim.SGD(params.values(), lr=0.5)
+    p = ddp(params)  # once, before the loop: every step's backward still reduces
+    for step in range(steps):
+        x = shard(batch(size * PER_RANK, seed=step)[0], rank)
+        opt.zero_grad()
+        torch.autograd.backward(_chain_loss(p, x))
+        opt.step()
+    return {k: v.detach() for k, v in params.items()}
+
+
+def test_a_call_reused_across_steps_reduces_every_step() -> None:
+    size, steps = 2, 3
+    params = chain_params()
+    opt = torch.optim.SGD(params.values(), lr=0.5)
+    for step in range(steps):
+        x = batch(size * PER_RANK, seed=step)[0]
+        opt.zero_grad()
+        torch.autograd.backward(
+            torch.stack([_chain_loss(params, shard(x, r)) for r in range(size)]).mean()
+        )
+        opt.step()
+    for got in ranks.world(size).run(_reused_across_steps, steps):
+        for key, e in params.items():
+            torch.testing.assert_close(got[key], e.detach(), **TOL, msg=key)
+
+
+def _launch_order(rank: int, size: int) -> list[str]:
+    params = chain_params()
+    events: list[str] = []
+
+    def hook(state: Any, bucket: fdp.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        events.append(f"launch {bucket.index()}")
+        return fdp.allreduce_hook(state, bucket)
+
+    ddp = fdp.DistributedDataParallel(params, comm_hook=hook, **TINY)
+    h = shard(data(size), rank)
+    p = ddp(params)
+    for i, name in enumerate(("w0", "w1", "w2")):
+        h = torch.tanh(h @ p[name])
+        h.register_hook(lambda g, i=i: events.append(f"activation {i}"))  # type: ignore[no-untyped-call]
+    torch.autograd.backward(h.square().mean())
+    return events
+
+
+def test_buckets_launch_while_backward_runs() -> None:
+    # The last layer's bucket is all-reduced before the first layer's
+    # activation gradient exists: the reduction overlaps backward.
+    for events in ranks.world(2).run(_launch_order):
+        assert events.index("launch 0") < events.index("activation 0"), events
