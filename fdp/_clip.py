@@ -57,10 +57,7 @@ def clip_by_global_norm(
     call = "fdp.optim.clip_by_global_norm"
     if not isinstance(max_norm, torch.Tensor) and not max_norm >= 0:
         raise ValueError(f"{call}: `max_norm` expected a number >= 0; got {max_norm!r}")
-    if isinstance(norm_type, bool) or not float(norm_type) > 0:
-        raise ValueError(
-            f"{call}: `norm_type` expected a number > 0 or math.inf; got {norm_type!r}"
-        )
+    norm_type = check_norm_type(call, norm_type)
     leaves, spec = _tree.flatten(grads)
     for i, g in enumerate(leaves):
         if g is not None and not isinstance(g, torch.Tensor):
@@ -75,6 +72,17 @@ def clip_by_global_norm(
     scale = torch.clamp(max_norm / (norm + EPS), max=1.0)
     clipped = [None if g is None else g * scale.to(g.device) for g in leaves]
     return _tree.unflatten(spec, clipped), norm
+
+
+def check_norm_type(call: str, norm_type: object) -> float:
+    """``norm_type`` as a float, or fdp's error: a number > 0 or ``math.inf``."""
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+        raise TypeError(f"{call}: `norm_type` expected a number > 0 or math.inf; got {norm_type!r}")
+    if not float(norm_type) > 0:
+        raise ValueError(
+            f"{call}: `norm_type` expected a number > 0 or math.inf; got {norm_type!r}"
+        )
+    return float(norm_type)
 
 
 def global_norm(tensors: list[torch.Tensor], *, norm_type: float) -> torch.Tensor:

@@ -3,10 +3,10 @@
 Buffers (BatchNorm's running statistics, step counters: every tensor leaf of
 the tree that does not require grad and is not an ``nn.Parameter``) are
 updated by each rank's own forward, so without care ranks drift apart and a
-checkpoint from rank 0 evaluates differently from rank 1. torch's DDP broadcasts them from rank 0 before
-forwards; :class:`Buffers` does it whenever ``ddp(state)`` is called, in
-place, coalesced by device and dtype into few broadcasts, like
-:func:`fdp.broadcast_params`.
+checkpoint from rank 0 evaluates differently from rank 1. torch's DDP
+broadcasts them from rank 0 before forwards; :class:`Buffers` does it
+whenever ``ddp(state)`` is called, in place, coalesced by device and dtype
+into few broadcasts, like :func:`fdp.broadcast_params`.
 
 Eagerly (``loss.backward()``, ``torch.func.grad``) it uses async broadcasts
 of packed buffers; under ``torch.func`` the leaves are functorch wrappers, so

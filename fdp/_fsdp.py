@@ -18,6 +18,7 @@ docs/fsdp.md has the data flow.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -259,26 +260,47 @@ class FullyShardedDataParallel:
         return _tree.unflatten(self._planned.structure(call), self._tied(out))
 
     def clip_grad_norm(
-        self, grads: dict[str, tuple[torch.Tensor, ...]], max_norm: float | torch.Tensor
+        self,
+        grads: dict[str, tuple[torch.Tensor, ...]],
+        max_norm: float | torch.Tensor,
+        *,
+        norm_type: float = 2.0,
     ) -> tuple[dict[str, tuple[torch.Tensor, ...]], torch.Tensor]:
-        """The shards' gradients scaled so that their global 2-norm is at most ``max_norm``.
+        """The shards' gradients scaled so that their global p-norm is at most ``max_norm``.
 
         The norm is over every rank's shards (one all-reduce of one number),
-        so it equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded
-        gradients; a tied tensor counts once. Returns the clipped gradients
-        and the norm before clipping. Differentiable (a ``psum`` under
-        autograd or a transform).
+        so it equals ``torch.nn.utils.clip_grad_norm_(..., norm_type=p)`` on
+        the unsharded gradients, for any ``p > 0`` and ``math.inf`` (with
+        complex leaves, ``p = 2`` only); a tied tensor counts once. Returns
+        the clipped gradients and the norm before clipping. Differentiable
+        (a ``psum`` under autograd or a transform) for finite ``p``.
         """
         call = "fdp.FullyShardedDataParallel.clip_grad_norm"
         self._check_shards(call, grads)
+        p = _clip.check_norm_type(call, norm_type)
+        if p != 2.0 and any(any(b.complex_) for u in self.units for b in u.buckets):
+            raise NotImplementedError(
+                f"{call}: `norm_type` {norm_type!r} over complex leaves needs each element's "
+                "|z|, whose real and imaginary parts may sit in two ranks' shards; got a tree "
+                "with complex leaves (use norm_type=2, which needs no pairing)"
+            )
         tensors = [t for unit in self.units for t in grads[unit.name]]
         wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-        squares = torch.stack([torch.linalg.vector_norm(t, dtype=wide) ** 2 for t in tensors])
-        local = squares.sum()
-        if _transforms.needs_rule([local]):
-            total = _transforms.psum(local, group=self.group).sqrt()
+        norms = torch.stack([torch.linalg.vector_norm(t, p, dtype=wide) for t in tensors])
+        if math.isinf(p):
+            if _transforms.needs_rule([norms]):
+                raise NotImplementedError(
+                    f"{call}: `norm_type=inf` takes a maximum over ranks, which fdp does not "
+                    "differentiate; got gradients that require grad or are under a torch.func "
+                    "transform (use a finite norm_type there)"
+                )
+            total = _groups.all_reduce(norms.max(), group=self.group, op="max")
         else:
-            total = _groups.all_reduce(local, group=self.group).sqrt()
+            local = (norms**p).sum()
+            if _transforms.needs_rule([local]):
+                total = _transforms.psum(local, group=self.group) ** (1.0 / p)
+            else:
+                total = _groups.all_reduce(local, group=self.group) ** (1.0 / p)
         scale = torch.clamp(max_norm / (total + _clip.EPS), max=1.0)
         clipped = {k: tuple(t * scale.to(t.dtype) for t in ts) for k, ts in grads.items()}
         return clipped, total

@@ -138,9 +138,13 @@ class GradScaler:
         found = found_inf.to(scale.device) > 0
         successful = tracker + 1
         grow = successful >= self.growth_interval
-        grown = scale * self.growth_factor
+        # torch multiplies the float32 scale by the factors in double precision
+        # and rounds once: 900 * 1.1 is 990.0, not float32's 990.00006.
+        wide = scale.double()
+        grown = (wide * self.growth_factor).to(scale.dtype)
         grown = torch.where(torch.isfinite(grown), grown, scale)  # torch keeps a finite scale
-        new_scale = torch.where(found, scale * self.backoff_factor, torch.where(grow, grown, scale))
+        backed_off = (wide * self.backoff_factor).to(scale.dtype)
+        new_scale = torch.where(found, backed_off, torch.where(grow, grown, scale))
         zero = torch.zeros_like(tracker)
         new_tracker = torch.where(found | grow, zero, successful.to(tracker.dtype))
         return {"scale": new_scale, "growth_tracker": new_tracker}

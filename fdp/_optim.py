@@ -80,9 +80,12 @@ class Optimizer:
     name = "optimizer"
     slots: tuple[str, ...] = ()
 
-    def __init__(self, lr: float | torch.Tensor) -> None:
+    def __init__(self, lr: float | torch.Tensor, *, maximize: bool = False) -> None:
         check_hyper(self.name, "lr", lr, lambda v: v >= 0, ">= 0")
+        if not isinstance(maximize, bool):
+            raise TypeError(f"fdp.optim.{self.name}: `maximize` expected a bool; got {maximize!r}")
         self.lr = lr
+        self.maximize = maximize  # ascend: the gradients negated first, as torch.optim does
 
     def __repr__(self) -> str:
         hyper = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -155,8 +158,11 @@ class Optimizer:
                 # Complex leaves as real pairs, as torch's foreach implementations
                 # do: Adam's second moment is per component, not g * g.
                 slots = {k: [_real(s[k][i]) for i in live] for k in self.slots}
+                live_g = [_real(g[i]) for i in live]
+                if self.maximize:
+                    live_g = list(torch._foreach_neg(live_g))
                 new_p, new_slots = self._apply(
-                    [_real(p[i]) for i in live], [_real(g[i]) for i in live], slots, steps, donate
+                    [_real(p[i]) for i in live], live_g, slots, steps, donate
                 )
         except (RuntimeError, TypeError):
             _explain_state(call, params, p, s, live)  # a corrupt state, named; else torch's
@@ -188,7 +194,8 @@ class Optimizer:
         for i in live:
             step = s["step"][i] + 1
             slots = {k: _real(s[k][i]) for k in self.slots}
-            new_p, new_slots = self._leaf_step(_real(p[i]), _real(g[i]), slots, step)
+            gi = -_real(g[i]) if self.maximize else _real(g[i])
+            new_p, new_slots = self._leaf_step(_real(p[i]), gi, slots, step)
             back = p[i].is_complex()
             out_p[i] = _complex(new_p, back)
             out["step"][i] = step
@@ -345,6 +352,51 @@ def one_minus(xs: Lists) -> Lists:
 
 def _is_param(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+# torch.optim's options that choose how, not what: accepted where fdp's result
+# is theirs, refused (with why) where it cannot be.
+_TORCH_HOW: dict[str, tuple[tuple[object, ...], str]] = {
+    "foreach": (
+        (None, True, False),
+        "fdp always computes as torch.optim's foreach implementation",
+    ),
+    "differentiable": (
+        (False, True),
+        "fdp's step is differentiable whenever its inputs require grad or are under a "
+        "torch.func transform",
+    ),
+    "fused": (
+        (None, False),
+        "fdp has no fused kernel; its results are the foreach implementation's: drop fused",
+    ),
+    "capturable": (
+        (False,),
+        "fdp's eager step reads the step counts on the host; for CUDA graphs compile the "
+        "update with torch.compile (its steps are tensors) and drop capturable",
+    ),
+}
+
+
+def torch_options(name: str, options: Mapping[str, Any], *, own: tuple[str, ...]) -> None:
+    """Accepts torch.optim's implementation options, or refuses with fdp's reason.
+
+    ``own`` lists the optimizer's own keyword arguments, for the message.
+    """
+    call = f"fdp.optim.{name}"
+    for key, value in options.items():
+        how = _TORCH_HOW.get(key)
+        if how is None:
+            raise TypeError(
+                f"{call}: got an unexpected keyword argument `{key}`; expected one of "
+                f"{sorted(own)} or torch.optim's {sorted(_TORCH_HOW)} (docs/optim.md lists "
+                "every torch.optim option)"
+            )
+        accepted, why = how
+        if not any(value is v or (v is not None and value == v) for v in accepted):
+            raise ValueError(
+                f"{call}: `{key}` expected one of {list(accepted)}; got {value!r} ({why})"
+            )
 
 
 def check_hyper(name: str, arg: str, value: Any, ok: Callable[[Any], bool], expected: str) -> None:

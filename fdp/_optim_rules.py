@@ -9,10 +9,19 @@ contract, the checks, donation, the differentiable path).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from fdp._optim import Lists, Optimizer, check_hyper, float_betas, foreach_op, one_minus
+from fdp._optim import (
+    Lists,
+    Optimizer,
+    check_hyper,
+    float_betas,
+    foreach_op,
+    one_minus,
+    torch_options,
+)
 
 
 class SGD(Optimizer):
@@ -28,8 +37,9 @@ class SGD(Optimizer):
         dampening: float = 0.0,
         nesterov: bool = False,
         weight_decay: float = 0.0,
+        maximize: bool = False,
     ) -> None:
-        super().__init__(lr)
+        super().__init__(lr, maximize=maximize)
         check_hyper(self.name, "momentum", momentum, lambda v: v >= 0, ">= 0")
         check_hyper(self.name, "weight_decay", weight_decay, lambda v: v >= 0, ">= 0")
         if nesterov and (momentum <= 0 or dampening != 0):
@@ -92,8 +102,9 @@ class Adam(Optimizer):
         weight_decay: float = 0.0,
         amsgrad: bool = False,
         decoupled: bool = False,
+        maximize: bool = False,
     ) -> None:
-        super().__init__(lr)
+        super().__init__(lr, maximize=maximize)
         betas = float_betas(self.name, betas)
         for i, beta in enumerate(betas):
             check_hyper(self.name, f"betas[{i}]", beta, lambda v: 0 <= v < 1, "in [0, 1)")
@@ -168,14 +179,21 @@ class Adam(Optimizer):
 
 
 def sgd(
-    lr: float | torch.Tensor,
+    lr: float | torch.Tensor = 1e-3,
     *,
     momentum: float = 0.0,
     dampening: float = 0.0,
     nesterov: bool = False,
     weight_decay: float = 0.0,
+    maximize: bool = False,
+    **torch_only: Any,
 ) -> SGD:
     """``torch.optim.SGD`` as a pure ``init``/``update`` pair over a parameter tree.
+
+    Every option of ``torch.optim.SGD`` is taken: ``maximize`` ascends;
+    ``foreach`` and ``differentiable`` change nothing here (fdp computes as
+    the foreach implementation and differentiates when asked); ``fused=True``
+    is refused with the reason (docs/optim.md has the table).
 
     Example:
         >>> import torch, fdp
@@ -186,8 +204,14 @@ def sgd(
         >>> params["w"]
         tensor([0.9000, 0.9000])
     """
+    torch_options("sgd", torch_only, own=_SGD_OWN)
     return SGD(
-        lr, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay
+        lr,
+        momentum=momentum,
+        dampening=dampening,
+        nesterov=nesterov,
+        weight_decay=weight_decay,
+        maximize=maximize,
     )
 
 
@@ -198,8 +222,16 @@ def adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     amsgrad: bool = False,
+    maximize: bool = False,
+    decoupled_weight_decay: bool = False,
+    **torch_only: Any,
 ) -> Adam:
     """``torch.optim.Adam`` as a pure ``init``/``update`` pair over a parameter tree.
+
+    Every option of ``torch.optim.Adam`` is taken: ``maximize`` ascends,
+    ``decoupled_weight_decay=True`` is AdamW; ``foreach`` and
+    ``differentiable`` change nothing here; ``fused=True`` and
+    ``capturable=True`` are refused with the reason (docs/optim.md).
 
     Example:
         >>> import torch, fdp
@@ -209,7 +241,16 @@ def adam(
         >>> params["w"]
         tensor([0.9000, 0.9000])
     """
-    return Adam(lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+    torch_options("adam", torch_only, own=(*_ADAM_OWN, "decoupled_weight_decay"))
+    return Adam(
+        lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        decoupled=decoupled_weight_decay,
+        maximize=maximize,
+    )
 
 
 def adamw(
@@ -219,8 +260,12 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 0.01,
     amsgrad: bool = False,
+    maximize: bool = False,
+    **torch_only: Any,
 ) -> Adam:
     """``torch.optim.AdamW`` (decoupled weight decay) as a pure ``init``/``update`` pair.
+
+    Takes ``torch.optim.AdamW``'s options as :func:`adam` does.
 
     Example:
         >>> import torch, fdp
@@ -229,6 +274,17 @@ def adamw(
         >>> sorted(state)
         ['exp_avg', 'exp_avg_sq', 'step']
     """
+    torch_options("adamw", torch_only, own=_ADAM_OWN)
     return Adam(
-        lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, decoupled=True
+        lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        decoupled=True,
+        maximize=maximize,
     )
+
+
+_SGD_OWN = ("lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize")
+_ADAM_OWN = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")

@@ -72,11 +72,20 @@ class ParamGroups:
                     f"or a function (name, tensor) -> label; got {given_spec}"
                 )
             got = [None if t is None else given[i] for i, t in enumerate(leaves)]
+        first: dict[int, int] = {}  # a tensor's first leaf, for tied weights
         for i, lab in enumerate(got):
             if leaves[i] is not None and lab not in self.optimizers:
                 raise ValueError(
                     f"{call}: `label` gave leaf {_tree.path(params, i, 'params')} the label "
                     f"{lab!r}; expected one of {sorted(self.optimizers)}"
+                )
+            j = first.setdefault(id(leaves[i]), i) if leaves[i] is not None else i
+            if got[j] != lab:  # torch.optim refuses a parameter in two groups
+                raise ValueError(
+                    f"{call}: `label` gave one tensor (tied) two labels: leaf "
+                    f"{_tree.path(params, j, 'params')} {got[j]!r} and leaf "
+                    f"{_tree.path(params, i, 'params')} {lab!r}; expected one group per "
+                    "tensor, as torch.optim does (its steps would apply twice)"
                 )
         return got
 

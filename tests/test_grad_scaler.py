@@ -33,12 +33,19 @@ def loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.
 
 
 HYPER: dict[str, Any] = {"init_scale": 256.0, "growth_interval": 2}
+# Factors that float32 cannot hold exactly: torch rounds once, in double.
+ODD: dict[str, Any] = {
+    "init_scale": 3000.0,
+    "growth_factor": 1.1,
+    "backoff_factor": 0.3,
+    "growth_interval": 1,
+}
 
 
-def torch_reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+def torch_reference(hyper: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[float]]:
     params = {k: v.clone().requires_grad_() for k, v in start().items()}
     opt = torch.optim.SGD(params.values(), lr=0.1, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", **HYPER)
+    scaler = torch.amp.GradScaler("cpu", **hyper)
     scales = []
     for step in range(STEPS):
         opt.zero_grad()
@@ -49,9 +56,10 @@ def torch_reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     return {k: v.detach() for k, v in params.items()}, scales
 
 
-def test_steps_skips_and_scales_equal_torchs_grad_scaler() -> None:
-    expected, expected_scales = torch_reference()
-    scaler, opt = fdp.optim.GradScaler(**HYPER), fdp.optim.sgd(0.1, momentum=0.9)
+@pytest.mark.parametrize("hyper", [HYPER, ODD], ids=["powers_of_two", "odd_factors"])
+def test_steps_skips_and_scales_equal_torchs_grad_scaler(hyper: dict[str, Any]) -> None:
+    expected, expected_scales = torch_reference(hyper)
+    scaler, opt = fdp.optim.GradScaler(**hyper), fdp.optim.sgd(0.1, momentum=0.9)
     params = start()
     state, opt_state, scales = scaler.init(), opt.init(params), []
     for step in range(STEPS):

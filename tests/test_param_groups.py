@@ -137,3 +137,31 @@ def test_names_are_dotted_as_named_parameters_gives_them() -> None:
 
     fdp.optim.param_groups(record, {"all": fdp.optim.sgd(0.1)}).labels(params_tree())
     assert seen == ["head", "layers.0.bias", "layers.0.weight", "norm.first"]
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+def test_one_tensor_in_two_groups_is_refused_as_torch_optim_does(donate: bool) -> None:
+    # Before, a donated step stepped the tied tensor twice (1.2662 vs 1.2258/1.2386).
+    w = torch.ones(3)
+    params = {"a": w, "b": w}
+    opt = fdp.optim.param_groups(
+        {"a": "x", "b": "y"}, {"x": fdp.optim.adam(0.1), "y": fdp.optim.adam(0.2)}
+    )
+    with pytest.raises(ValueError, match=r"one tensor \(tied\) two labels: leaf params\['a'\]"):
+        opt.update(
+            {"a": torch.ones(3), "b": torch.ones(3)}, opt.init(params), params, donate=donate
+        )
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        torch.optim.Adam([{"params": [w.requires_grad_()]}, {"params": [w]}])  # torch's refusal
+    # One label for both leaves: the tensor steps once with its summed gradient, as torch.
+    same = fdp.optim.param_groups({"a": "x", "b": "x"}, {"x": fdp.optim.adam(0.1)})
+    tied = torch.ones(3)
+    new, _ = same.update(
+        {"a": torch.ones(3), "b": torch.ones(3)},
+        same.init({"a": tied, "b": tied}),
+        {"a": tied, "b": tied},
+    )
+    ref = torch.ones(3, requires_grad=True)
+    ref.grad = torch.full((3,), 2.0)
+    torch.optim.Adam([ref], lr=0.1, foreach=True).step()
+    torch.testing.assert_close(new["a"], ref.detach())
