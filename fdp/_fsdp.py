@@ -30,11 +30,13 @@ from fdp import (
     _bucket,
     _clip,
     _fsdp_gather,
+    _fsdp_optim,
     _fsdp_plan,
     _fsdp_prefetch,
     _fsdp_reshard,
     _fsdp_state,
     _groups,
+    _param_groups,
     _transforms,
     _tree,
     _zero_shards,
@@ -149,6 +151,13 @@ class FullyShardedDataParallel:
         # Leaves that are not sharded (None, integer tensors) are kept as given.
         self._kept = {i: leaf for i, leaf in enumerate(leaves) if tensors[i] is None}
         self.units = _fsdp_plan.plan(call, params, sharded, units, self.world)
+        owner = _fsdp_plan.owners(call, params, units)
+        self._borrowed = _fsdp_plan.borrowed(owner, self._ties)
+        # Each leaf's shape, dtype and name without its memory: what a
+        # param_groups label function looks at (``optimizer``).
+        self._meta = _tree.unflatten(
+            _spec, [t.detach().to("meta") if isinstance(t, torch.Tensor) else t for t in leaves]
+        )
         self._prefetch = _fsdp_prefetch.Prefetcher(self.unit_names, enabled=prefetch)
         # The same slices as a ZeroRedundancy's, for checkpoints (fdp/_fsdp_state.py).
         buckets = [b for u in self.units for b in u.buckets]
@@ -210,6 +219,7 @@ class FullyShardedDataParallel:
         unit = self._unit(call, shards, name)
         out: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
         self._gather_into(out, unit, shards[name], self._prefetched(name, shards))
+        self._gather_borrowed(out, name, shards)
         return _fsdp_plan.subtree(
             _tree.unflatten(self._planned.structure(call), self._tied(out)), name
         )
@@ -230,17 +240,22 @@ class FullyShardedDataParallel:
         between forward and backward a rank holds its shards only. Under a
         ``torch.func`` transform or ``torch.compile`` the unit stays gathered
         until backward. Keep no gathered tensor beyond ``fn``: its memory is
-        released.
+        released. ``fn`` returning one (or a view of one) is refused with a
+        ``ValueError`` naming the output; return what is computed from the
+        parameters, or use :meth:`gather` (or ``reshard_after_forward=False``)
+        for parameters needed later.
         """
         call = "fdp.FullyShardedDataParallel.apply"
         unit = self._unit(call, shards, name)
         tree: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
         gathered = self._gather_into(tree, unit, shards[name], self._prefetched(name, shards))
+        gathered += self._gather_borrowed(tree, name, shards)
         whole = _tree.unflatten(self._planned.structure(call), self._tied(tree))
         out = fn(_fsdp_plan.subtree(whole, name), *args, **kwargs)
-        outputs = [t for t in _tree.flatten(out)[0] if isinstance(t, torch.Tensor)]
-        outputs = [t for t in outputs if t.requires_grad]
+        flat_out = _tree.flatten(out)[0]
+        outputs = [t for t in flat_out if isinstance(t, torch.Tensor) and t.requires_grad]
         if self.reshard_after_forward and _fsdp_reshard.eligible(outputs):
+            _fsdp_reshard.check_not_returned(call, name, out, flat_out, gathered)
             held = [_fsdp_reshard.Resharded(*g) for g in gathered if g[0].requires_grad]
             _fsdp_reshard.reshard(self._prefetch.held(held), outputs)
         return out
@@ -258,6 +273,32 @@ class FullyShardedDataParallel:
                     for i, leaf in zip(bucket.indices, bucket.unpack(flat), strict=True):
                         out[i] = leaf.clone()
         return _tree.unflatten(self._planned.structure(call), self._tied(out))
+
+    def optimizer(self, optimizer: Any) -> Any:
+        """``optimizer`` for this instance's shards, with ``param_groups`` labelled per leaf.
+
+        A shard holds pieces of several leaves in one 1-D tensor, so a label
+        function that looks at the tensor (``t.ndim <= 1``) would see every
+        shard as 1-D. Wrapped here, each piece takes its leaf's label, decided
+        once from the tree given at construction (the function sees each
+        leaf's name and a meta tensor of its shape and dtype), and the step
+        equals the grouped step on the unsharded tree. The state is
+        ``optimizer.init(shards)``'s. Any other optimizer is returned as it
+        is: it steps element by element, shards or not.
+
+        Example::
+
+            decay = lambda name, t: "no_decay" if t.ndim <= 1 else "decay"
+            plain = fdp.optim.adamw(1e-3, weight_decay=0.0)
+            groups = {"decay": fdp.optim.adamw(1e-3), "no_decay": plain}
+            opt = fsdp.optimizer(fdp.optim.param_groups(decay, groups))
+            state = opt.init(shards)
+            shards, state = opt.update(grads, state, shards)
+        """
+        if not isinstance(optimizer, _param_groups.ParamGroups):
+            return optimizer
+        labels = optimizer.labels(self._meta)
+        return _fsdp_optim.ShardedGroups(optimizer, labels, self._layout, self._bucket_units)
 
     def clip_grad_norm(
         self,
@@ -337,6 +378,16 @@ class FullyShardedDataParallel:
                 f"{call}: `name` expected one of the units {self.unit_names}; got {name!r}"
             )
         return found[0]
+
+    def _gather_borrowed(
+        self, out: list[Any], name: str, shards: dict[str, tuple[torch.Tensor, ...]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor, _fsdp_gather.How]]:
+        """Gathers the units whose tensors are tied into unit ``name`` (see ``borrowed``)."""
+        gathered = []
+        for other in self._borrowed.get(name, ()):
+            unit = next(u for u in self.units if u.name == other)
+            gathered += self._gather_into(out, unit, shards[other])
+        return gathered
 
     def _tied(self, out: list[Any]) -> list[Any]:
         """``out`` with each tied leaf the same tensor as its first (gradients then add up)."""

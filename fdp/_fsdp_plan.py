@@ -24,6 +24,25 @@ class Unit:
     sizes: tuple[int, ...]  # each bucket's shard: elements per rank
 
 
+def owners(call: str, params: Any, units: Sequence[str] | None) -> list[str]:
+    """Each leaf's unit name (tied leaves included, which no unit shards)."""
+    return _owners(call, params, _tree.names(params), units)
+
+
+def borrowed(owner: Sequence[str], ties: dict[int, int]) -> dict[str, tuple[str, ...]]:
+    """Per unit, the other units holding the tensors tied into it.
+
+    ``ties`` maps a tied leaf to the first leaf of its tensor, the one
+    sharded. Gathering a unit alone must gather these too: its tied leaves
+    are the same gathered tensors (``p["head"]["unembed"] = p["embed"]``).
+    """
+    out: dict[str, list[str]] = {}
+    for i, j in ties.items():
+        if owner[i] != owner[j] and owner[j] not in out.setdefault(owner[i], []):
+            out[owner[i]].append(owner[j])
+    return {k: tuple(v) for k, v in out.items()}
+
+
 def plan(
     call: str,
     params: Any,
@@ -32,8 +51,7 @@ def plan(
     world: int,
 ) -> tuple[Unit, ...]:
     """The units of ``params``: names, and their leaves planned into flat buffers."""
-    names = _tree.names(params)
-    owners = _owners(call, params, names, units)
+    owners = _owners(call, params, _tree.names(params), units)
     grouped: dict[str, list[int]] = {}
     for i, owner in enumerate(owners):
         if tensors[i] is not None:

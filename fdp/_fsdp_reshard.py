@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from fdp import _compat, _fsdp_gather, _groups
+from fdp import _compat, _fsdp_gather, _groups, _tree
 
 
 def eligible(outputs: Sequence[torch.Tensor]) -> bool:
@@ -111,6 +111,30 @@ class Held:
                 buffer.settle()
 
         _compat.queue_backward_callback(settled)
+
+
+def check_not_returned(
+    call: str,
+    unit: str,
+    out: Any,
+    flat_out: Sequence[Any],
+    gathered: Sequence[tuple[torch.Tensor, torch.Tensor, Any]],
+) -> None:
+    """Refuses an ``apply`` whose function returned gathered memory, which is about to be freed.
+
+    Used later, such a tensor would fail in some torch op with "data is not
+    allocated yet", far from the cause.
+    """
+    held = {flat.untyped_storage().data_ptr() for flat, _, _ in gathered}
+    for i, t in enumerate(flat_out):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in held:
+            raise ValueError(
+                f"{call}: `fn` returned unit {unit!r}'s gathered parameters (output "
+                f"{_tree.path(out, i, 'output')}, {_tree.describe(t)}); their memory is "
+                "released when apply returns (reshard_after_forward=True). Return what is "
+                "computed from them, or use fsdp.gather(shards, unit), or construct with "
+                "reshard_after_forward=False, for parameters needed after apply"
+            )
 
 
 def reshard(held: Held, outputs: Sequence[torch.Tensor]) -> None:

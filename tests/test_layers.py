@@ -50,6 +50,7 @@ SHARDING = {
     "_checkpoint",
     "_fsdp",
     "_fsdp_gather",
+    "_fsdp_optim",
     "_fsdp_plan",
     "_fsdp_prefetch",
     "_fsdp_reshard",
