@@ -14,12 +14,22 @@ places at first use.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 
-from fdp import _agreement, _bucket, _clip, _optim, _transforms, _tree, _zero_comm, _zero_shards
+from fdp import (
+    _agreement,
+    _bucket,
+    _clip,
+    _optim,
+    _transforms,
+    _tree,
+    _zero_comm,
+    _zero_join,
+    _zero_shards,
+)
 from fdp._collectives import tensor_leaves
 from fdp._groups import ProcessGroup
 from fdp._optim import OptimizerProtocol, check_grad
@@ -121,6 +131,7 @@ class ZeroRedundancy:
         self.last_grad_norm: torch.Tensor | None = None
         self._fingerprints: dict[tuple[bool, ...], _agreement.Fingerprint] = {}
         self._pool = _zero_comm.Pool()
+        self._joined: _zero_join.Joined | None = None
 
     def __repr__(self) -> str:
         s = self.shards
@@ -173,6 +184,62 @@ class ZeroRedundancy:
         before the first is updated. The norm before clipping is then in
         :attr:`last_grad_norm` (the same 0-d tensor value on every rank).
         """
+        call = "fdp.ZeroRedundancy.step"
+        if self._joined is not None:  # first, so that ranks that left pair with it
+            if torch.compiler.is_compiling():
+                raise NotImplementedError(
+                    f"{call}: a compiled step inside join(); join mirrors eager steps only: "
+                    "step eagerly inside the block"
+                )
+            self._joined.before(grads)
+            new_params, new_state = self._step(grads, state, params, donate, max_norm)
+            self._joined.after(new_params, new_state)
+            return new_params, new_state
+        return self._step(grads, state, params, donate, max_norm)
+
+    @contextlib.contextmanager
+    def join(self, params: Any, state: ZeroState) -> Iterator[_zero_join.Joined]:
+        """Lets ranks with different numbers of batches step together (torch's ``Join``).
+
+        Each rank runs its own loop of :meth:`step` inside the block, starting
+        from ``params`` and ``state``. A rank that runs out of data leaves
+        its loop; on leaving the block it mirrors the steps of the ranks still
+        training with zero gradients (its slice of the parameters and of the
+        state is updated with their average; gradients are divided by the
+        initial world size), until every rank has left. The block's value
+        holds every rank's latest parameters and state after it: read
+        ``joined.params`` and ``joined.state`` (a rank that left early holds
+        there what the others hold). Eager steps only. A rank with no batch at
+        all mirrors with a zero gradient at every floating-point leaf, so
+        the others must pass gradients there too (the same structure, as in
+        every step).
+
+        Example::
+
+            with zero.join(params, state) as joined:
+                for x, y in my_uneven_shard:
+                    grads = torch.func.grad(loss)(params, x, y)
+                    params, state = zero.step(grads, state, params)
+            params, state = joined.params, joined.state
+        """
+        if self._joined is not None:
+            raise RuntimeError("fdp.ZeroRedundancy.join: already inside join")
+        joined = _zero_join.Joined(params, state, self.group)
+        self._joined = joined
+        try:
+            yield joined
+            joined.mirror(lambda g, st, p: self._step(g, st, p, False, None))
+        finally:
+            self._joined = None
+
+    def _step(
+        self,
+        grads: Any,
+        state: ZeroState,
+        params: T,
+        donate: bool,
+        max_norm: float | torch.Tensor | None,
+    ) -> tuple[T, ZeroState]:
         call = "fdp.ZeroRedundancy.step"
         try:
             if max_norm is not None and not isinstance(max_norm, torch.Tensor) and max_norm < 0:

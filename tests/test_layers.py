@@ -46,6 +46,7 @@ DDP = {"_ddp", "_ddp_reducer", "_ddp_traced", "_ddp_buffers", "_ddp_join"}
 SHARDING = {
     "_zero",
     "_zero_comm",
+    "_zero_join",
     "_zero_shards",
     "_checkpoint",
     "_fsdp",

@@ -553,3 +553,62 @@ def _custom_node_compiled(rank: int, size: int) -> str:
 def test_a_node_compiled_code_cannot_flatten_is_refused_inside_compile_only() -> None:
     for message in ranks.world(2).run(_custom_node_compiled):
         assert "the tree this ZeroRedundancy was planned for must be built" in message
+
+
+# --------------------------------------------------------------- uneven inputs
+
+UNEVEN = [2, 4, 0]  # batches per rank: rank 2 has none, rank 0 leaves before rank 1
+
+
+def _mlp_loss(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(mlp(p, x), y)
+
+
+def _plain(params: Any) -> Any:
+    """The MLP's float leaves, detached (torch.func.grad takes no None leaf)."""
+    return {
+        "layers": optree.tree_map(torch.Tensor.detach, params["layers"]),
+        "head": params["head"].first.detach(),
+    }
+
+
+def _as_mlp(p: Any) -> Any:
+    return {"layers": p["layers"], "head": (p["head"], None)}
+
+
+def _uneven_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch(len(UNEVEN) * PER_RANK, seed=20 + step)
+    return shard(x, rank), shard(y, rank)
+
+
+def _joined_steps(rank: int, size: int) -> Any:
+    params = _plain(mlp_params())
+    zero = fdp.ZeroRedundancy(fdp.optim.adamw(0.05), params)
+    state = zero.init(params)
+    with zero.join(params, state) as joined:
+        for step in range(UNEVEN[rank]):
+            batch_now = _uneven_batch(step, rank)
+            grads = torch.func.grad(lambda p, b=batch_now: _mlp_loss(_as_mlp(p), *b))(params)
+            params, state = zero.step(grads, state, params)
+    # Every rank, also those that left early, holds the last step's parameters.
+    return joined.params
+
+
+def test_join_steps_ranks_with_different_numbers_of_batches() -> None:
+    # Before, the rank with more batches blocked, then got gloo's bare timeout.
+    params = _plain(mlp_params())
+    opt = fdp.optim.adamw(0.05)
+    state = opt.init(params)
+    for step in range(max(UNEVEN)):
+        active = [r for r in range(len(UNEVEN)) if step < UNEVEN[r]]
+
+        batches = [_uneven_batch(step, r) for r in active]
+
+        def total(p: Any, batches: list[Any] = batches) -> torch.Tensor:
+            per_rank = [_mlp_loss(_as_mlp(p), *b) for b in batches]
+            return torch.stack(per_rank).sum() / len(UNEVEN)  # the initial world size
+
+        params, state = opt.update(torch.func.grad(total)(params), state, params)
+    for got in ranks.world(len(UNEVEN)).run(_joined_steps):
+        for g, e in zip(tensor_leaves(got), tensor_leaves(params), strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
