@@ -29,6 +29,7 @@ from fdp import (
     _agreement,
     _bucket,
     _clip,
+    _fsdp_chain,
     _fsdp_gather,
     _fsdp_optim,
     _fsdp_plan,
@@ -159,6 +160,7 @@ class FullyShardedDataParallel:
             _spec, [t.detach().to("meta") if isinstance(t, torch.Tensor) else t for t in leaves]
         )
         self._prefetch = _fsdp_prefetch.Prefetcher(self.unit_names, enabled=prefetch)
+        self._chain = _fsdp_chain.Chain()  # every gathered unit's backward on every rank
         # The same slices as a ZeroRedundancy's, for checkpoints (fdp/_fsdp_state.py).
         buckets = [b for u in self.units for b in u.buckets]
         self._layout = _zero_shards.from_buckets(params, buckets, sharded, group=group)
@@ -199,6 +201,7 @@ class FullyShardedDataParallel:
         self._check_shards(call, shards)
         out: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
         self._prefetch.drop()
+        self._chain.reset()  # the whole tree: a pass of its own
         mine = [t for u in self.units for t in shards[u.name]]
         started: list[_fsdp_prefetch.Started | None] = [None] * len(self.units)
         if self._prefetch.enabled and _fsdp_prefetch.eligible(mine):
@@ -248,6 +251,7 @@ class FullyShardedDataParallel:
         call = "fdp.FullyShardedDataParallel.apply"
         unit = self._unit(call, shards, name)
         tree: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
+        mark = self._chain.mark()
         gathered = self._gather_into(tree, unit, shards[name], self._prefetched(name, shards))
         gathered += self._gather_borrowed(tree, name, shards)
         whole = _tree.unflatten(self._planned.structure(call), self._tied(tree))
@@ -257,7 +261,9 @@ class FullyShardedDataParallel:
         if self.reshard_after_forward and _fsdp_reshard.eligible(outputs):
             _fsdp_reshard.check_not_returned(call, name, out, flat_out, gathered)
             held = [_fsdp_reshard.Resharded(*g) for g in gathered if g[0].requires_grad]
-            _fsdp_reshard.reshard(self._prefetch.held(held), outputs)
+            unit_held = self._prefetch.held(held)
+            self._chain.attach(mark, unit_held)
+            _fsdp_reshard.reshard(unit_held, outputs)
         return out
 
     def full(self, shards: dict[str, tuple[torch.Tensor, ...]]) -> Any:
@@ -386,7 +392,7 @@ class FullyShardedDataParallel:
         gathered = []
         for other in self._borrowed.get(name, ()):
             unit = next(u for u in self.units if u.name == other)
-            gathered += self._gather_into(out, unit, shards[other])
+            gathered += self._gather_into(out, unit, shards[other], key=f"{other}@{name}")
         return gathered
 
     def _tied(self, out: list[Any]) -> list[Any]:
@@ -432,14 +438,17 @@ class FullyShardedDataParallel:
         unit: _fsdp_plan.Unit,
         shards: Sequence[torch.Tensor],
         ready: Sequence[torch.Tensor] | None = None,
+        *,
+        key: str | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor, _fsdp_gather.How]]:
         """Gathers ``unit`` into ``out`` (``ready``: already gathered); returns each flat
-        buffer with its shard and how."""
+        buffer with its shard and how. ``key`` names the gather in the chain."""
         gathered = []
         for k, (bucket, shard) in enumerate(zip(unit.buckets, shards, strict=True)):
             how = self._gather_how(bucket, shard)
             done = None if ready is None else _fsdp_gather.Ready(ready[k])
             flat = _fsdp_gather.gather(shard, how, done)
+            flat = self._chain.link(f"{key or unit.name}/{k}", flat)
             leaves = bucket.unpack(flat[: bucket.numel])
             for i, leaf in zip(bucket.indices, leaves, strict=True):
                 out[i] = leaf

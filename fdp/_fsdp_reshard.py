@@ -93,8 +93,13 @@ class Held:
     def __init__(self, buffers: Sequence[Resharded], previous: Held | None) -> None:
         self.buffers = list(buffers)
         self.previous = None if previous is None else weakref.ref(previous)
+        self.refilled = False
 
     def refill(self) -> None:
+        """Once per backward: the first of the chain's call (every rank) and the outputs' hook."""
+        if self.refilled:
+            return
+        self.refilled = True
         for buffer in self.buffers:
             buffer.refill()
         before = None if self.previous is None else self.previous()
@@ -109,6 +114,7 @@ class Held:
         def settled() -> None:
             for buffer in settle:
                 buffer.settle()
+            self.refilled = False  # a later backward (retain_graph) refills again
 
         _compat.queue_backward_callback(settled)
 

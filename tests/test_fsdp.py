@@ -11,6 +11,7 @@ integer buffer and a ``None`` leaf.
 from __future__ import annotations
 
 import datetime
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -187,7 +188,7 @@ def test_training_steps_equal_one_process_on_the_full_batch(size: int, grads_of:
 
 def reference_grad(
     size: int,
-    loss: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor],
+    loss: Callable[..., torch.Tensor],
     edit: Callable[[dict[str, Any]], None] | None = None,
 ) -> Any:
     """The gradient of the mean over ranks of ``loss(params, x_r, y_r)``, as a params tree
@@ -195,6 +196,7 @@ def reference_grad(
     params = make_params()
     if edit is not None:
         edit(params)
+    ranked = "rank" in inspect.signature(loss).parameters  # loss(params, x, y, rank)
     head = {"w": params["head"]["w"], "phase": params["head"]["phase"]}
     variables = {k: params[k] for k in ("embed", "blocks", "conv", "frozen")} | {"head": head}
     variables = torch.utils._pytree.tree_map(lambda t: t.detach(), variables)
@@ -202,7 +204,8 @@ def reference_grad(
 
     def mean_loss(v: dict[str, Any]) -> torch.Tensor:
         whole = {**params, **v, "unembed": v["embed"], "head": {**v["head"], "bias": None}}
-        total = sum(loss(whole, mine(x, r), mine(y, r)) for r in range(size))
+        rank = [(r,) if ranked else () for r in range(size)]
+        total = sum(loss(whole, mine(x, r), mine(y, r), *rank[r]) for r in range(size))
         return total / size  # type: ignore[return-value]
 
     grads = torch.func.grad(mean_loss)(variables)
@@ -977,3 +980,50 @@ def _train_grouped(rank: int, size: int, steps: int, donate: bool) -> list[Any]:
         full = fsdp.full(shards)
         out.append({k: full[k] for k in ("embed", "blocks", "conv", "head")})
     return out
+
+
+# --------------------------------------------------------------- a unit one rank leaves unused
+
+
+def _skipping_loss(params: Any, x: torch.Tensor, y: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank 0's loss ignores blocks.1; rank 1's uses every unit."""
+    out: torch.Tensor = model(params, x, (0, 2) if rank == 0 else (0, 1, 2))
+    return (out - y).square().mean()
+
+
+def _leaves_a_unit_unused(rank: int, size: int, how: str, grads_of: str) -> Any:
+    params = make_params()
+    fsdp = fdp.FullyShardedDataParallel(params)
+    x, y = (mine(t, rank) for t in data(size))
+    skip = rank == 0
+    calls = iter(range(3))
+
+    def block(p: Any, h: torch.Tensor, seen: Any) -> Any:
+        return h if next(calls) == 1 and skip else _block(p, h, seen)  # discards blocks.1
+
+    def loss(s: Shards) -> torch.Tensor:
+        if how == "ignored":  # the whole tree gathered; the loss leaves blocks.1 out
+            return _skipping_loss(fsdp(s), x, y, rank)
+        return (applied(fsdp, s, x, None, block=block) - y).square().mean()
+
+    shards = fsdp.shard(params)
+    if grads_of == "backward":
+        torch.autograd.backward(loss(shards))
+        grads = {k: tuple(t.grad for t in ts) for k, ts in shards.items()}
+    else:
+        grads = torch.func.grad(loss)(_detached(shards))
+    pairs = {k: zip(gs, shards[k], strict=True) for k, gs in grads.items()}
+    return fsdp.full(
+        {k: tuple(torch.zeros_like(t) if g is None else g for g, t in p) for k, p in pairs.items()}
+    )
+
+
+@pytest.mark.parametrize("grads_of", ["backward", "func_grad"])
+@pytest.mark.parametrize("how", ["ignored", "applied_and_discarded"])
+def test_a_unit_one_rank_leaves_unused_is_reduced_on_every_rank(how: str, grads_of: str) -> None:
+    # Before: a wrong shard gradient on rank 0 (0.43 off), a hang on rank 1.
+    expected = reference_grad(2, _skipping_loss)
+    for grads in ranks.world(2).run(_leaves_a_unit_unused, how, grads_of, timeout_s=60):
+        trained = {k: grads[k] for k in ("embed", "blocks", "conv")}
+        tree_allclose(trained, {k: expected[k] for k in trained}, **TOL)
+        torch.testing.assert_close(grads["head"]["w"], expected["head"]["w"], **TOL)

@@ -50,6 +50,7 @@ SHARDING = {
     "_zero_shards",
     "_checkpoint",
     "_fsdp",
+    "_fsdp_chain",
     "_fsdp_gather",
     "_fsdp_optim",
     "_fsdp_plan",
