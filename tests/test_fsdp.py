@@ -1004,7 +1004,8 @@ def _leaves_a_unit_unused(rank: int, size: int, how: str, grads_of: str) -> Any:
     def loss(s: Shards) -> torch.Tensor:
         if how == "ignored":  # the whole tree gathered; the loss leaves blocks.1 out
             return _skipping_loss(fsdp(s), x, y, rank)
-        return (applied(fsdp, s, x, None, block=block) - y).square().mean()
+        out: torch.Tensor = applied(fsdp, s, x, None, block=block)
+        return (out - y).square().mean()
 
     shards = fsdp.shard(params)
     if grads_of == "backward":
