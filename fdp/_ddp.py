@@ -113,10 +113,15 @@ class DistributedDataParallel:
         ``torch.no_grad`` or ``no_sync``, or of a tree with no buffer,
         communicates nothing, so one rank may evaluate alone.
 
+    Double backward:
+        ``loss.backward(create_graph=True)`` leaves in ``.grad`` the average
+        over ranks through a differentiable all-reduce, so a gradient
+        penalty on it differentiates the global batch's gradient.
+
     Refused, with a clear error:
-        Backward with ``create_graph=True`` (double backward through the
-        reduced gradients), sparse gradients, a ``params`` tree with no
-        floating-point leaf,
+        ``torch.autograd.grad(..., create_graph=True)`` (its gradients are
+        returned before the reduction), sparse gradients, a ``params`` tree
+        with no floating-point leaf,
         and trees whose structure, shapes, dtypes or ``requires_grad``
         differ across ranks. Reentrant activation checkpointing
         (``use_reentrant=True``) works: the reduction finishes when the

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fdp import _comm_hooks, _compat
+from fdp import _comm_hooks, _compat, _transforms
 from fdp._bucket import Layout
 from fdp._comm_hooks import CommHook, GradBucket
 
@@ -95,6 +95,7 @@ class Delivery(enum.Enum):
     UNDECIDED = "undecided"
     RETURNED = "returned"  # autograd.grad, torch.func.grad: each hook's return value
     ACCUMULATED = "accumulated"  # loss.backward(): into .grad
+    GRAPHED = "graphed"  # loss.backward(create_graph=True): .grad reduced differentiably
 
 
 @dataclass
@@ -165,20 +166,16 @@ class Step:
         if grad is not None and (grad.layout != torch.strided or grad.is_sparse):
             raise RuntimeError(
                 f"fdp.DistributedDataParallel: {where} got a gradient with layout "
-                f"{grad.layout} (e.g. nn.Embedding(sparse=True)); fdp reduces dense gradients "
-                "only: use dense gradients (sparse=False)"
-            )
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                f"fdp.DistributedDataParallel: backward with create_graph=True reached {where}; "
-                "the reduced gradients cannot carry a graph for double backward (a gradient "
-                "penalty would silently contribute nothing). Compute such a penalty on "
-                "un-synchronised params (under ddp.no_sync()) and reduce with "
-                "fdp.all_reduce_grads, or use torch.func.grad"
+                f"{grad.layout} (e.g. nn.Embedding(sparse=True)); fdp reduces dense buckets, "
+                "and a sparse gradient would need its indices and values all-gathered every "
+                "step (torch's DDP does that; fdp does not yet): use dense gradients "
+                "(sparse=False)"
             )
 
     def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         self._refuse(i, grad)
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            return self._graphed(i, grad)
         with self.lock, torch.no_grad(), _compat.functorch_disabled():
             leaf = self.leaves[i]
             if self.delivery is Delivery.UNDECIDED:
@@ -314,9 +311,65 @@ class Step:
                 return
             self._finish()
 
+    def _graphed(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """A gradient of ``backward(create_graph=True)``: left to the engine, reduced at the end.
+
+        The engine accumulates it into ``.grad`` with its graph; the finish
+        then replaces each ``.grad`` by the average over ranks through a
+        differentiable all-reduce (the psum rule), so that a gradient
+        penalty differentiates the global batch's gradient.
+        """
+        with self.lock:
+            where = f"params leaf {self.reduction.paths[i]}"
+            if self.delivery is Delivery.UNDECIDED:
+                if _compat.engine_captures_grads(self.leaves[i]):
+                    raise RuntimeError(
+                        f"fdp.DistributedDataParallel: torch.autograd.grad(..., "
+                        f"create_graph=True) reached {where}; the gradients it returns are "
+                        "taken before the reduction can give them a graph. Use "
+                        "loss.backward(create_graph=True) and read .grad (reduced, with its "
+                        "graph), or torch.func.grad around ddp(params)"
+                    )
+                self.delivery = Delivery.GRAPHED
+            if self.reduction.hook not in (None, _comm_hooks.allreduce_hook):
+                raise RuntimeError(
+                    f"fdp.DistributedDataParallel: backward with create_graph=True reached "
+                    f"{where} with a comm hook, whose reduction cannot carry a graph; use "
+                    "the default reduction for double backward"
+                )
+            if grad is not None:
+                self.used.add(i)
+            if not self.queued:
+                _compat.queue_backward_callback(self.finish)
+                self.queued = True
+            return grad
+
+    def _finish_graphed(self) -> None:
+        """``.grad`` becomes the average over ranks, differentiably (see :meth:`_graphed`)."""
+        counts, work = self._launch_usage()
+        work.wait()
+        *used, _ = counts.tolist()
+        grads: list[torch.Tensor | None] = [None] * len(self.leaves)
+        for i in self.hooked:
+            grads[i] = self.leaves[i].grad
+        group = self.reduction.group
+        with torch.enable_grad():
+            reduced = _transforms.reduce_buckets(
+                self.reduction.layout.buckets,
+                grads,
+                scale=1.0 / dist.get_world_size(group),
+                group=group,
+            )
+        for i, count in zip(self.hooked, used, strict=True):
+            if count > 0:
+                self.leaves[i].grad = reduced[i]
+
     def _finish(self) -> None:
         with torch.no_grad(), _compat.functorch_disabled():
             try:
+                if self.delivery is Delivery.GRAPHED:
+                    self._finish_graphed()
+                    return
                 while self.next_launch < len(self.buckets):
                     self._launch(self.next_launch)
                 counting = not self.returned or self.always_count

@@ -159,21 +159,44 @@ def test_grads_live_in_their_bucket_as_soon_as_packed() -> None:
 # --------------------------------------------------------------- create_graph
 
 
-def _gradient_penalty(rank: int, size: int) -> str:
+def _gradient_penalty(rank: int, size: int) -> tuple[Any, Any, str]:
     params = chain_params()
     ddp = fdp.DistributedDataParallel(params, **TINY)
     loss = chain(ddp(params), shard(data(size), rank), "last", reentrant=False)
+    torch.autograd.backward(loss, create_graph=True)
+    reduced = {k: v.grad for k, v in params.items()}
+    assert all(g is not None for g in reduced.values())
+    assert all(g.requires_grad for g in reduced.values() if g is not None)
+    penalty = torch.stack([(g**2).sum() for g in reduced.values() if g is not None]).sum()
+    for p in params.values():
+        p.grad = None
+    torch.autograd.backward(penalty)  # through the reduction's graph, and ddp's aliases again
+    first = {k: v.detach() for k, v in reduced.items() if v is not None}
+    # autograd.grad's gradients are returned before any reduction could give
+    # them a graph: refused on every rank, and the next step works.
+    loss = chain(ddp(params), shard(data(size), rank), "last", reentrant=False)
     with pytest.raises(RuntimeError, match="create_graph=True") as info:
         torch.autograd.grad(loss, list(params.values()), create_graph=True)
-    # The next step works as usual.
-    loss = chain(ddp(params), shard(data(size), rank), "last", reentrant=False)
-    torch.autograd.backward(loss)
-    return str(info.value).split(" reached ")[0]
+    return first, grads(params), str(info.value).split(" reached ")[0]
 
 
-def test_double_backward_is_refused_clearly() -> None:
-    messages = set(ranks.world(2).run(_gradient_penalty))
-    assert messages == {"fdp.DistributedDataParallel: backward with create_graph=True"}
+def test_a_gradient_penalty_through_backward_create_graph() -> None:
+    # torch's test_ddp_create_graph runs create_graph=True: the reduced .grad
+    # carries the psum's graph, so a penalty on it differentiates the global
+    # batch's gradient (before: refused).
+    size = 2
+    params = chain_params()
+    x = data(size)
+    loss = torch.stack([chain(params, shard(x, r), "last", reentrant=False) for r in range(size)])
+    g = torch.autograd.grad(loss.mean(), list(params.values()), create_graph=True)
+    penalty = torch.stack([(t**2).sum() for t in g]).sum()
+    penalty_grads = torch.autograd.grad(penalty, list(params.values()))
+    for first, second, message in ranks.world(size).run(_gradient_penalty):
+        for name, expected in zip(params, g, strict=True):
+            torch.testing.assert_close(first[name], expected.detach(), **TOL, msg=name)
+        for name, expected in zip(params, penalty_grads, strict=True):
+            torch.testing.assert_close(second[name], expected, **TOL, msg=name)
+        assert message == "fdp.DistributedDataParallel: torch.autograd.grad(..., create_graph=True)"
 
 
 # --------------------------------------------------------------- complex params

@@ -11,6 +11,7 @@ tests that do not apply to a function over a tree, and why.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, NamedTuple, cast
 
 import pytest
@@ -429,3 +430,117 @@ def test_static_graph_multi_forward() -> None:
         for got in results:
             for name, p in net.named_parameters():
                 torch.testing.assert_close(got[step][name], p.grad, **TOL, msg=f"{step} {name}")
+
+
+# ---------------------------------------------------------------- create_graph, checkpoints
+# distributed_test.py: test_ddp_create_graph, test_save_load_checkpoint.
+
+
+class Square(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self) -> torch.Tensor:
+        return self.p.pow(2)
+
+
+def _create_graph(rank: int, size: int) -> list[torch.Tensor]:
+    net = Square()
+    fn, state = fdp.make_functional(net)
+    ddp = fdp.DistributedDataParallel(state)
+    out = []
+    for _ in range(6):  # torch's loop: .grad accumulates, with its graph
+        torch.autograd.backward(fn(ddp(state)) * (rank + 1), create_graph=True)
+        assert all(p.requires_grad for p in net.parameters())
+        grad = net.p.grad
+        assert grad is not None
+        assert grad.requires_grad
+        out.append(grad.detach().clone())
+    return out
+
+
+def test_ddp_create_graph() -> None:
+    size = 2
+    net = Square()
+    expected = []
+    for _ in range(6):
+        losses = [net() * (r + 1) for r in range(size)]
+        with warnings.catch_warnings():  # torch's own warning about .grad with a graph
+            warnings.filterwarnings("ignore", "Using backward.. with create_graph=True")
+            torch.autograd.backward(torch.stack(losses).mean(), create_graph=True)
+        expected.append(net.p.grad.detach().clone())  # type: ignore[union-attr]
+    for got in ranks.world(size).run(_create_graph):
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e)
+
+
+def checkpoint_net() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def _train(fn: Any, state: dict[str, torch.Tensor], call: Any, rank: int, steps: range) -> None:
+    opt = torch.optim.SGD([v for v in state.values() if v.requires_grad], lr=0.1)
+    for step in steps:
+        opt.zero_grad()
+        x = zoo_input(rank, step)[:, :2]
+        torch.autograd.backward(torch.nn.functional.mse_loss(fn(call(state), x), x.flip(1)))
+        opt.step()
+
+
+def _unchanged(tree: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return tree
+
+
+def _save_load(rank: int, size: int, path: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Train 2 steps with DDP, save; load into fresh tensors; 2 more with DDP and locally."""
+    net = checkpoint_net()
+    fn, state = fdp.make_functional(net)
+    ddp = fdp.DistributedDataParallel(state)
+    _train(fn, state, ddp, rank, range(2))
+    if rank == 0:
+        torch.save({k: v.detach() for k, v in state.items()}, path)
+    torch.distributed.barrier()
+    loaded = torch.load(path)
+    fresh = {k: v.clone().requires_grad_() for k, v in loaded.items()}
+    again = fdp.DistributedDataParallel(fresh)
+    _train(fn, fresh, again, rank, range(2, 4))
+    local = {k: v.clone().requires_grad_() for k, v in loaded.items()}
+    _train(fn, local, _unchanged, rank, range(2, 4))  # no DDP: this rank's own steps
+    _train(fn, state, ddp, rank, range(2, 4))  # the uninterrupted run, same DDP
+
+    def detach(tree: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in tree.items()}
+
+    return {"resumed": detach(fresh), "local": detach(local), "uninterrupted": detach(state)}
+
+
+def test_save_load_checkpoint(tmp_path: Any) -> None:
+    # Before, the local training after a DDP step raised the false "second backward".
+    size = 2
+    results = ranks.world(size).run(_save_load, str(tmp_path / "ckpt.pt"))
+    net = checkpoint_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def step(module: nn.Module, optimizer: Any, data: list[torch.Tensor]) -> None:
+        optimizer.zero_grad()
+        losses = [torch.nn.functional.mse_loss(module(x), x.flip(1)) for x in data]
+        torch.autograd.backward(torch.stack(losses).mean())
+        optimizer.step()
+
+    for s in range(2):
+        step(net, opt, [zoo_input(r, s)[:, :2] for r in range(size)])
+    saved = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    for s in range(2, 4):
+        step(net, opt, [zoo_input(r, s)[:, :2] for r in range(size)])
+    for rank, got in enumerate(results):
+        local = checkpoint_net()
+        local.load_state_dict(saved)
+        local_opt = torch.optim.SGD(local.parameters(), lr=0.1)
+        for s in range(2, 4):
+            step(local, local_opt, [zoo_input(rank, s)[:, :2]])
+        for name, p in net.state_dict().items():
+            torch.testing.assert_close(got["resumed"][name], p, **TOL, msg=name)
+            torch.testing.assert_close(got["uninterrupted"][name], p, **TOL, msg=name)
+            torch.testing.assert_close(got["local"][name], local.state_dict()[name], **TOL)
