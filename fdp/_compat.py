@@ -285,22 +285,31 @@ def engine_captures_grads(leaf: torch.Tensor) -> bool:
 _EARLY = 2**64 - 2
 
 
+def run_early(t: torch.Tensor) -> None:
+    """Makes the engine run ``t``'s node as soon as it is ready, as it runs a leaf's.
+
+    The engine runs the ready node with the highest sequence number first;
+    a node made before the model's forward would otherwise wait for the end
+    of backward. Without ``_set_sequence_nr`` results stay right and the
+    reduction starts only when backward ends
+    (``test_buckets_launch_while_backward_runs`` fails).
+    """
+    setter = getattr(t.grad_fn, "_set_sequence_nr", None)
+    if setter is not None:
+        setter(_EARLY)
+
+
 def early_alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor on ``t``'s memory whose node hands gradients to ``t`` as soon as it can.
+    """A tensor on ``t``'s memory whose node hands gradients to ``t`` early (:func:`run_early`).
 
     Not an autograd view: a view's node is made anew (without its hooks)
     once its base is changed in place, as an optimizer step does, so hooks
     on a view would reduce the first backward only. ``_unsafe_view`` aliases
-    without view tracking (torch's own ``reshape`` uses it). The engine runs
-    the ready node with the highest sequence number first; a node made before
-    the model's forward would otherwise wait for the end of backward. Without
-    ``_set_sequence_nr`` results stay right and the reduction starts only when
-    backward ends (``test_buckets_launch_while_backward_runs`` fails).
+    without view tracking (torch's own ``reshape`` uses it); its node
+    reshapes the gradient, which a sparse one refuses.
     """
     alias: torch.Tensor = torch.ops.aten._unsafe_view.default(t, t.shape)
-    setter = getattr(alias.grad_fn, "_set_sequence_nr", None)
-    if setter is not None:
-        setter(_EARLY)
+    run_early(alias)
     return alias
 
 

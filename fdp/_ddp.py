@@ -33,7 +33,7 @@ from fdp import (
 from fdp._collectives import tensor_leaves
 from fdp._comm_hooks import CommHook
 from fdp._ddp_join import Joiner
-from fdp._ddp_reducer import Reducer, Reduction
+from fdp._ddp_reducer import Reducer, Reduction, hooked_leaves
 from fdp._groups import ProcessGroup
 
 __all__ = ["DistributedDataParallel"]
@@ -118,10 +118,13 @@ class DistributedDataParallel:
         over ranks through a differentiable all-reduce, so a gradient
         penalty on it differentiates the global batch's gradient.
 
+    Sparse gradients (``nn.Embedding(sparse=True)``, of 2-D leaves) are
+        all-reduced on their own after the buckets; ``.grad`` stays sparse.
+
     Refused, with a clear error:
-        ``torch.autograd.grad(..., create_graph=True)`` (its gradients are
-        returned before the reduction), sparse gradients, a ``params`` tree
-        with no floating-point leaf,
+        ``torch.autograd.grad(..., create_graph=True)`` and sparse gradients
+        under ``torch.autograd.grad`` (both are returned before the
+        reduction), a ``params`` tree with no floating-point leaf,
         and trees whose structure, shapes, dtypes or ``requires_grad``
         differ across ranks. Reentrant activation checkpointing
         (``use_reentrant=True``) works: the reduction finishes when the
@@ -206,15 +209,14 @@ class DistributedDataParallel:
         self._sync = True
         self._called = False
         self._joiner: Joiner | None = None
-        # How many leaves a step's usage all-reduce counts (hooked: needing
-        # grad, each tensor once), for join's mirroring ranks.
-        counted = sum(1 for i in self._layout.where if leaves[i].requires_grad) - len(
-            [i for i in self._ties if leaves[i].requires_grad]
-        )
+        # The leaves a step's usage all-reduce counts (hooked: needing grad,
+        # each tensor once), for join's mirroring ranks.
+        counted = [leaves[i] for i in hooked_leaves(self._layout, leaves)]
         self._join_plan = _ddp_join.JoinPlan(
             group=group,
             buckets=tuple(self._layout.buckets),
-            counted=counted,
+            counted=len(counted),
+            counted_meta=tuple((t.shape, t.dtype, t.device) for t in counted),
             buffers=self._buffers,
             final=final,  # join's final synchronisation
             meta=tuple(self._meta),

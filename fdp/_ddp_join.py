@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from fdp import _bucket, _compat, _groups
 from fdp._ddp_buffers import Buffers
+from fdp._ddp_reducer import empty_sparse
 from fdp._groups import ProcessGroup
 from fdp._training import ALONE, TRAINING, Group, Training
 
@@ -70,6 +71,7 @@ class JoinPlan:
     buffers: Buffers | None
     final: Buffers
     meta: tuple[tuple[torch.Size, torch.dtype, torch.device] | None, ...]
+    counted_meta: tuple[tuple[torch.Size, torch.dtype, torch.device], ...] = ()  # per count
 
 
 class Joiner:
@@ -87,7 +89,7 @@ class Joiner:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.buckets = list(plan.buckets)
-        self.counted = plan.counted
+        self.counted, self.counted_meta = plan.counted, plan.counted_meta
         self.buffers = plan.buffers
         self.by_initial = divide_by_initial_world_size
         self.training = Training(group, tuple(range(self.world)), group)
@@ -177,6 +179,13 @@ class Joiner:
                     if usage[-1] > 0:  # the training ranks reduce them, bucket by bucket
                         for bucket in self.buckets:
                             dist.all_reduce(torch.zeros_like(bucket.empty()), group=self.group)
+                    self._shadow_sparse(usage[:-1].tolist())
+
+    def _shadow_sparse(self, counts: list[float]) -> None:
+        """Takes part, with nothing, in the reduction of each sparse gradient (in order)."""
+        for count, (shape, dtype, device) in zip(counts, self.counted_meta, strict=True):
+            if count >= self.world + 1:  # a sparse user counts world + 1
+                dist.all_reduce(empty_sparse(shape, dtype, device), group=self.group)
 
     def _sync_final(self) -> None:
         """Every rank takes the tensors of the last rank to leave (torch's final model sync).

@@ -132,6 +132,7 @@ class Step:
         self.buckets = [InFlight() for _ in reduction.layout.buckets]
         self.hooked = hooked
         self.used: set[int] = set()  # leaves that got a gradient on this rank
+        self.sparse: dict[int, torch.Tensor | None] = {}  # sparse here: this backward's
         # Gradients that came after their bucket was launched (see _late).
         self.late: dict[int, torch.Tensor] = {}
         self.next_launch = 0
@@ -163,14 +164,19 @@ class Step:
     def _refuse(self, i: int, grad: torch.Tensor | None) -> None:
         """Raises, inside backward, for what the reduction cannot give the reference for."""
         where = f"params leaf {self.reduction.paths[i]}"
-        if grad is not None and (grad.layout != torch.strided or grad.is_sparse):
+        if grad is not None and grad.layout not in (torch.strided, torch.sparse_coo):
             raise RuntimeError(
                 f"fdp.DistributedDataParallel: {where} got a gradient with layout "
-                f"{grad.layout} (e.g. nn.Embedding(sparse=True)); fdp reduces dense buckets, "
-                "and a sparse gradient would need its indices and values all-gathered every "
-                "step (torch's DDP does that; fdp does not yet): use dense gradients "
-                "(sparse=False)"
+                f"{grad.layout}; fdp reduces dense (strided) and sparse COO gradients: "
+                "convert it in a hook on the parameter"
             )
+        if grad is not None and grad.is_sparse and self.reduction.hook is not None:
+            if self.reduction.hook is not _comm_hooks.allreduce_hook:
+                raise RuntimeError(
+                    f"fdp.DistributedDataParallel: {where} got a sparse gradient with a comm "
+                    "hook, which reduces dense buckets; use the default reduction with "
+                    "nn.Embedding(sparse=True)"
+                )
 
     def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         self._refuse(i, grad)
@@ -185,6 +191,8 @@ class Step:
                 _compat.queue_backward_callback(self.finish)
                 self.queued = True
             k = self.reduction.layout.where[i][0]
+            if grad is not None and grad.is_sparse:
+                return self._sparse(i, k, grad)
             if grad is not None and i in self.buckets[k].filled:
                 return self._again(i, k, grad)
             view = self._view(i)
@@ -217,6 +225,38 @@ class Step:
         """
         leaf.grad = None
         return view.detach()
+
+    def _sparse(self, i: int, k: int, grad: torch.Tensor) -> torch.Tensor:
+        """A sparse gradient (``nn.Embedding(sparse=True)``): kept aside, reduced at the end.
+
+        Its slot in the dense bucket stays zero. The hand-out all-reduces
+        ``.grad`` (what ``no_sync`` left) plus what this backward kept, as
+        a sparse tensor, on every rank, for each leaf any rank flagged, as
+        torch's DDP reduces sparse gradients; the engine gets an empty one.
+        """
+        where = f"params leaf {self.reduction.paths[i]}"
+        if self.returned:
+            raise RuntimeError(
+                f"fdp.DistributedDataParallel: {where} got a sparse gradient under "
+                "torch.autograd.grad, which returns it before it can be reduced; use "
+                "loss.backward() (the reduced sparse gradient lands in .grad)"
+            )
+        leaf = self.leaves[i]
+        if leaf.dim() != 2:
+            raise RuntimeError(
+                f"fdp.DistributedDataParallel: {where} got a sparse gradient for a "
+                f"{leaf.dim()}-D tensor; fdp reduces sparse gradients of 2-D leaves "
+                "(embedding tables)"
+            )
+        self.used.add(i)
+        kept = self.sparse.get(i)
+        self.sparse[i] = grad if kept is None else kept + grad
+        if i not in self.buckets[k].filled:
+            self._view(i).zero_()
+            self.buckets[k].filled.add(i)
+            while self.next_launch < len(self.buckets) and self._complete(self.next_launch):
+                self._launch(self.next_launch)
+        return empty_sparse(leaf.shape, leaf.dtype, leaf.device)
 
     def _complete(self, k: int) -> bool:
         """Whether bucket ``k`` holds every gradient this rank will give it."""
@@ -284,6 +324,9 @@ class Step:
                 continue
             leaf = self.leaves[i]
             old = None if self.returned or not leaf.requires_grad else leaf.grad
+            if old is not None and old.is_sparse:  # from no_sync: reduced on its own
+                self.sparse.setdefault(i, None)
+                old = None
             _pack_old(self.buckets[k].views[j], old, self.prescale)
         if self.reduction.hook is None:
             future: Any = sum_hook(flat, self.reduction.group)
@@ -321,6 +364,11 @@ class Step:
         """
         with self.lock:
             where = f"params leaf {self.reduction.paths[i]}"
+            if grad is not None and grad.is_sparse:
+                raise RuntimeError(
+                    f"fdp.DistributedDataParallel: backward with create_graph=True reached "
+                    f"{where} with a sparse gradient; use dense gradients for double backward"
+                )
             if self.delivery is Delivery.UNDECIDED:
                 if _compat.engine_captures_grads(self.leaves[i]):
                     raise RuntimeError(
@@ -418,10 +466,16 @@ class Step:
     def _launch_usage(self) -> tuple[torch.Tensor, Any]:
         """Counts, over ranks, which hooked leaves had a gradient (one small all-reduce)."""
         device = self.reduction.layout.buckets[0].device
+        # A sparse user counts world + 1, a dense one 1: one sum says both.
+        sparse = float(dist.get_world_size(self.reduction.group) + 1)
         counts = torch.tensor(
             [
                 *(
-                    1.0 if i in self.used or self.leaves[i].grad is not None else 0.0
+                    sparse
+                    if i in self.sparse
+                    else 1.0
+                    if i in self.used or self.leaves[i].grad is not None
+                    else 0.0
                     for i in self.hooked
                 ),
                 float(bool(self.late)),  # last: whether any rank has late gradients
@@ -437,9 +491,43 @@ class Step:
         *used, late = counts.tolist()
         if late > 0:
             self._reduce_late()
+        sparse_count = dist.get_world_size(self.reduction.group) + 1
         for i, count in zip(self.hooked, used, strict=True):
-            if count > 0:
+            if count >= sparse_count:
+                leaf = self.leaves[i]
+                leaf.grad = reduce_sparse(
+                    leaf, self.sparse.get(i), self.prescale, self.reduction.group
+                )
+            elif count > 0:
                 self.leaves[i].grad = self._view(i)
+
+
+def reduce_sparse(
+    leaf: torch.Tensor,
+    kept: torch.Tensor | None,
+    scale: float,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """``leaf.grad`` plus ``kept``, as a sparse tensor, summed over ranks, times ``scale``.
+
+    A call every rank makes, in the same order, for each leaf any rank
+    flagged sparse (a rank without such a gradient, and ``join``'s ranks
+    that left, with an empty one).
+    """
+    grad = empty_sparse(leaf.shape, leaf.dtype, leaf.device)
+    for part in (leaf.grad, kept):
+        if part is not None:
+            grad = grad + (part if part.is_sparse else part.to_sparse(sparse_dim=1))
+    grad = grad.coalesce()
+    dist.all_reduce(grad, group=group)
+    return grad.mul_(scale)
+
+
+def empty_sparse(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A sparse COO tensor of ``shape`` with no element (sparse in the first dimension)."""
+    indices = torch.zeros(1, 0, dtype=torch.long, device=device)
+    values = torch.zeros(0, *shape[1:], dtype=dtype, device=device)
+    return torch.sparse_coo_tensor(indices, values, shape).coalesce()
 
 
 def hooked_leaves(layout: Layout, leaves: list[Any]) -> list[int]:
@@ -484,11 +572,16 @@ class Reducer:
         with _compat.functorch_disabled():
             for i in hooked:
                 leaf = leaves[i]
-                alias = _compat.early_alias(leaf)
+                alias: Any
+                if leaf.dim() == 2:  # an embedding table's shape: sparse gradients pass
+                    alias = _SparseAlias.apply(leaf)  # type: ignore[no-untyped-call]
+                    _compat.run_early(alias)
+                else:
+                    alias = _compat.early_alias(leaf)
                 # The hook holds the call (the leaves), never the alias: a
                 # reference from the node's hook back to its own output would
                 # be a cycle through C++ that Python's collector cannot free.
-                alias.register_hook(functools.partial(call.on_grad, i))  # type: ignore[no-untyped-call]
+                alias.register_hook(functools.partial(call.on_grad, i))
                 aliases[id(leaf)] = alias
         out = list(leaves)
         for i in self.reduction.layout.where:  # tied leaves share one alias
@@ -527,6 +620,27 @@ class _Call:
 
     def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         return self.reducer.step(self).on_grad(i, grad)
+
+
+class _SparseAlias(torch.autograd.Function):
+    """An alias of a leaf (its memory, not an autograd view) whose node passes any gradient on.
+
+    For 2-D leaves, which may get sparse gradients (embedding tables); the
+    others take the cheaper ``_compat.early_alias``, whose node reshapes its
+    gradient (sparse tensors refuse that).
+    """
+
+    @staticmethod
+    def forward(leaf: torch.Tensor) -> torch.Tensor:
+        return leaf.detach()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.set_materialize_grads(False)  # an undefined gradient stays undefined
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> torch.Tensor | None:
+        return grad
 
 
 def _pack_old(view: torch.Tensor, old: torch.Tensor | None, scale: float) -> None:

@@ -312,20 +312,59 @@ def test_undefined_gradients() -> None:
             torch.testing.assert_close(got[name], params[name].grad, **TOL, msg=name)
 
 
-def _sparse(rank: int, size: int) -> str:
-    embed = nn.Embedding(10, 3, sparse=True)
-    params = {"embed": embed.weight}
-    ddp = fdp.DistributedDataParallel(params)
-    out = nn.functional.embedding(torch.tensor([rank, 2]), ddp(params)["embed"], sparse=True)
-    with pytest.raises(RuntimeError, match=r"layout torch\.sparse_coo") as info:
-        torch.autograd.backward(out.sum())
-    return str(info.value)
+def sparse_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed": torch.randn(10, 3, generator=g).requires_grad_(),
+        "w": torch.randn(3, 2, generator=g).requires_grad_(),
+    }
 
 
-def test_sparse_gradients_are_refused_clearly() -> None:
-    messages = set(ranks.world(2).run(_sparse))
-    assert len(messages) == 1
-    assert "params['embed']" in messages.pop()
+def sparse_loss(p: dict[str, torch.Tensor], rank: int, step: int, how: str) -> torch.Tensor:
+    """An embedding (sparse gradient) and a dense layer; rank 1 skips the embedding if asked."""
+    ids = torch.tensor([rank + step, 2, 7 - rank])
+    if how == "one_rank" and rank == 1:
+        rows = torch.ones(3, 3)  # this rank never looks anything up
+    else:
+        rows = nn.functional.embedding(ids, p["embed"], sparse=True)
+    return (torch.tanh(rows @ p["w"]) ** 2).mean()
+
+
+def _sparse(rank: int, size: int, how: str) -> dict[str, torch.Tensor]:
+    params = sparse_params()
+    ddp = fdp.DistributedDataParallel(params, **TINY)
+    if how == "no_sync":  # a local sparse gradient first, folded into the reduction
+        with ddp.no_sync():
+            torch.autograd.backward(sparse_loss(ddp(params), rank, 1, how))
+    if how == "join":  # rank 1 leaves at once: it mirrors the sparse reduction
+        with ddp.join():
+            if rank == 0:
+                torch.autograd.backward(sparse_loss(ddp(params), rank, 0, how))
+    else:
+        torch.autograd.backward(sparse_loss(ddp(params), rank, 0, how))
+    embed = params["embed"].grad
+    if how == "join" and rank == 1:  # it left at once: no gradient of its own
+        return {}
+    assert embed is not None
+    assert embed.is_sparse  # as torch's DDP gives it
+    return {"embed": embed.to_dense(), "w": params["w"].grad}  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize("how", ["both_ranks", "one_rank", "no_sync", "join"])
+def test_sparse_gradients_are_reduced(how: str) -> None:
+    # nn.Embedding(sparse=True): torch's DDP reduces sparse gradients (before: refused).
+    size = 2
+    params = sparse_params()
+    active = [0] if how == "join" else list(range(size))
+    losses = [sparse_loss(params, r, 0, how) for r in active]
+    if how == "no_sync":
+        losses += [sparse_loss(params, r, 1, how) for r in range(size)]
+    torch.autograd.backward(torch.stack(losses).sum() / size)
+    for got in ranks.world(size).run(_sparse, how)[: len(active)]:
+        for name, p in params.items():
+            assert p.grad is not None
+            expected = p.grad.to_dense() if p.grad.is_sparse else p.grad
+            torch.testing.assert_close(got[name], expected, **TOL, msg=name)
 
 
 # --------------------------------------------------------------- hooks
