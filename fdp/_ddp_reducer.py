@@ -170,13 +170,13 @@ class Step:
                 f"{grad.layout}; fdp reduces dense (strided) and sparse COO gradients: "
                 "convert it in a hook on the parameter"
             )
-        if grad is not None and grad.is_sparse and self.reduction.hook is not None:
-            if self.reduction.hook is not _comm_hooks.allreduce_hook:
-                raise RuntimeError(
-                    f"fdp.DistributedDataParallel: {where} got a sparse gradient with a comm "
-                    "hook, which reduces dense buckets; use the default reduction with "
-                    "nn.Embedding(sparse=True)"
-                )
+        hook = self.reduction.hook
+        if grad is not None and grad.is_sparse and hook not in (None, _comm_hooks.allreduce_hook):
+            raise RuntimeError(
+                f"fdp.DistributedDataParallel: {where} got a sparse gradient with a comm "
+                "hook, which reduces dense buckets; use the default reduction with "
+                "nn.Embedding(sparse=True)"
+            )
 
     def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         self._refuse(i, grad)
