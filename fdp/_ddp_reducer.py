@@ -121,8 +121,10 @@ class Step:
         prescale: float | None = None,
         always_count: bool = False,
         done: Callable[[Step], None] | None = None,
+        sparse_ok: bool = True,
     ) -> None:
         self.reduction = reduction
+        self.sparse_ok = sparse_ok
         self.done = done  # told when this backward's reduction has finished
         # ``join`` may divide by the ranks still training, and needs the
         # usage all-reduce on every step, which shadowing ranks mirror.
@@ -242,11 +244,12 @@ class Step:
                 "loss.backward() (the reduced sparse gradient lands in .grad)"
             )
         leaf = self.leaves[i]
-        if leaf.dim() != 2:
+        if leaf.dim() != 2 or not self.sparse_ok:
             raise RuntimeError(
                 f"fdp.DistributedDataParallel: {where} got a sparse gradient for a "
-                f"{leaf.dim()}-D tensor; fdp reduces sparse gradients of 2-D leaves "
-                "(embedding tables)"
+                f"{leaf.dim()}-D tensor{'' if self.sparse_ok else ' inside a torch.func transform'}"
+                "; fdp reduces sparse gradients of 2-D leaves (embedding tables) with "
+                "ddp(params) called outside torch.func transforms"
             )
         self.used.add(i)
         kept = self.sparse.get(i)
@@ -565,7 +568,10 @@ class Reducer:
         if self.open is not None and not _compat.in_backward():
             self.open = None  # an earlier backward failed before its end: start afresh
         hooked = hooked_leaves(self.reduction.layout, leaves)
-        call = _Call(self, leaves, hooked, prescale, always_count)
+        # A custom Function cannot run with functorch's keys disabled; inside
+        # a transform of the inputs, sparse gradients are not passed on.
+        sparse_ok = not _compat.functorch_active()
+        call = _Call(self, leaves, hooked, prescale, always_count, sparse_ok)
         aliases: dict[int, torch.Tensor] = {}
         # Plain leaves, also inside a transform of the inputs (jvp, vmap):
         # their aliases belong to ordinary autograd, as the leaves do.
@@ -573,7 +579,7 @@ class Reducer:
             for i in hooked:
                 leaf = leaves[i]
                 alias: Any
-                if leaf.dim() == 2:  # an embedding table's shape: sparse gradients pass
+                if leaf.dim() == 2 and sparse_ok:  # an embedding table's shape
                     alias = _SparseAlias.apply(leaf)  # type: ignore[no-untyped-call]
                     _compat.run_early(alias)
                 else:
@@ -597,6 +603,7 @@ class Reducer:
                     self.reduction,
                     call.leaves,
                     call.hooked,
+                    sparse_ok=call.sparse_ok,
                     prescale=call.prescale,
                     always_count=call.always_count,
                     done=self._closed,
@@ -617,6 +624,7 @@ class _Call:
     hooked: list[int]
     prescale: float | None
     always_count: bool
+    sparse_ok: bool  # 2-D leaves' aliases pass sparse gradients on
 
     def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         return self.reducer.step(self).on_grad(i, grad)
