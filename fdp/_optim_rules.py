@@ -241,16 +241,9 @@ def adam(
         >>> params["w"]
         tensor([0.9000, 0.9000])
     """
-    torch_options("adam", torch_only, own=(*_ADAM_OWN, "decoupled_weight_decay"))
-    return Adam(
-        lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        decoupled=decoupled_weight_decay,
-        maximize=maximize,
-    )
+    own = (*_ADAM_OWN, "decoupled_weight_decay")
+    hyper = (lr, betas, eps, weight_decay, amsgrad)
+    return _adam("adam", own, torch_only, *hyper, decoupled_weight_decay, maximize)
 
 
 def adamw(
@@ -274,14 +267,31 @@ def adamw(
         >>> sorted(state)
         ['exp_avg', 'exp_avg_sq', 'step']
     """
-    torch_options("adamw", torch_only, own=_ADAM_OWN)
+    hyper = (lr, betas, eps, weight_decay, amsgrad)
+    return _adam("adamw", _ADAM_OWN, torch_only, *hyper, True, maximize)
+
+
+def _adam(
+    name: str,
+    own: tuple[str, ...],
+    torch_only: dict[str, Any],
+    lr: float | torch.Tensor,
+    betas: tuple[float | torch.Tensor, float | torch.Tensor],
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    decoupled: bool,
+    maximize: bool,
+) -> Adam:
+    """:func:`adam` and :func:`adamw`: torch's other options checked, then the optimizer."""
+    torch_options(name, torch_only, own=own)
     return Adam(
         lr,
         betas=betas,
         eps=eps,
         weight_decay=weight_decay,
         amsgrad=amsgrad,
-        decoupled=True,
+        decoupled=decoupled,
         maximize=maximize,
     )
 
