@@ -32,8 +32,9 @@ from fdp import (
 )
 from fdp._collectives import tensor_leaves
 from fdp._comm_hooks import CommHook
+from fdp._ddp_arming import Reducer, hooked_leaves
 from fdp._ddp_join import Joiner
-from fdp._ddp_reducer import Reducer, Reduction, hooked_leaves
+from fdp._ddp_reducer import Reduction
 from fdp._groups import ProcessGroup
 
 __all__ = ["DistributedDataParallel"]

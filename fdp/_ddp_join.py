@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from fdp import _bucket, _compat, _groups
 from fdp._ddp_buffers import Buffers
-from fdp._ddp_reducer import empty_sparse
+from fdp._ddp_sparse import empty_sparse
 from fdp._groups import ProcessGroup
 from fdp._training import ALONE, TRAINING, Group, Training
 

@@ -1,26 +1,11 @@
 """The per-step gradient reduction behind ``DistributedDataParallel``.
 
-What arms a reduction: ``ddp(params)`` returns, for each leaf that requires
-grad, a fresh alias on the leaf's memory (``_compat.early_alias``) and registers a gradient hook on
-it (:class:`Reducer`). Every backward that passes through a call's output
-runs those hooks, and so is reduced, once per backward: one :class:`Step`
-lives from the first hook of a backward to the end of that backward. A
-backward that does not pass through one (a local backward on ``params``
-itself, torch's backward through ``ddp.module``) runs no hook and issues no
-collective. A call's output reused for several backwards (``retain_graph``,
-``p = ddp(params)`` kept across steps, several forwards then several
-backwards) is reduced in each of them, as torch's DDP does.
-
-Note: why the alias's node is given the top priority. The engine runs the
-ready node created last first; an alias made before the model's forward
-would run only when backward ends, and every bucket would launch then. Given
-a sequence number just below the leaves' own (``_compat.early_alias``), each
-alias's node runs, and its hook packs the gradient, as soon as the gradient
-is complete, which is what lets a bucket's all-reduce start while the rest
-of backward is still running. Each hook copies its gradient into its
-bucket's flat buffer; a full bucket is launched once every earlier bucket
-has been, so every rank issues the same collectives in the same order. A
-callback queued on the engine runs when backward ends: it launches what is
+One :class:`Step` lives from the first hook of a backward that passes
+through a ``ddp(params)`` output to the end of that backward
+(``fdp/_ddp_arming.py`` says what arms it). Each hook copies its gradient
+into its bucket's flat buffer; a full bucket is launched once every earlier
+bucket has been, so every rank issues the same collectives in the same
+order. A callback queued on the engine runs when backward ends: it launches what is
 left (leaves nobody used count as zero), waits, and hands the reduced
 gradients out:
 
@@ -42,7 +27,6 @@ disabled: the c10d ops are differentiable and would otherwise be recorded
 from __future__ import annotations
 
 import enum
-import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +38,7 @@ import torch.distributed as dist
 from fdp import _comm_hooks, _compat, _transforms
 from fdp._bucket import Layout
 from fdp._comm_hooks import CommHook, GradBucket
+from fdp._ddp_sparse import empty_sparse, reduce_sparse
 
 
 @dataclass(frozen=True)
@@ -503,152 +488,6 @@ class Step:
                 )
             elif count > 0:
                 self.leaves[i].grad = self._view(i)
-
-
-def reduce_sparse(
-    leaf: torch.Tensor,
-    kept: torch.Tensor | None,
-    scale: float,
-    group: dist.ProcessGroup | None,
-) -> torch.Tensor:
-    """``leaf.grad`` plus ``kept``, as a sparse tensor, summed over ranks, times ``scale``.
-
-    A call every rank makes, in the same order, for each leaf any rank
-    flagged sparse (a rank without such a gradient, and ``join``'s ranks
-    that left, with an empty one).
-    """
-    grad = empty_sparse(leaf.shape, leaf.dtype, leaf.device)
-    for part in (leaf.grad, kept):
-        if part is not None:
-            grad = grad + (part if part.is_sparse else part.to_sparse(sparse_dim=1))
-    grad = grad.coalesce()
-    dist.all_reduce(grad, group=group)
-    return grad.mul_(scale)
-
-
-def empty_sparse(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A sparse COO tensor of ``shape`` with no element (sparse in the first dimension)."""
-    indices = torch.zeros(1, 0, dtype=torch.long, device=device)
-    values = torch.zeros(0, *shape[1:], dtype=dtype, device=device)
-    return torch.sparse_coo_tensor(indices, values, shape).coalesce()
-
-
-def hooked_leaves(layout: Layout, leaves: list[Any]) -> list[int]:
-    """The leaves a step reduces: in buckets, requiring grad, each tensor once (tied weights).
-
-    A tensor at several leaves gets one alias and one hook; its other leaves
-    reduce zeros and get the same ``.grad``.
-    """
-    seen: set[int] = set()
-    out = []
-    for bucket in layout.buckets:
-        for i in bucket.indices:
-            leaf = leaves[i]
-            if leaf.requires_grad and id(leaf) not in seen:
-                seen.add(id(leaf))
-                out.append(i)
-    return out
-
-
-class Reducer:
-    """Arms ``ddp(params)`` calls; each backward through an armed output is reduced once.
-
-    ``open`` is the step of the backward running now (None between
-    backwards). A step belongs to the outermost backward: hooks that run in a
-    nested backward (reentrant activation checkpointing) join it.
-    """
-
-    def __init__(self, reduction: Reduction) -> None:
-        self.reduction = reduction
-        self.open: Step | None = None
-        self.lock = threading.Lock()
-
-    def arm(self, leaves: list[Any], *, prescale: float | None, always_count: bool) -> list[Any]:
-        """``leaves`` with an armed alias in place of each leaf a backward reduces."""
-        if self.open is not None and not _compat.in_backward():
-            self.open = None  # an earlier backward failed before its end: start afresh
-        hooked = hooked_leaves(self.reduction.layout, leaves)
-        # A custom Function cannot run with functorch's keys disabled; inside
-        # a transform of the inputs, sparse gradients are not passed on.
-        sparse_ok = not _compat.functorch_active()
-        call = _Call(self, leaves, hooked, prescale, always_count, sparse_ok)
-        aliases: dict[int, torch.Tensor] = {}
-        # Plain leaves, also inside a transform of the inputs (jvp, vmap):
-        # their aliases belong to ordinary autograd, as the leaves do.
-        with _compat.functorch_disabled():
-            for i in hooked:
-                leaf = leaves[i]
-                alias: Any
-                if leaf.dim() == 2 and sparse_ok:  # an embedding table's shape
-                    alias = _SparseAlias.apply(leaf)  # type: ignore[no-untyped-call]
-                    _compat.run_early(alias)
-                else:
-                    alias = _compat.early_alias(leaf)
-                # The hook holds the call (the leaves), never the alias: a
-                # reference from the node's hook back to its own output would
-                # be a cycle through C++ that Python's collector cannot free.
-                alias.register_hook(functools.partial(call.on_grad, i))
-                aliases[id(leaf)] = alias
-        out = list(leaves)
-        for i in self.reduction.layout.where:  # tied leaves share one alias
-            shared = aliases.get(id(leaves[i]))
-            if shared is not None:
-                out[i] = shared
-        return out
-
-    def step(self, call: _Call) -> Step:
-        with self.lock:
-            if self.open is None:
-                self.open = Step(
-                    self.reduction,
-                    call.leaves,
-                    call.hooked,
-                    sparse_ok=call.sparse_ok,
-                    prescale=call.prescale,
-                    always_count=call.always_count,
-                    done=self._closed,
-                )
-            return self.open
-
-    def _closed(self, step: Step) -> None:
-        if self.open is step:
-            self.open = None
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One ``ddp(params)`` call's leaves and options, held by its aliases' hooks."""
-
-    reducer: Reducer
-    leaves: list[Any]
-    hooked: list[int]
-    prescale: float | None
-    always_count: bool
-    sparse_ok: bool  # 2-D leaves' aliases pass sparse gradients on
-
-    def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
-        return self.reducer.step(self).on_grad(i, grad)
-
-
-class _SparseAlias(torch.autograd.Function):
-    """An alias of a leaf (its memory, not an autograd view) whose node passes any gradient on.
-
-    For 2-D leaves, which may get sparse gradients (embedding tables); the
-    others take the cheaper ``_compat.early_alias``, whose node reshapes its
-    gradient (sparse tensors refuse that).
-    """
-
-    @staticmethod
-    def forward(leaf: torch.Tensor) -> torch.Tensor:
-        return leaf.detach()
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.set_materialize_grads(False)  # an undefined gradient stays undefined
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor | None) -> torch.Tensor | None:
-        return grad
 
 
 def _pack_old(view: torch.Tensor, old: torch.Tensor | None, scale: float) -> None:

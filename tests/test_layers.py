@@ -42,7 +42,15 @@ BLOCKS = {
     "_training",
     "_collectives",
 }
-DDP = {"_ddp", "_ddp_reducer", "_ddp_traced", "_ddp_buffers", "_ddp_join"}
+DDP = {
+    "_ddp",
+    "_ddp_arming",
+    "_ddp_reducer",
+    "_ddp_sparse",
+    "_ddp_traced",
+    "_ddp_buffers",
+    "_ddp_join",
+}
 SHARDING = {
     "_zero",
     "_zero_comm",
