@@ -1011,6 +1011,12 @@ def _leaves_a_unit_unused(rank: int, size: int, how: str, grads_of: str) -> Any:
     if grads_of == "backward":
         torch.autograd.backward(loss(shards))
         grads = {k: tuple(t.grad for t in ts) for k, ts in shards.items()}
+    elif grads_of == "autograd_grad":
+        trained = [t for ts in shards.values() for t in ts if t.requires_grad]
+        got = iter(torch.autograd.grad(loss(shards), trained))
+        grads = {
+            k: tuple(next(got) if t.requires_grad else None for t in ts) for k, ts in shards.items()
+        }
     else:
         grads = torch.func.grad(loss)(_detached(shards))
     pairs = {k: zip(gs, shards[k], strict=True) for k, gs in grads.items()}
@@ -1019,7 +1025,7 @@ def _leaves_a_unit_unused(rank: int, size: int, how: str, grads_of: str) -> Any:
     )
 
 
-@pytest.mark.parametrize("grads_of", ["backward", "func_grad"])
+@pytest.mark.parametrize("grads_of", ["backward", "autograd_grad", "func_grad"])
 @pytest.mark.parametrize("how", ["ignored", "applied_and_discarded"])
 def test_a_unit_one_rank_leaves_unused_is_reduced_on_every_rank(how: str, grads_of: str) -> None:
     # Before: a wrong shard gradient on rank 0 (0.43 off), a hang on rank 1.
