@@ -229,12 +229,11 @@ class Step:
                 "loss.backward() (the reduced sparse gradient lands in .grad)"
             )
         leaf = self.leaves[i]
-        if leaf.dim() != 2 or not self.sparse_ok:
+        if not self.sparse_ok:
             raise RuntimeError(
-                f"fdp.DistributedDataParallel: {where} got a sparse gradient for a "
-                f"{leaf.dim()}-D tensor{'' if self.sparse_ok else ' inside a torch.func transform'}"
-                "; fdp reduces sparse gradients of 2-D leaves (embedding tables) with "
-                "ddp(params) called outside torch.func transforms"
+                f"fdp.DistributedDataParallel: {where} got a sparse gradient with "
+                "ddp(params) called inside a torch.func transform; call ddp(params) "
+                "outside the transform, or use dense gradients (sparse=False)"
             )
         self.used.add(i)
         kept = self.sparse.get(i)
