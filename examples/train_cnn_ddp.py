@@ -20,33 +20,32 @@ their statistics over the ranks still training.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 import time
 from typing import Any
 
+import common
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
-from train_digits import load_data, save_plot
+from train_digits import load_data
 
 import fdp
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser = common.parser(__doc__, "cnn_ddp")
+    parser.add_argument("--epochs", type=int, default=15, help="passes over the training set")
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="global batch; each rank takes 1/world of it"
+    )
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     parser.add_argument(
         "--skew", type=float, default=0.7, help="rank 0's share of the training set (2 ranks)"
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default=None, help="write the loss curve to this PNG")
-    parser.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
+    parser.add_argument("--seed", type=int, default=0, help="data split, initialisation")
+    common.add_launch_args(parser)
     parser.add_argument(
         "--min-accuracy", type=float, default=0.9, help="exit 1 below this test accuracy"
     )
@@ -82,18 +81,7 @@ def shard_bounds(n: int, rank: int, world: int, skew: float) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if "RANK" not in os.environ:
-        sys.exit("launch with torchrun, e.g. torchrun --standalone --nproc_per_node=2 " + __file__)
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    dist.init_process_group(
-        args.backend or ("nccl" if cuda else "gloo"), timeout=datetime.timedelta(seconds=120)
-    )
+    device = common.launch(args, __file__)
     try:
         return train(args, device)
     finally:
@@ -114,23 +102,23 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     ddp = fdp.DistributedDataParallel(state)  # broadcast_buffers=True: rank 0's statistics
     params = [t for t in state.values() if t.requires_grad]
     optimizer = torch.optim.Adam(params, lr=args.lr)
-    batches = [len(range(0, len(x), args.batch_size)) for x in _all_shards(x_train, world, args)]
-    if rank == 0:
-        print(
-            f"digits: {len(x_train)} train / {len(x_test)} test images, {world} ranks "
-            f"({dist.get_backend()}, {device.type}); batches per epoch by rank: {batches}"
-        )
+    local = max(1, args.batch_size // world)  # this rank's part of the global batch
+    batches = [len(range(0, len(x), local)) for x in _all_shards(x_train, world, args)]
+    common.log(
+        f"digits: {len(x_train)} train / {len(x_test)} test images, {world} ranks "
+        f"({dist.get_backend()}, {device}); batches per epoch by rank: {batches}"
+    )
 
     began = time.perf_counter()
-    bar: tqdm[int] = tqdm(range(args.epochs), desc="training", unit="epoch", disable=rank != 0)
+    progress = common.Progress(range(args.epochs), unit="epoch")
     losses: list[float] = []
-    for epoch in bar:
+    for epoch in progress:
         net.train()
         order = torch.randperm(len(x_mine), generator=torch.Generator().manual_seed(epoch))
         loss_sum = torch.zeros((), device=device)
         with ddp.join():  # this rank's number of batches differs from the others'
-            for i in range(0, len(order), args.batch_size):
-                idx = order[i : i + args.batch_size].to(device)
+            for i in range(0, len(order), local):
+                idx = order[i : i + local].to(device)
                 loss = F.cross_entropy(fn(ddp(state), x_mine[idx]), y_mine[idx])
                 optimizer.zero_grad(set_to_none=True)
                 torch.autograd.backward(loss)
@@ -138,12 +126,14 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
                 loss_sum += loss.detach() * len(idx)
         dist.all_reduce(loss_sum)
         losses.append(float(loss_sum) / len(x_train))
-        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        progress.step(len(x_train))  # every rank's shard, once
+        progress.show(loss=losses[-1])
     elapsed = time.perf_counter() - began
     if args.plot and rank == 0:
-        save_plot(losses, args.plot, title=f"conv net, sync batch norm, {world} ranks in join")
-        print(f"loss curve written to {args.plot}")
-    return report(args, net, fn, state, (x_test, y_test), elapsed)
+        title = f"conv net, sync batch norm, {world} ranks in join"
+        common.save_plot(losses, args.plot, title=title)
+    common.log(f"trained {args.epochs} epochs in {elapsed:.1f} s ({progress.rate:.0f} samples/s)")
+    return report(args, net, fn, state, (x_test, y_test))
 
 
 def _all_shards(x: torch.Tensor, world: int, args: argparse.Namespace) -> list[torch.Tensor]:
@@ -156,7 +146,6 @@ def report(
     fn: Any,
     state: dict[str, torch.Tensor],
     test: tuple[torch.Tensor, torch.Tensor],
-    elapsed: float,
 ) -> int:
     """Checks that every rank holds the same parameters and buffers; prints test accuracy."""
     rank = dist.get_rank()
@@ -168,14 +157,12 @@ def report(
     net.eval()  # running statistics from here on
     with torch.no_grad():
         test_acc = float((fn(state, test[0]).argmax(1) == test[1]).float().mean())
-    if rank == 0:
-        print(f"trained {args.epochs} epochs in {elapsed:.1f} s; test accuracy {test_acc:.4f}")
+    common.log(f"test accuracy {test_acc:.4f}")
     if not in_sync:
         print(f"rank {rank}: parameters or buffers differ from rank 0's")
         return 1
     if test_acc < args.min_accuracy:
-        if rank == 0:
-            print(f"test accuracy {test_acc:.4f} is below --min-accuracy {args.min_accuracy}")
+        common.log(f"test accuracy {test_acc:.4f} is below --min-accuracy {args.min_accuracy}")
         return 1
     return 0
 

@@ -6,7 +6,7 @@ replicas concurrently, gathers the logits and sums the replicas' gradients
 back onto the parameters, where a stock ``torch.optim`` optimiser updates them.
 
     python examples/train_digits.py                       # two CPU replicas
-    python examples/train_digits.py --devices cuda:0,cuda:1 --plot loss.png
+    python examples/train_digits.py --devices cuda:0,cuda:1 --plot  # runs/digits/loss.png
     python examples/train_digits.py --compile             # torch.compile'd loss
 """
 
@@ -16,12 +16,11 @@ import argparse
 import itertools
 import sys
 import time
-from typing import Any
 
+import common
 import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
-from tqdm import tqdm
 
 import fdp
 
@@ -77,14 +76,9 @@ def accuracy(params: Params, x: torch.Tensor, y: torch.Tensor, devices: list[str
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__, "digits")
     parser.add_argument("--devices", default="cpu,cpu", help="comma-separated, e.g. cuda:0,cuda:1")
-    parser.add_argument("--epochs", type=int, default=40)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default=None, help="write the loss curve to this PNG")
+    common.add_digits_args(parser, batch="global batch, split over the replicas")
     parser.add_argument(
         "--compile",
         action="store_true",
@@ -119,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     loss_fn = torch.compile(replicated_loss) if args.compile else replicated_loss
     losses: list[float] = []
     start = time.perf_counter()
-    bar: tqdm[int] = tqdm(range(args.epochs), desc="training", unit="epoch")
-    for _epoch in bar:
+    progress = common.Progress(range(args.epochs), unit="epoch")
+    for _epoch in progress:
         order = torch.randperm(len(x_train))
         epoch_loss = 0.0
         for i in range(0, len(order), args.batch_size):
@@ -130,41 +124,25 @@ def main(argv: list[str] | None = None) -> int:
             torch.autograd.backward(loss)
             optimizer.step()
             epoch_loss += float(loss.detach()) * len(idx)
+            progress.step(len(idx))
         losses.append(epoch_loss / len(order))
-        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        progress.show(loss=losses[-1])
     elapsed = time.perf_counter() - start
 
     test_acc = accuracy(params, x_test, y_test, devices)
     train_acc = accuracy(params, x_train, y_train, devices)
-    print(f"trained {args.epochs} epochs in {elapsed:.1f} s; final loss {losses[-1]:.4f}")
+    print(
+        f"trained {args.epochs} epochs in {elapsed:.1f} s ({progress.rate:.0f} samples/s); "
+        f"final epoch's mean loss {losses[-1]:.4f}"
+    )
     print(f"train accuracy {train_acc:.4f}")
     print(f"test accuracy {test_acc:.4f}")
     if args.plot:
-        save_plot(losses, args.plot, title="fdp.data_parallel on digits")
-        print(f"loss curve written to {args.plot}")
+        common.save_plot(losses, args.plot, title="fdp.data_parallel on digits")
     if test_acc < args.min_accuracy:
         print(f"test accuracy {test_acc:.4f} is below --min-accuracy {args.min_accuracy}")
         return 1
     return 0
-
-
-def save_plot(losses: list[float], path: str, *, title: str, first_epoch: int = 1) -> None:
-    """Writes the per-epoch training loss to a PNG (every digits example's ``--plot``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig: Any
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(range(first_epoch, first_epoch + len(losses)), losses)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("training loss (cross-entropy)")
-    ax.set_yscale("log")
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -9,40 +9,30 @@ backward, bucket by bucket, so every rank takes the same optimiser step.
     torchrun --standalone --nproc_per_node=2 examples/train_digits_ddp.py --compile
     torchrun --standalone --nproc_per_node=2 examples/train_digits_ddp.py --powersgd
 
-On CUDA machines each rank drives the GPU ``LOCAL_RANK`` over NCCL; across
-machines, run on every node (with the node's rank and a reachable host):
-
-    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 \\
-        --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 examples/train_digits_ddp.py
+With ``--backend nccl`` each rank drives the GPU ``LOCAL_RANK``. Several
+machines, SLURM and restarts after a lost worker: docs/launch.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 import time
 
+import common
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
-from tqdm import tqdm
-from train_digits import Params, init_params, load_data, mlp, save_plot
+from train_digits import Params, init_params, load_data, mlp
 
 import fdp
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=40)
-    parser.add_argument("--batch-size", type=int, default=128, help="global, over all ranks")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default=None, help="write the loss curve to this PNG")
-    parser.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
+    parser = common.parser(__doc__, "digits_ddp")
+    common.add_digits_args(parser, batch="global batch, split over the ranks")
+    common.add_launch_args(parser)
     parser.add_argument(
         "--compile",
         action="store_true",
@@ -66,19 +56,7 @@ def accuracy(params: Params, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if "RANK" not in os.environ:
-        sys.exit("launch with torchrun, e.g. torchrun --standalone --nproc_per_node=2 " + __file__)
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
-        # The ranks share the machine's cores.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    dist.init_process_group(
-        args.backend or ("nccl" if cuda else "gloo"), timeout=datetime.timedelta(seconds=120)
-    )
+    device = common.launch(args, __file__)
     try:
         return train(args, device)
     finally:
@@ -103,11 +81,10 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
     leaves = [t for layer in params["layers"] for t in layer.values()]
     optimizer = torch.optim.Adam(leaves, lr=args.lr)
-    if rank == 0:
-        print(
-            f"digits: {len(x_train)} train / {len(x_test)} test images, {world} ranks "
-            f"({dist.get_backend()}, {device.type}), {len(ddp.buckets)} gradient buckets"
-        )
+    common.log(
+        f"digits: {len(x_train)} train / {len(x_test)} test images, {world} ranks "
+        f"({dist.get_backend()}, {device}), {len(ddp.buckets)} gradient buckets"
+    )
 
     def ddp_loss(p: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(mlp(ddp(p), x), y)
@@ -119,10 +96,10 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     options = fdp.overlap_options()
     loss_fn = torch.compile(ddp_loss, fullgraph=True, options=options) if args.compile else ddp_loss
     start = time.perf_counter()
-    bar: tqdm[int] = tqdm(range(args.epochs), desc="training", unit="epoch", disable=rank != 0)
+    progress = common.Progress(range(args.epochs), unit="epoch")
     loss_sum = torch.zeros((), device=device)
     losses: list[float] = []
-    for epoch in bar:
+    for epoch in progress:
         # Every rank draws the same order and takes every world-th sample of each batch.
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
         loss_sum.zero_()
@@ -133,9 +110,10 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
             torch.autograd.backward(loss)  # grads averaged over ranks here
             optimizer.step()
             loss_sum += loss.detach() * len(idx)
+            progress.step(len(order[i : i + args.batch_size]))  # the global batch
         dist.all_reduce(loss_sum)
         losses.append(float(loss_sum) / len(order))
-        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        progress.show(loss=losses[-1])
     elapsed = time.perf_counter() - start
 
     # Every rank took the same steps: check that the parameters agree.
@@ -144,20 +122,20 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     dist.broadcast(reference, src=0)
     in_sync = bool(torch.equal(checksum, reference))
     test_acc = accuracy(params, x_test, y_test)
-    if rank == 0:
-        print(f"trained {args.epochs} epochs in {elapsed:.1f} s; final loss "
-              f"{float(loss_sum) / len(x_train):.4f}")  # fmt: skip
-        print(f"train accuracy {accuracy(params, x_train, y_train):.4f}")
-        print(f"test accuracy {test_acc:.4f}")
-        if args.plot:
-            save_plot(losses, args.plot, title=f"fdp.DistributedDataParallel, {world} ranks")
-            print(f"loss curve written to {args.plot}")
+    train_acc = accuracy(params, x_train, y_train)
+    common.log(
+        f"trained {args.epochs} epochs in {elapsed:.1f} s ({progress.rate:.0f} samples/s); "
+        f"final epoch's mean loss {losses[-1]:.4f}"
+    )
+    common.log(f"train accuracy {train_acc:.4f}")
+    common.log(f"test accuracy {test_acc:.4f}")
+    if args.plot and rank == 0:
+        common.save_plot(losses, args.plot, title=f"fdp.DistributedDataParallel, {world} ranks")
     if not in_sync:
         print(f"rank {rank}: parameters differ from rank 0's")
         return 1
     if test_acc < args.min_accuracy:
-        if rank == 0:
-            print(f"test accuracy {test_acc:.4f} is below --min-accuracy {args.min_accuracy}")
+        common.log(f"test accuracy {test_acc:.4f} is below --min-accuracy {args.min_accuracy}")
         return 1
     return 0
 

@@ -10,27 +10,25 @@ reduce-scattered in float32 and clipped by their global norm. Every
 ``--checkpoint-every`` steps the shards, the AdamW state and the step are
 saved (``fdp.save_checkpoint``); ``--resume`` continues from the newest
 complete checkpoint, on any number of ranks. The last line printed is one
-JSON object: the final loss (the mean of the last 10 steps'), the loss it
-must beat, this rank's shard bytes against the whole model's, and the
-process's peak resident memory (``ru_maxrss``, the torch runtime included;
-docs/fsdp.md has the allocator-level comparison with DDP and torch).
+JSON object, described where it is printed (``summary``).
 
-    torchrun --standalone --nproc_per_node=2 examples/train_lm_fsdp.py
+    torchrun --standalone --nproc_per_node=2 examples/train_lm_fsdp.py --plot
     torchrun --standalone --nproc_per_node=2 examples/train_lm_fsdp.py --resume --steps 300
+    torchrun --standalone --nproc_per_node=2 --max-restarts=3 examples/train_lm_fsdp.py --resume
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
 import resource
 import sys
-from pathlib import Path
+import time
 from typing import Any
 
+import common
+import optree
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -92,50 +90,43 @@ def attention_block(p: dict[str, torch.Tensor], h: torch.Tensor, heads: int) -> 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--batch-size", type=int, default=32, help="global, over all ranks")
-    parser.add_argument("--context", type=int, default=48)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--max-norm", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints/lm_fsdp"))
-    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps")
-    parser.add_argument("--resume", action="store_true", help="from the newest checkpoint")
+    parser = common.parser(__doc__, "lm_fsdp")
+    parser.add_argument("--steps", type=int, default=150, help="train until this step")
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="global batch of sequences, split over ranks"
+    )
+    parser.add_argument("--context", type=int, default=48, help="sequence length, characters")
+    parser.add_argument("--dim", type=int, default=64, help="model width")
+    parser.add_argument("--blocks", type=int, default=8, help="transformer blocks")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping norm")
+    parser.add_argument("--seed", type=int, default=0, help="text, initialisation, batches")
+    common.add_checkpoint_args(parser, "lm_fsdp", every=50)
     parser.add_argument(
         "--loss-threshold", type=float, default=None,
-        help="exit 1 unless the final loss is below this (default: half of log(vocab))",
+        help="exit 1 unless the final loss is below this (None: half of log(vocab))",
     )  # fmt: skip
+    common.add_launch_args(parser)
     return parser.parse_args(argv)
-
-
-def latest(directory: Path) -> Path | None:
-    """The newest complete checkpoint: DCP writes ``.metadata`` last."""
-    done = [p for p in directory.glob("step_*") if (p / ".metadata").exists()]
-    return max(done, key=lambda p: int(p.name.removeprefix("step_")), default=None)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if "RANK" not in os.environ:
-        sys.exit("launch with torchrun, e.g. torchrun --standalone --nproc_per_node=2 " + __file__)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    device = common.launch(args, __file__)
     try:
-        return train(args)
+        return train(args, device)
     finally:
         dist.destroy_process_group()
 
 
-def train(args: argparse.Namespace) -> int:
-    rank, world = dist.get_rank(), dist.get_world_size()
+def train(args: argparse.Namespace, device: torch.device) -> int:
+    world = dist.get_world_size()
     text = make_text(4000, args.seed)
     chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text])
+    data = torch.tensor([chars.index(c) for c in text], device=device)
     params = init_params(len(chars), args.dim, args.blocks, args.context, args.seed)
+    params = optree.tree_map(lambda t: t.to(device), params)  # type: ignore[arg-type,assignment]
     fsdp = fdp.FullyShardedDataParallel(
         params, param_dtype=torch.bfloat16, reduce_dtype=torch.float32
     )
@@ -144,7 +135,7 @@ def train(args: argparse.Namespace) -> int:
     total_bytes = sum(t.numel() * t.element_size() for t in _leaves(params))
     del params  # each rank keeps its shards only
     state: dict[str, Any] = {"shards": shards, "opt": opt.init(shards), "step": 0}
-    found = latest(args.checkpoint_dir) if args.resume else None
+    found = common.resume_from(args)
     if found is not None:
         like = {"shards": fsdp.to_checkpoint(shards), "opt": fsdp.to_checkpoint(state["opt"])}
         loaded = fdp.load_checkpoint(found, {**like, "step": 0})
@@ -153,26 +144,54 @@ def train(args: argparse.Namespace) -> int:
             "opt": fsdp.from_checkpoint(loaded["opt"]),
             "step": loaded["step"],
         }
-    if rank == 0:
-        print(
-            f"lm: {world} ranks, {len(fsdp.units)} units, {total_bytes / 1e3:.0f} kB of "
-            f"parameters, vocab {len(chars)}"
-            + (f"; resumed from {found} (step {state['step']})" if found else "")
-        )
-    final = run(args, fsdp, opt, state, data)
-    threshold = args.loss_threshold or 0.5 * math.log(len(chars))
+    common.log(
+        f"lm: {world} ranks ({dist.get_backend()}, {device}), {len(fsdp.units)} units, "
+        f"{total_bytes / 1e3:.0f} kB of parameters, vocab {len(chars)}; step {state['step']}"
+    )
+    first, began = state["step"] + 1, time.perf_counter()
+    losses = run(args, fsdp, opt, state, data)
+    elapsed = time.perf_counter() - began
+    common.log(f"trained {len(losses)} steps in {elapsed:.1f} s")
+    if args.plot and dist.get_rank() == 0 and losses:
+        title = f"character LM, fdp.FullyShardedDataParallel, {world} ranks"
+        common.save_plot(losses, args.plot, title=title, xlabel="step", first=first)
+    return summary(args, state, losses, total_bytes, len(chars))
+
+
+def summary(
+    args: argparse.Namespace, state: dict[str, Any], losses: list[float], total: int, vocab: int
+) -> int:
+    """Prints the run's figures as one JSON line (rank 0); 0 if the loss beat the threshold.
+
+    - ``final_loss``: the mean over ranks and over the last 10 steps of the
+      training loss (nats per character; the batches are fresh text, so it
+      also estimates the loss on unseen text). A model that has learnt
+      nothing scores about ``log(vocab)``; the run passes below
+      ``loss_threshold`` (``--loss-threshold``, default half of that).
+    - ``param_bytes_per_rank`` / ``param_bytes_total``: rank 0's parameter
+      shards against the whole float32 model (about 1/world of it).
+    - ``peak_rss_bytes_rank0``: rank 0's peak resident set size
+      (``ru_maxrss``): the whole process, the torch runtime and the data
+      included, so it says little about sharding; docs/fsdp.md compares
+      allocator-level peaks with DDP and torch's ``fully_shard``.
+    """
+    final = sum(losses[-10:]) / len(losses[-10:]) if losses else float("nan")
+    threshold = args.loss_threshold or 0.5 * math.log(vocab)
     shard_bytes = sum(t.numel() * t.element_size() for ts in state["shards"].values() for t in ts)
     report = {
         "final_loss": round(final, 4),
         "loss_threshold": round(threshold, 4),
         "param_bytes_per_rank": shard_bytes,
-        "param_bytes_total": total_bytes,
-        "peak_bytes_per_rank": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "world_size": world,
+        "param_bytes_total": total,
+        "peak_rss_bytes_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "world_size": dist.get_world_size(),
         "steps": state["step"],
     }
-    if rank == 0:
-        print(json.dumps(report))
+    common.log(
+        f"final loss {final:.4f}: the last 10 steps' mean training loss, nats per character "
+        f"(chance: log(vocab) = {math.log(vocab):.2f}; must be below {threshold:.2f})"
+    )
+    common.log(json.dumps(report))
     return 0 if final < threshold else 1
 
 
@@ -182,12 +201,13 @@ def run(
     opt: Any,
     state: dict[str, Any],
     data: torch.Tensor,
-) -> float:
-    """Trains from ``state["step"]`` to ``--steps``; returns the last steps' mean loss."""
+) -> list[float]:
+    """Trains from ``state["step"]`` to ``--steps``; returns each step's loss (mean over ranks)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = args.batch_size // world
-    recent: list[float] = []
-    while state["step"] < args.steps:
+    losses: list[float] = []
+    progress = common.Progress(range(state["step"], args.steps), unit="step")
+    for _ in progress:
         g = torch.Generator().manual_seed(args.seed * 100_003 + state["step"])
         starts = torch.randint(len(data) - args.context - 1, (args.batch_size,), generator=g)
         mine = starts[rank * per_rank : (rank + 1) * per_rank]
@@ -206,12 +226,12 @@ def run(
         state["step"] += 1
         total = loss.detach().clone()
         dist.all_reduce(total)
-        recent = [*recent, float(total) / world][-10:]
-        if rank == 0 and state["step"] % 25 == 0:
-            print(f"step {state['step']}: loss {recent[-1]:.4f}")
+        losses.append(float(total) / world)
+        progress.step(per_rank * world)
+        progress.show(loss=losses[-1])
         if state["step"] % args.checkpoint_every == 0 or state["step"] == args.steps:
             save(args, fsdp, state)
-    return sum(recent) / max(1, len(recent)) if recent else float("nan")
+    return losses
 
 
 def lm_loss(
@@ -242,11 +262,13 @@ def save(
         "opt": fsdp.to_checkpoint(state["opt"]),
         "step": state["step"],
     }
-    fdp.save_checkpoint(args.checkpoint_dir / f"step_{state['step']}", checkpoint)
+    path = args.checkpoint_dir / f"step_{state['step']}"
+    fdp.save_checkpoint(path, checkpoint)
+    common.log(f"checkpoint written: {path}")
 
 
 def _leaves(tree: Any) -> list[torch.Tensor]:
-    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 if __name__ == "__main__":

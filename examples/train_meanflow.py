@@ -16,24 +16,23 @@ held-out data (next to the MMD of the noise and of a second data sample),
 checks it against ``--max-mmd``, checks every rank holds the same parameters
 and, with ``--plot``, draws the samples.
 
-    torchrun --standalone --nproc_per_node=2 examples/train_meanflow.py --plot meanflow.png
+    torchrun --standalone --nproc_per_node=2 examples/train_meanflow.py --plot
     torchrun --standalone --nproc_per_node=2 examples/train_meanflow.py --compile
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+import common
 import torch
 import torch.distributed as dist
 from sklearn.datasets import make_moons
-from tqdm import tqdm
 
 import fdp
 
@@ -41,13 +40,16 @@ Params = list[dict[str, torch.Tensor]]
 Velocity = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def init_params(hidden: int, *, generator: torch.Generator) -> Params:
-    """A 3-hidden-layer MLP on ``[z, t, t - r]``, He-initialised."""
+def init_params(
+    hidden: int, *, generator: torch.Generator, device: torch.device | str = "cpu"
+) -> Params:
+    """A 3-hidden-layer MLP on ``[z, t, t - r]``, He-initialised, on ``device``."""
     sizes = [4, hidden, hidden, hidden, 2]
     layers = []
     for fan_in, fan_out in itertools.pairwise(sizes):
         w = torch.randn(fan_in, fan_out, generator=generator) * (2.0 / fan_in) ** 0.5
-        layers.append({"w": w.requires_grad_(), "b": torch.zeros(fan_out, requires_grad=True)})
+        b = torch.zeros(fan_out)
+        layers.append({"w": w.to(device).requires_grad_(), "b": b.to(device).requires_grad_()})
     return layers
 
 
@@ -114,36 +116,35 @@ def load_data(n: int, seed: int) -> torch.Tensor:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--batch-size", type=int, default=512, help="global, over all ranks")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--hidden", type=int, default=128)
+    parser = common.parser(__doc__, "meanflow", plot="samples.png", what="one-step samples")
+    parser.add_argument("--steps", type=int, default=3000, help="optimizer steps")
+    parser.add_argument(
+        "--batch-size", type=int, default=512, help="global batch, split over the ranks"
+    )
+    parser.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (cosine)")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden layer width")
     parser.add_argument("--equal-fraction", type=float, default=0.5, help="share of r = t")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="data, initialisation, batches")
     parser.add_argument("--compile", action="store_true", help="torch.compile the loss (fullgraph)")
-    parser.add_argument("--plot", default=None, help="write one-step samples to this PNG")
     parser.add_argument("--max-mmd", type=float, default=0.03, help="exit 1 above this MMD")
+    common.add_launch_args(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if "RANK" not in os.environ:
-        sys.exit("launch with torchrun, e.g. torchrun --standalone --nproc_per_node=2 " + __file__)
-    # The ranks share the machine's cores.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    device = common.launch(args, __file__)
     try:
-        return train(args)
+        return train(args, device)
     finally:
         dist.destroy_process_group()
 
 
-def train(args: argparse.Namespace) -> int:
+def train(args: argparse.Namespace, device: torch.device) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     data = load_data(50_000, args.seed)
-    params = init_params(args.hidden, generator=torch.Generator().manual_seed(args.seed + rank))
+    generator = torch.Generator().manual_seed(args.seed + rank)
+    params = init_params(args.hidden, generator=generator, device=device)
     fdp.broadcast_params(params)  # every rank starts from rank 0's weights
     ddp = fdp.DistributedDataParallel(params)
 
@@ -159,27 +160,31 @@ def train(args: argparse.Namespace) -> int:
     local = args.batch_size // world
     # Each rank draws its own batches and noise: its share of the global batch.
     generator = torch.Generator().manual_seed(1000 + args.seed + rank)
-    if rank == 0:
-        buckets = len(ddp.buckets)
-        print(f"two moons, {world} ranks (gloo), global batch {local * world}, {buckets} buckets")
+    common.log(
+        f"two moons, {world} ranks ({dist.get_backend()}, {device}), global batch "
+        f"{local * world}, {len(ddp.buckets)} buckets"
+    )
     start = time.perf_counter()
-    bar: tqdm[int] = tqdm(range(args.steps), desc="training", unit="step", disable=rank != 0)
-    for step in bar:
+    progress = common.Progress(range(args.steps), unit="step")
+    for step in progress:
         x = data[torch.randint(len(data), (local,), generator=generator)]
         noise = torch.randn(x.shape, generator=generator)
         r, t = sample_times(local, equal_fraction=args.equal_fraction, generator=generator)
+        x, noise, r, t = (v.to(device) for v in (x, noise, r, t))
         loss = step_fn(params, x, noise, r, t)
         optimizer.zero_grad(set_to_none=True)
         torch.autograd.backward(loss)  # the gradient buckets are averaged over the ranks here
         optimizer.step()
         schedule.step()
-        if rank == 0 and step % 100 == 0:
-            bar.set_postfix(loss=f"{float(loss.detach()):.4f}")
+        progress.step(local * world)
+        if step % 100 == 99 or step == args.steps - 1:  # a host sync every 100 steps only
+            progress.show(loss=float(loss.detach()))  # rank 0's batch
     elapsed = time.perf_counter() - start
-    return report(args, params, elapsed)
+    common.log(f"trained {args.steps} steps in {elapsed:.1f} s ({progress.rate:.0f} samples/s)")
+    return report(args, params)
 
 
-def report(args: argparse.Namespace, params: Params, elapsed: float) -> int:
+def report(args: argparse.Namespace, params: Params) -> int:
     rank = dist.get_rank()
     leaves = [t.detach() for layer in params for t in layer.values()]
     reference = [t.clone() for t in leaves]
@@ -188,24 +193,22 @@ def report(args: argparse.Namespace, params: Params, elapsed: float) -> int:
     in_sync = all(torch.equal(a, b) for a, b in zip(leaves, reference, strict=True))
     held_out = load_data(2000, args.seed + 1)
     noise = torch.randn(2000, 2, generator=torch.Generator().manual_seed(args.seed + 2))
-    samples = one_step(params, noise)
+    on_cpu = [{k: t.detach().cpu() for k, t in layer.items()} for layer in params]
+    samples = one_step(on_cpu, noise)
     figures = {
         "one-step samples": mmd(samples, held_out),
         "noise (untrained)": mmd(noise, held_out),
         "second data sample": mmd(load_data(2000, args.seed + 3), held_out),
     }
-    if rank == 0:
-        print(f"trained {args.steps} steps in {elapsed:.1f} s")
-        for name, value in figures.items():
-            print(f"MMD^2 to held-out data, {name}: {value:.5f}")
-        if args.plot:
-            plot(args.plot, samples, held_out)
+    for name, value in figures.items():
+        common.log(f"MMD^2 to held-out data, {name}: {value:.5f}")
+    if args.plot and rank == 0:
+        plot(args.plot, samples, held_out)
     if not in_sync:
         print(f"rank {rank}: parameters differ from rank 0's")
         return 1
     if figures["one-step samples"] > args.max_mmd:
-        if rank == 0:
-            print(f"MMD^2 {figures['one-step samples']:.5f} is above --max-mmd {args.max_mmd}")
+        common.log(f"MMD^2 {figures['one-step samples']:.5f} is above --max-mmd {args.max_mmd}")
         return 1
     return 0
 
@@ -216,12 +219,14 @@ def plot(path: str, samples: torch.Tensor, data: torch.Tensor) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(8, 4), sharex=True, sharey=True)
     for ax, points, title in ((axes[0], data, "data"), (axes[1], samples, "one step")):
         ax.scatter(points[:, 0], points[:, 1], s=2, alpha=0.5)
         ax.set_title(title)
     fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+    plt.close(fig)
+    common.log(f"one-step samples written to {path}")
 
 
 if __name__ == "__main__":

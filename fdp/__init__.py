@@ -16,6 +16,7 @@ from fdp._ddp import DistributedDataParallel as DistributedDataParallel
 from fdp._ddp import overlap_options as overlap_options
 from fdp._fsdp import FullyShardedDataParallel as FullyShardedDataParallel
 from fdp._functional import make_functional as make_functional
+from fdp._launch import init_distributed as init_distributed
 from fdp._parallel_apply import parallel_apply as parallel_apply
 from fdp._replicate import replicate as replicate
 from fdp._scatter_gather import gather as gather
@@ -41,6 +42,7 @@ __all__ = [
     "data_parallel",
     "fp16_compress_hook",
     "gather",
+    "init_distributed",
     "load_checkpoint",
     "make_functional",
     "optim",

@@ -146,10 +146,11 @@ def torchrun(tmp: Path, out: str, *args: str) -> None:
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{ranks.free_port()}",
         "--monitor-interval=0.1", str(DRILL), "--dir", str(tmp / out), *args,
     ]  # fmt: skip
-    # torch 2.13 shares the rendezvous TCPStore with the workers' process group
-    # and keeps it across restarts: restarted gloo ranks read the dead ranks'
-    # addresses from it and fail to connect (pytorch/pytorch#135712).
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # The agent's TCPStore is shared with the workers and kept across the
+    # restart (pytorch/pytorch#135712); fdp.init_distributed gives the
+    # restarted group a fresh key space, so no environment variable is needed.
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests import ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,3 +35,146 @@ def test_cuda_devices_without_cuda_fail_with_fdps_device_error() -> None:
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ValueError: fdp.replicate: `devices[0]` is cuda:0 but CUDA is not")
     assert "AssertionError" not in done.stderr
+
+
+EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("train_*.py"))
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_help_shows_every_default(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit):
+        module.parse_args(["--help"])
+    text = capsys.readouterr().out
+    options = set(re.findall(r"\[(--[a-z-]+)", text.split("\n\n")[0]))  # the usage line
+    assert len(options) >= 3
+    assert text.count("(default:") == len(options), text
+
+
+def test_progress_writes_a_tenth_of_the_steps_into_a_log_file(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    common = importlib.import_module("common")
+    progress = common.Progress(range(5, 1000), unit="step")  # resumed at step 5
+    for _ in progress:
+        progress.step(8)
+        progress.show(loss=0.5)
+    lines = capsys.readouterr().out.splitlines()  # not a terminal: no bar
+    assert len(lines) == 11  # every 99 steps of 995, and the last
+    assert lines[0].startswith("step 104/1000: loss 0.5000, samples/s ")
+    assert lines[-1].startswith("step 1000/1000: loss 0.5000, samples/s ")
+
+
+# ---------------------------------------------------------------------------
+# Launching as users do: torchrun restarts after a lost worker, two agents as two nodes.
+
+KILL = ROOT / "tests" / "kill_after_checkpoint.py"
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+ZERO = ("examples/train_digits_zero.py", "--epochs", "3", "--checkpoint-every", "10")
+ZERO_ARGS = (*ZERO, "--min-accuracy", "0", "--resume")
+LM = ("examples/train_lm_fsdp.py", "--steps", "12", "--checkpoint-every", "5", "--resume")
+LM_ARGS = (*LM, "--dim", "32", "--blocks", "2", "--loss-threshold", "100")
+
+
+def torchrun(
+    directory: Path, script_args: tuple[str, ...], *, nodes: int = 1, kill: bool = False
+) -> str:
+    """Runs an example (2 ranks: 1 agent of 2, or 2 agents of 1) to its end; returns rank 0's log.
+
+    With ``kill``, rank 1 is SIGKILLed after its first checkpoint and torchrun
+    (``--max-restarts=1``) restarts the group, which resumes from it. Without
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE: the agent's store is shared, as by default.
+    """
+    entry = (str(KILL), "1") if kill else ()
+    script = (*entry, *script_args, "--checkpoint-dir", str(directory))
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env["OMP_NUM_THREADS"] = "1"
+    launch: list[tuple[str, ...]]
+    if nodes == 1:
+        launch = [(*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1")]
+    else:
+        endpoint = f"--rdzv-endpoint=127.0.0.1:{ranks.free_port()}"
+        node = (*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--max-restarts=1")
+        launch = [(*node, "--rdzv-backend=c10d", endpoint, "--rdzv-id=fdp-test")] * nodes
+    agents = [
+        subprocess.Popen(
+            [*command, *script],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for command in launch
+    ]
+    logs = []
+    try:
+        for agent in agents:
+            logs.append(agent.communicate(timeout=180)[0])
+    finally:
+        for agent in agents:  # the agent and its workers, whatever state they are in
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.communicate()
+    for agent, log in zip(agents, logs, strict=True):
+        assert agent.returncode == 0, log[-4000:]
+    return "\n".join(logs)
+
+
+def final_state(directory: Path, tmp: Path) -> dict[str, Any]:
+    """The newest checkpoint, read whole by torch alone (no fdp, no process group)."""
+    steps = [p for p in directory.glob("step_*") if (p / ".metadata").exists()]
+    newest = max(steps, key=lambda p: int(p.name.removeprefix("step_")))
+    target = tmp / f"{directory.name}.pt"
+    dcp_to_torch_save(newest, target)
+    loaded: dict[str, Any] = torch.load(target, weights_only=False)
+    return {k: v for k, v in loaded.items() if not k.startswith("_fdp/rng")}
+
+
+def assert_bitwise_equal(got: Any, expected: Any, path: str = "") -> None:
+    if isinstance(expected, dict):
+        assert got.keys() == expected.keys(), path
+        for key in expected:
+            assert_bitwise_equal(got[key], expected[key], f"{path}.{key}")
+    elif isinstance(expected, torch.Tensor):
+        assert torch.equal(got, expected), path
+    else:
+        assert got == expected, path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """The examples' final states from runs that nothing interrupted (one agent)."""
+    tmp = tmp_path_factory.mktemp("whole")
+    states = {}
+    for name, args in (("zero", ZERO_ARGS), ("lm", LM_ARGS)):
+        log = torchrun(tmp / name, args)
+        assert f"--resume: no complete checkpoint in {tmp / name}; starting fresh" in log
+        states[name] = final_state(tmp / name, tmp)
+    return states
+
+
+@pytest.mark.parametrize("name", ["zero", "lm"])
+def test_a_killed_rank_restarts_and_ends_where_an_uninterrupted_run_does(
+    tmp_path: Path, uninterrupted: dict[str, dict[str, Any]], name: str
+) -> None:
+    args, first = {"zero": (ZERO_ARGS, "step_10"), "lm": (LM_ARGS, "step_5")}[name]
+    log = torchrun(tmp_path / name, args, kill=True)
+    assert f"--resume: continuing from {tmp_path / name / first}" in log
+    final = final_state(tmp_path / name, tmp_path)
+    assert_bitwise_equal(final, uninterrupted[name])
+
+
+def test_two_agents_as_two_nodes_with_a_restart_equal_one_node(
+    tmp_path: Path, uninterrupted: dict[str, dict[str, Any]]
+) -> None:
+    # Each agent counts its own restarts (TORCHELASTIC_RESTART_COUNT), so the
+    # fresh key space cannot come from that count.
+    log = torchrun(tmp_path / "zero", ZERO_ARGS, nodes=2, kill=True)
+    assert f"--resume: continuing from {tmp_path / 'zero' / 'step_10'}" in log
+    assert_bitwise_equal(final_state(tmp_path / "zero", tmp_path), uninterrupted["zero"])

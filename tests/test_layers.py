@@ -41,6 +41,7 @@ BLOCKS = {
     "_sync_batch_norm",
     "_training",
     "_collectives",
+    "_launch",
 }
 DDP = {
     "_ddp",

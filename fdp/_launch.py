@@ -1,0 +1,174 @@
+"""Joining the process group a launcher (torchrun, srun + torchrun) describes.
+
+One call does what every distributed script repeats: read torchrun's
+environment, pick this rank's device from ``LOCAL_RANK``, leave the user's
+``OMP_NUM_THREADS`` alone (or share the CPUs when it is unset), and join the
+default process group in a way that survives ``torchrun --max-restarts``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
+
+_CALL = "fdp.init_distributed"
+_NEEDED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_KEYS = "fdp/launch"
+
+
+def init_distributed(
+    backend: str = "gloo", *, timeout: datetime.timedelta | None = None
+) -> torch.device:
+    """Initializes the default process group from torchrun's environment.
+
+    Returns this rank's device: the CPU for gloo, ``cuda:<LOCAL_RANK>`` for
+    nccl (made the current CUDA device). Where ``OMP_NUM_THREADS`` is unset,
+    CPU ranks share the CPUs this process may use (its affinity and cgroup
+    quota) evenly among the node's ``LOCAL_WORLD_SIZE`` ranks; where it is
+    set, torch's thread count is left as the variable made it.
+
+    Under ``torchrun --max-restarts``, a restarted group joins afresh: torch
+    (2.4 and later) keeps the agent's TCPStore across restarts, so the dead
+    attempt's addresses are still in it, and ``dist.init_process_group``
+    alone makes gloo connect to them and time out (pytorch/pytorch#135712).
+    Here each attempt's group gets a key space no earlier attempt wrote,
+    agreed through the store by every rank of the new attempt.
+
+    Args:
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA), or any backend torch
+            has; its device type is the one torch pairs it with.
+        timeout: the process group's timeout (torch's default when None).
+
+    Returns:
+        The device this rank computes on.
+
+    Raises:
+        RuntimeError: not launched by torchrun (its variables are missing),
+            or the default process group already exists.
+        ValueError: ``backend`` is unknown to this torch build, or asks for a
+            device this machine lacks (CUDA absent, ``LOCAL_RANK`` past the
+            visible devices).
+
+    Example:
+        >>> import fdp
+        >>> device = fdp.init_distributed("gloo")  # doctest: +SKIP
+    """
+    env = _launch_env()
+    if dist.is_initialized():
+        raise RuntimeError(f"{_CALL}: the default process group is already initialized")
+    device = _device(backend, env["LOCAL_RANK"])
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, usable_cpus() // env["LOCAL_WORLD_SIZE"]))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return device
+    wait = timeout or datetime.timedelta(minutes=10)
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        env["WORLD_SIZE"],
+        is_master=False,
+        timeout=wait,
+    )
+    fresh = attempt_store(store, env["RANK"], env["WORLD_SIZE"], wait)
+    dist.init_process_group(
+        backend, store=fresh, rank=env["RANK"], world_size=env["WORLD_SIZE"], timeout=timeout
+    )
+    return device
+
+
+def _launch_env() -> dict[str, int]:
+    missing = [name for name in _NEEDED if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"{_CALL}: the environment lacks {', '.join(missing)}; launch the script with "
+            "torchrun (e.g. `torchrun --standalone --nproc_per_node=2 train.py`), which sets "
+            f"{', '.join(_NEEDED)} (docs/launch.md)"
+        )
+    return {name: int(os.environ[name]) for name in _NEEDED if name != "MASTER_ADDR"}
+
+
+def _device(backend: str, local_rank: int) -> torch.device:
+    """The device type torch pairs ``backend`` with, indexed by LOCAL_RANK."""
+    pairs = dist.Backend.default_device_backend_map
+    kind = next((k for k, b in pairs.items() if b == backend), "cpu")  # gloo: cpu first
+    module = getattr(torch, kind)
+    if kind != "cpu" and not module.is_available():
+        raise ValueError(
+            f"{_CALL}: `backend` is {backend!r}, which runs on {kind} devices, but "
+            f"torch.{kind}.is_available() is False (torch {torch.__version__}); "
+            "use backend='gloo' to train on the CPU"
+        )
+    if not dist.is_backend_available(backend):
+        raise ValueError(
+            f"{_CALL}: `backend` is {backend!r}, which this torch build does not have; "
+            "expected 'gloo' (CPU) or 'nccl' (CUDA)"
+        )
+    if kind == "cpu":
+        return torch.device("cpu")
+    if local_rank >= module.device_count():
+        raise ValueError(
+            f"{_CALL}: `backend` is {backend!r} and LOCAL_RANK is {local_rank}, but only "
+            f"{module.device_count()} {kind} devices are visible; expected --nproc_per_node "
+            "at most the number of devices"
+        )
+    module.set_device(local_rank)
+    return torch.device(kind, local_rank)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity, capped by a cgroup v2 quota."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    count = count or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return count
+    if quota == "max":
+        return count
+    return max(1, min(count, math.floor(int(quota) / int(period))))
+
+
+def attempt_store(store: Store, rank: int, world: int, timeout: datetime.timedelta) -> Store:
+    """A prefix of ``store`` that no earlier attempt of this job has written.
+
+    Note: torchrun's agents keep one TCPStore for the whole job, and
+    TORCHELASTIC_RESTART_COUNT is counted per agent (a node whose workers
+    were restarted by another node's failure does not count it), so neither
+    the store nor the count tells the ranks of a new attempt apart from the
+    dead ones. Rank 0 draws a number no attempt has had (a counter in the
+    store) and hands it to each rank that posts a nonce it made just now;
+    a nonce left by a dead attempt may be answered too, harmlessly, so rank 0
+    answers every posted nonce until every rank has confirmed this number.
+    """
+    if rank == 0:
+        generation = store.add(f"{_KEYS}/generation", 1)
+        _welcome(store, world, generation, timeout)
+    else:
+        nonce = uuid.uuid4().hex
+        store.set(f"{_KEYS}/hello/{rank}", nonce)
+        generation = int(store.get(f"{_KEYS}/welcome/{nonce}"))
+        store.add(f"{_KEYS}/ready/{generation}", 1)
+    return PrefixStore(f"{_KEYS}/attempt/{generation}", store)
+
+
+def _welcome(store: Store, world: int, generation: int, timeout: datetime.timedelta) -> None:
+    hellos = [f"{_KEYS}/hello/{r}" for r in range(1, world)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    while store.add(f"{_KEYS}/ready/{generation}", 0) < world - 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{_CALL}: not every rank joined attempt {generation} within {timeout}"
+            )
+        nonces = [n.decode() for n in store.multi_get(hellos)] if hellos else []
+        welcomes = [f"{_KEYS}/welcome/{n}" for n in nonces]
+        store.multi_set(welcomes, [str(generation)] * len(nonces))  # type: ignore[attr-defined]
+        time.sleep(0.01)
