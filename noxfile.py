@@ -2,32 +2,71 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+from collections.abc import Callable
+from pathlib import Path
 
 import nox
 
 nox.options.sessions = ["tests", "typecheck", "lint"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
+# uv makes an environment in seconds (its files hard-linked from one cache)
+# where virtualenv + pip take about a minute; nox uses it when it finds it
+# (`pip install "nox[uv]"`), else virtualenv.
+nox.options.default_venv_backend = "uv|virtualenv"
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 CONSTRAINTS = ("-c", "constraints.txt")
 # One inductor/triton cache for every session and run, so cold compiles are paid once.
 COMPILE_CACHE = {"TORCHINDUCTOR_CACHE_DIR": os.path.abspath(".compile-cache")}
+# What the shared environment holds: the tests, the examples, mypy.
+DEV_GROUPS = ("test", "typecheck", "examples")
 
 
-def install(session: nox.Session, *groups: str) -> None:
+def install(session: nox.Session, *groups: str, env: dict[str, str] | None = None) -> None:
     """Installs fdp (editable) and dependency groups under the pinned constraints."""
-    requirements = [r for g in groups for r in nox.project.dependency_groups(PYPROJECT, g)]
-    session.install(*CONSTRAINTS, "-e", ".", *requirements)
+    requirements = {r: None for g in groups for r in nox.project.dependency_groups(PYPROJECT, g)}
+    # uv does not read pip's configuration: hand it pip's local wheel folder
+    # (where a machine may keep its torch build) when pip has one.
+    links = os.environ.get("PIP_FIND_LINKS")
+    extra = {"UV_FIND_LINKS": links} if links and "UV_FIND_LINKS" not in os.environ else {}
+    session.install(*CONSTRAINTS, "-e", ".", *requirements, env={**extra, **(env or {})})
 
 
-@nox.session
+@nox.session(default=False)
+def dev(session: nox.Session) -> None:
+    """The one environment the tests, typecheck and example sessions share (made once)."""
+    stamp = Path(session.virtualenv.location) / "fdp-installed.txt"
+    wanted = hashlib.sha256(
+        b"".join(Path(f).read_bytes() for f in ("pyproject.toml", "constraints.txt"))
+    ).hexdigest()
+    if stamp.exists() and stamp.read_text() == wanted:
+        session.log("up to date with pyproject.toml and constraints.txt")
+        return
+    install(session, *DEV_GROUPS)
+    stamp.write_text(wanted)
+
+
+def run(session: nox.Session, program: str, *args: str, env: dict[str, str] | None = None) -> None:
+    """Runs a program of the shared ``dev`` environment."""
+    venv = Path(session.cache_dir).parent / "dev"
+    bin_dir = venv / ("Scripts" if os.name == "nt" else "bin")
+    path = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "VIRTUAL_ENV": str(venv)}
+    session.run(str(bin_dir / program), *args, env={**path, **(env or {})}, external=True)
+
+
+def shared(func: Callable[[nox.Session], None]) -> Callable[[nox.Session], None]:
+    """A session that runs in the ``dev`` environment (``dev`` runs first when needed)."""
+    return nox.session(venv_backend="none", requires=["dev"])(func)
+
+
+@shared
 def tests(session: nox.Session) -> None:
     """The test suite (pytest, doctests included)."""
-    install(session, "test")
-    session.run("pytest", *session.posargs, env=COMPILE_CACHE)
+    run(session, "pytest", *session.posargs, env=COMPILE_CACHE)
 
 
 # The supported torch range, tested end to end: the floor, a middle release,
@@ -48,11 +87,10 @@ def torch_range(session: nox.Session, torch: str) -> None:
     session.run("pytest", *session.posargs, env=COMPILE_CACHE)
 
 
-@nox.session
+@shared
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over the package, tests, examples and benchmarks."""
-    install(session, "typecheck")
-    session.run("mypy", *session.posargs)
+    run(session, "mypy", *session.posargs)
 
 
 @nox.session
@@ -63,103 +101,101 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session
+@shared
 def train(session: nox.Session) -> None:
     """The main job: trains the digits classifier with data_parallel (pass args after --)."""
-    install(session, "examples")
-    session.run("python", "examples/train_digits.py", *session.posargs, env=COMPILE_CACHE)
+    run(session, "python", "examples/train_digits.py", *session.posargs, env=COMPILE_CACHE)
 
 
 TORCHRUN = ("torchrun", "--standalone", "--nproc_per_node=2")
 
 
-@nox.session
+@shared
 def train_ddp(session: nox.Session) -> None:
     """The same training on 2 processes with DistributedDataParallel (torchrun, gloo)."""
-    install(session, "examples")
-    session.run(*TORCHRUN, "examples/train_digits_ddp.py", *session.posargs, env=COMPILE_CACHE)
+    run(session, *TORCHRUN, "examples/train_digits_ddp.py", *session.posargs, env=COMPILE_CACHE)
 
 
-@nox.session
+@shared
 def train_cnn_ddp(session: nox.Session) -> None:
     """A conv net with sync batch norm on 2 processes with uneven shards, inside join."""
-    install(session, "examples")
-    session.run(*TORCHRUN, "examples/train_cnn_ddp.py", *session.posargs)
+    run(session, *TORCHRUN, "examples/train_cnn_ddp.py", *session.posargs)
 
 
-@nox.session
+@shared
 def train_zero(session: nox.Session) -> None:
     """AdamW sharded over 2 processes (fdp.ZeroRedundancy), checkpointed; -- --resume continues."""
-    install(session, "examples")
-    session.run(*TORCHRUN, "examples/train_digits_zero.py", *session.posargs)
+    run(session, *TORCHRUN, "examples/train_digits_zero.py", *session.posargs)
 
 
-@nox.session
+@shared
 def train_lm_fsdp(session: nox.Session) -> None:
     """A transformer LM fully sharded on 2 processes (bf16), checkpointed; -- --resume continues."""
-    install(session, "examples")
-    session.run(*TORCHRUN, "examples/train_lm_fsdp.py", *session.posargs)
+    run(session, *TORCHRUN, "examples/train_lm_fsdp.py", *session.posargs)
 
 
-@nox.session
+@shared
 def train_meanflow(session: nox.Session) -> None:
     """A one-step MeanFlow generator on 2 processes, ddp(params) inside torch.func.jvp."""
-    install(session, "examples")
-    session.run(*TORCHRUN, "examples/train_meanflow.py", *session.posargs, env=COMPILE_CACHE)
+    run(session, *TORCHRUN, "examples/train_meanflow.py", *session.posargs, env=COMPILE_CACHE)
 
 
-@nox.session
+@shared
 def examples(session: nox.Session) -> None:
     """Runs every example briefly."""
-    install(session, "examples")
-    session.run("python", "examples/train_digits.py", "--epochs", "2", "--min-accuracy", "0")
-    session.run(*TORCHRUN, "examples/train_digits_ddp.py", "--epochs", "2", "--min-accuracy", "0")
+    run(session, "python", "examples/train_digits.py", "--epochs", "2", "--min-accuracy", "0")
+    run(session, *TORCHRUN, "examples/train_digits_ddp.py", "--epochs", "2", "--min-accuracy", "0")
     # torch's PowerSGD hook, unmodified, trains to the accuracy of the plain average.
-    session.run(*TORCHRUN, "examples/train_digits_ddp.py", "--powersgd", "--min-accuracy", "0.95")
+    run(session, *TORCHRUN, "examples/train_digits_ddp.py", "--powersgd", "--min-accuracy", "0.95")
     # BatchNorm over both ranks, buffers broadcast, shards of 70% and 30% inside join.
-    session.run(*TORCHRUN, "examples/train_cnn_ddp.py", "--min-accuracy", "0.95")
+    run(session, *TORCHRUN, "examples/train_cnn_ddp.py", "--min-accuracy", "0.95")
     # ZeRO with checkpoints: 3 epochs (saved at step 30 and at the end, step 36),
     # then resumed from step 36 to epoch 40.
     directory = os.path.join(session.create_tmp(), "zero")
     shutil.rmtree(directory, ignore_errors=True)  # no checkpoint of an earlier run
     ckpt = ("--checkpoint-dir", directory, "--checkpoint-every")
     zero = (*TORCHRUN, "examples/train_digits_zero.py", *ckpt, "30")
-    session.run(*zero, "--epochs", "3", "--min-accuracy", "0")
-    session.run(*zero, "--resume", "--min-accuracy", "0.95")
+    run(session, *zero, "--epochs", "3", "--min-accuracy", "0")
+    run(session, *zero, "--resume", "--min-accuracy", "0.95")
     # A fully sharded language model: 30 steps (checkpointed at 15 and 30), resumed to 40.
     directory = os.path.join(session.create_tmp(), "lm_fsdp")
     shutil.rmtree(directory, ignore_errors=True)
     lm = (*TORCHRUN, "examples/train_lm_fsdp.py", "--checkpoint-dir", directory)
-    session.run(*lm, "--steps", "30", "--checkpoint-every", "15", "--loss-threshold", "2.5")
-    session.run(*lm, "--resume", "--steps", "40", "--loss-threshold", "2.5")
+    run(session, *lm, "--steps", "30", "--checkpoint-every", "15", "--loss-threshold", "2.5")
+    run(session, *lm, "--resume", "--steps", "40", "--loss-threshold", "2.5")
     # MeanFlow: ddp(params) inside jvp, eager and compiled; one-step samples within the MMD bound.
-    session.run(*TORCHRUN, "examples/train_meanflow.py")
-    session.run(*TORCHRUN, "examples/train_meanflow.py", "--compile", env=COMPILE_CACHE)
+    run(session, *TORCHRUN, "examples/train_meanflow.py")
+    run(session, *TORCHRUN, "examples/train_meanflow.py", "--compile", env=COMPILE_CACHE)
     for script in ("train_digits.py", "train_digits_ddp.py"):
         launch = ("python",) if script == "train_digits.py" else TORCHRUN
-        session.run(
+        run(
+            session,
             *launch, f"examples/{script}", "--compile", "--epochs", "2", "--min-accuracy", "0",
             env=COMPILE_CACHE,
         )  # fmt: skip
 
 
-@nox.session
+@shared
 def bench(session: nox.Session) -> None:
     """Benchmarks (ratios measured side by side in one run); not run by default."""
-    install(session, "examples")
-    session.run("python", "benchmarks/bench_data_parallel.py", *session.posargs)
-    session.run("python", "benchmarks/bench_train.py", *session.posargs)
+    run(session, "python", "benchmarks/bench_data_parallel.py", *session.posargs)
+    run(session, "python", "benchmarks/bench_train.py", *session.posargs)
     if shutil.which("valgrind"):  # instruction counts: steady where timings are noisy
-        session.run("python", "benchmarks/count_instructions.py", "--stages", *session.posargs)
+        run(session, "python", "benchmarks/count_instructions.py", "--stages", *session.posargs)
     else:
         session.log("benchmarks/count_instructions.py skipped: it needs valgrind")
-    session.run("python", "benchmarks/bench_distributed.py", *session.posargs)
-    session.run("python", "benchmarks/bench_ddp_step.py", "--compiled", *session.posargs)
-    session.run("python", "benchmarks/bench_optim.py", *session.posargs, env=COMPILE_CACHE)
-    session.run("python", "benchmarks/bench_zero.py", *session.posargs)
-    session.run(
-        "python", "benchmarks/bench_meanflow.py", "--compile", *session.posargs, env=COMPILE_CACHE
+    run(session, "python", "benchmarks/bench_distributed.py", *session.posargs)
+    run(session, "python", "benchmarks/bench_ddp_step.py", "--compiled", *session.posargs)
+    run(session, "python", "benchmarks/bench_optim.py", *session.posargs, env=COMPILE_CACHE)
+    run(session, "python", "benchmarks/bench_zero.py", *session.posargs)
+    run(
+        session,
+        "python",
+        "benchmarks/bench_meanflow.py",
+        "--compile",
+        *session.posargs,
+        env=COMPILE_CACHE,
     )
-    session.run("python", "benchmarks/zero_memory.py")
-    session.run("python", "benchmarks/fsdp_memory.py", *session.posargs)
-    session.run("python", "benchmarks/bench_pack_order.py", *session.posargs, env=COMPILE_CACHE)
+    run(session, "python", "benchmarks/zero_memory.py")
+    run(session, "python", "benchmarks/fsdp_memory.py", *session.posargs)
+    run(session, "python", "benchmarks/bench_pack_order.py", *session.posargs, env=COMPILE_CACHE)
