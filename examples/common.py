@@ -104,15 +104,22 @@ def latest(directory: Path) -> Path | None:
 
 
 def resume_from(args: argparse.Namespace) -> Path | None:
-    """The checkpoint ``--resume`` continues from, said in the log either way."""
+    """The checkpoint ``--resume`` continues from (rank 0's pick), said in the log either way.
+
+    Every rank takes rank 0's pick: ranks that see different files (a
+    checkpoint folder that is not shared between hosts) would otherwise load
+    different steps; this way they load the same one, or all fail to.
+    """
     if not args.resume:
         return None
-    found = latest(args.checkpoint_dir)
-    if found is None:
+    found = [latest(args.checkpoint_dir) if is_main() else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(found, src=0)
+    if found[0] is None:
         log(f"--resume: no complete checkpoint in {args.checkpoint_dir}; starting fresh")
     else:
-        log(f"--resume: continuing from {found}")
-    return found
+        log(f"--resume: continuing from {found[0]}")
+    return found[0]
 
 
 class Progress:

@@ -43,6 +43,7 @@ def test_code_blocks_run(page: Path, tmp_path: Path) -> None:
         "RANK": "0",
         "LOCAL_RANK": "0",
         "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
     }

@@ -81,7 +81,12 @@ LM_ARGS = (*LM, "--dim", "32", "--blocks", "2", "--loss-threshold", "100")
 
 
 def torchrun(
-    directory: Path, script_args: tuple[str, ...], *, nodes: int = 1, kill: bool = False
+    directory: Path,
+    script_args: tuple[str, ...],
+    *,
+    nodes: int = 1,
+    kill: bool = False,
+    rendezvous: str = "c10d",
 ) -> str:
     """Runs an example (2 ranks: 1 agent of 2, or 2 agents of 1) to its end; returns rank 0's log.
 
@@ -94,12 +99,15 @@ def torchrun(
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     env["OMP_NUM_THREADS"] = "1"
     launch: list[tuple[str, ...]]
+    node: tuple[str, ...] = (*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--max-restarts=1")
     if nodes == 1:
         launch = [(*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1")]
-    else:
+    elif rendezvous == "c10d":  # ranks assigned at rendezvous
         endpoint = f"--rdzv-endpoint=127.0.0.1:{ranks.free_port()}"
-        node = (*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--max-restarts=1")
         launch = [(*node, "--rdzv-backend=c10d", endpoint, "--rdzv-id=fdp-test")] * nodes
+    else:  # a static master: node ranks given
+        master = ("--master-addr=127.0.0.1", f"--master-port={ranks.free_port()}")
+        launch = [(*node, *master, f"--node-rank={n}") for n in range(nodes)]
     agents = [
         subprocess.Popen(
             [*command, *script],
@@ -170,11 +178,12 @@ def test_a_killed_rank_restarts_and_ends_where_an_uninterrupted_run_does(
     assert_bitwise_equal(final, uninterrupted[name])
 
 
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
 def test_two_agents_as_two_nodes_with_a_restart_equal_one_node(
-    tmp_path: Path, uninterrupted: dict[str, dict[str, Any]]
+    tmp_path: Path, uninterrupted: dict[str, dict[str, Any]], rendezvous: str
 ) -> None:
     # Each agent counts its own restarts (TORCHELASTIC_RESTART_COUNT), so the
     # fresh key space cannot come from that count.
-    log = torchrun(tmp_path / "zero", ZERO_ARGS, nodes=2, kill=True)
+    log = torchrun(tmp_path / "zero", ZERO_ARGS, nodes=2, kill=True, rendezvous=rendezvous)
     assert f"--resume: continuing from {tmp_path / 'zero' / 'step_10'}" in log
     assert_bitwise_equal(final_state(tmp_path / "zero", tmp_path), uninterrupted["zero"])
