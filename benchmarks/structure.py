@@ -1,0 +1,226 @@
+"""fdp's structure in figures: modules, function sizes, import edges, and what one step visits.
+
+Static figures come from the source (``ast``): module sizes, functions over
+50 lines of code, the import graph among fdp's modules (module-level
+imports; an import inside a function is not an edge) and its depth, and the
+modules that decide "eager or compiled" (``is_compiling``) or call
+``torch.distributed``'s collectives directly. Runtime figures come from two
+gloo ranks: the fdp modules one eager DDP step and one fully sharded step
+call into (rank 0, ``sys.setprofile``), in the order first entered, and how
+often the call sequence moves from one module to another.
+
+    python benchmarks/structure.py
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import multiprocessing as mp
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+FDP = ROOT / "fdp"
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "broadcast", "all_to_all_single", "reduce_scatter", "all_gather_object",
+               "broadcast_object_list", "all_reduce_coalesced"}  # fmt: skip
+
+
+def modules() -> dict[str, Path]:
+    """Dotted name (``fdp._ddp``, ``fdp.ddp.reducer``) to file."""
+    found = {}
+    for path in sorted(FDP.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The fdp modules ``name`` imports at module level."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join([*anchor, base] if base else anchor)
+        for alias in node.names:
+            target = f"{base}.{alias.name}"
+            found.add(target if target in known else base)
+    return {m for m in found if m in known and m != name and m != "fdp"}
+
+
+def code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef, source: list[str]) -> int:
+    """Lines of code of a function: no blank lines, comments or docstring."""
+    body = getattr(node, "body", [])
+    skip = set()
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        skip = set(range(body[0].lineno, (body[0].end_lineno or body[0].lineno) + 1))
+    lines = range(node.lineno, (getattr(node, "end_lineno", None) or node.lineno) + 1)
+    return sum(
+        1
+        for i in lines
+        if i not in skip and source[i - 1].strip() and not source[i - 1].strip().startswith("#")
+    )
+
+
+def static() -> None:
+    mods = modules()
+    known = set(mods)
+    sizes = {n: len(p.read_text().splitlines()) for n, p in mods.items()}
+    print(f"modules: {len(mods)}, {sum(sizes.values())} lines; largest:")
+    for n in sorted(sizes, key=sizes.__getitem__, reverse=True)[:5]:
+        print(f"  {sizes[n]:5d}  {n}")
+    long = []
+    for n, p in mods.items():
+        source = p.read_text().splitlines()
+        functions = [
+            node
+            for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        ]
+        long += [(size, f"{n}:{f.name}") for f in functions if (size := code_lines(f, source)) > 50]
+    print(f"functions over 50 lines of code: {len(long)}")
+    for size, where in sorted(long, reverse=True):
+        print(f"  {size:5d}  {where}")
+    graph = {n: imports(n, p, known) for n, p in mods.items()}
+    print(f"import edges among fdp's modules: {sum(len(v) for v in graph.values())}")
+    print(f"import depth (longest chain of modules): {depth(graph)}")
+    text = {n: p.read_text() for n, p in mods.items()}
+    compiling = sorted(n for n, t in text.items() if "is_compiling" in t)
+    print(f"modules deciding eager or compiled (is_compiling): {len(compiling)}")
+    raw = sorted(n for n, t in text.items() if raw_collectives(t))
+    print(f"modules calling torch.distributed collectives directly: {len(raw)}: {raw}")
+
+
+def depth(graph: dict[str, set[str]]) -> int:
+    memo: dict[str, int] = {}
+
+    def longest(n: str) -> int:
+        if n not in memo:
+            memo[n] = 1 + max((longest(m) for m in graph[n]), default=0)
+        return memo[n]
+
+    return max(longest(n) for n in graph)
+
+
+def raw_collectives(source: str) -> bool:
+    for node in ast.walk(ast.parse(source)):
+        func = node.func if isinstance(node, ast.Call) else None
+        if not isinstance(func, ast.Attribute) or func.attr not in COLLECTIVES:
+            continue
+        if isinstance(func.value, ast.Name) and func.value.id == "dist":
+            return True
+    return False
+
+
+def trace(step: Callable[[], Any]) -> tuple[list[str], int]:
+    """The fdp modules ``step`` calls into, first-entered order, and module-to-module moves."""
+    order: list[str] = []
+    moves, last = 0, None
+    prefix = str(FDP) + "/"
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal moves, last
+        if event != "call" or not frame.f_code.co_filename.startswith(prefix):
+            return
+        name = frame.f_code.co_filename[len(str(ROOT)) + 1 : -3].replace("/", ".")
+        name = name.removesuffix(".__init__")
+        if name not in order:
+            order.append(name)
+        if name != last:
+            moves += last is not None
+            last = name
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return order, moves
+
+
+def mlp(p: list[dict[str, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+    for layer in p[:-1]:
+        x = torch.relu(x @ layer["w"] + layer["b"])
+    return x @ p[-1]["w"] + p[-1]["b"]
+
+
+def steps(rank: int) -> dict[str, Callable[[], Any]]:
+    import fdp
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(32, 64), (64, 64), (64, 10)]
+    params = [
+        {
+            "w": torch.randn(*s, generator=g).requires_grad_(),
+            "b": torch.zeros(s[1]).requires_grad_(),
+        }
+        for s in shapes
+    ]
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    ddp = fdp.DistributedDataParallel(params, bucket_cap_mb=0.01)
+    fsdp = fdp.FullyShardedDataParallel({str(i): layer for i, layer in enumerate(params)})
+    shards = fsdp.shard({str(i): layer for i, layer in enumerate(params)})
+
+    def ddp_step() -> None:
+        torch.autograd.backward(torch.nn.functional.cross_entropy(mlp(ddp(params), x), y))
+
+    def fsdp_step() -> None:
+        mine = {k: tuple(t.detach().requires_grad_() for t in ts) for k, ts in shards.items()}
+        h = x
+        for i in range(len(params)):
+            last = i == len(params) - 1
+
+            def layer(p: dict[str, torch.Tensor], h: torch.Tensor, last: bool = last) -> Any:
+                out = h @ p["w"] + p["b"]
+                return out if last else torch.relu(out)
+
+            h = fsdp.apply(mine, str(i), layer, h)
+        torch.autograd.backward(torch.nn.functional.cross_entropy(h, y))
+
+    return {"one eager DDP step": ddp_step, "one FSDP step (apply per unit)": fsdp_step}
+
+
+def rank_main(rank: int, size: int, port: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
+    for name, step in steps(rank).items():
+        step()  # warm: first-call setup is not a step
+        order, moves = trace(step)
+        if rank == 0:
+            print(f"{name}: {len(order)} modules, {moves} moves between modules")
+            print("  " + " -> ".join(m.removeprefix("fdp.") for m in order))
+    dist.destroy_process_group()
+
+
+def runtime() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=rank_main, args=(r, 2, port)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        if p.exitcode != 0:
+            raise SystemExit(f"a rank failed ({p.exitcode})")
+
+
+if __name__ == "__main__":
+    static()
+    runtime()
