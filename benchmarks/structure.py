@@ -34,7 +34,7 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
 
 
 def modules() -> dict[str, Path]:
-    """Dotted name (``fdp._ddp``, ``fdp.ddp.reducer``) to file."""
+    """Dotted name (``fdp._tree``, ``fdp._ddp._reducer``) to file."""
     found = {}
     for path in sorted(FDP.rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from bench_ddp_step import data, make_params, mlp
 
 import fdp
-from fdp import _zero_comm
+from fdp._sharding import _zero_comm
 
 MB = 2**20
 

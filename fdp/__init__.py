@@ -2,30 +2,30 @@
 
 from fdp import optim as optim
 from fdp._caches import clear_caches as clear_caches
-from fdp._checkpoint import load_checkpoint as load_checkpoint
-from fdp._checkpoint import save_checkpoint as save_checkpoint
-from fdp._collectives import all_reduce_grads as all_reduce_grads
-from fdp._collectives import broadcast_params as broadcast_params
-from fdp._comm_hooks import CommHook as CommHook
-from fdp._comm_hooks import GradBucket as GradBucket
-from fdp._comm_hooks import allreduce_hook as allreduce_hook
-from fdp._comm_hooks import bf16_compress_hook as bf16_compress_hook
-from fdp._comm_hooks import fp16_compress_hook as fp16_compress_hook
+from fdp._comm._collectives import all_reduce_grads as all_reduce_grads
+from fdp._comm._collectives import broadcast_params as broadcast_params
+from fdp._comm._comm_hooks import CommHook as CommHook
+from fdp._comm._comm_hooks import GradBucket as GradBucket
+from fdp._comm._comm_hooks import allreduce_hook as allreduce_hook
+from fdp._comm._comm_hooks import bf16_compress_hook as bf16_compress_hook
+from fdp._comm._comm_hooks import fp16_compress_hook as fp16_compress_hook
+from fdp._comm._launch import init_distributed as init_distributed
+from fdp._comm._sync_batch_norm import sync_batch_norm as sync_batch_norm
 from fdp._data_parallel import data_parallel as data_parallel
-from fdp._ddp import DistributedDataParallel as DistributedDataParallel
-from fdp._ddp import overlap_options as overlap_options
-from fdp._fsdp import FullyShardedDataParallel as FullyShardedDataParallel
+from fdp._ddp._ddp import DistributedDataParallel as DistributedDataParallel
+from fdp._ddp._ddp import overlap_options as overlap_options
 from fdp._functional import make_functional as make_functional
-from fdp._launch import init_distributed as init_distributed
 from fdp._parallel_apply import parallel_apply as parallel_apply
 from fdp._replicate import replicate as replicate
 from fdp._scatter_gather import gather as gather
 from fdp._scatter_gather import scatter as scatter
 from fdp._scatter_gather import scatter_kwargs as scatter_kwargs
-from fdp._sync_batch_norm import sync_batch_norm as sync_batch_norm
+from fdp._sharding._checkpoint import load_checkpoint as load_checkpoint
+from fdp._sharding._checkpoint import save_checkpoint as save_checkpoint
+from fdp._sharding._fsdp import FullyShardedDataParallel as FullyShardedDataParallel
+from fdp._sharding._zero import ZeroRedundancy as ZeroRedundancy
+from fdp._sharding._zero import ZeroState as ZeroState
 from fdp._version import __version__ as __version__
-from fdp._zero import ZeroRedundancy as ZeroRedundancy
-from fdp._zero import ZeroState as ZeroState
 
 __all__ = [
     "CommHook",

@@ -62,7 +62,7 @@ def _shells(
         shell.__dict__.update(m.__dict__)
         if sync_batch_norm and isinstance(m, _BATCH_NORMS):
             # Imported here: the single-process core imports nothing distributed.
-            from fdp import _sync_batch_norm
+            from fdp._comm import _sync_batch_norm
 
             _sync_batch_norm.synced(shell, group)
         shells[id(m)] = shell

@@ -59,12 +59,12 @@ def _signature(obj: Any) -> str:
 
 def _alias(obj: Any) -> str:
     text = repr(obj).replace("typing.", "").replace("collections.abc.", "")
-    return re.sub(r"fdp\._\w+\.", "fdp.", text)
+    return re.sub(r"fdp\.(?:_\w+\.)+", "fdp.", text)
 
 
 def _attribute_doc(name: str) -> str:
     """The first paragraph of the string that follows ``name = ...`` in fdp's source."""
-    for path in sorted((ROOT / "fdp").glob("*.py")):
+    for path in sorted((ROOT / "fdp").rglob("*.py")):
         body = ast.parse(path.read_text()).body
         for node, after in itertools.pairwise(body):
             targets = node.targets if isinstance(node, ast.Assign) else []

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 import fdp
-from fdp import _collectives
+from fdp._comm import _collectives
 from tests import ranks
 
 

@@ -1,4 +1,4 @@
-"""fdp.save_checkpoint / fdp.load_checkpoint (fdp._checkpoint) against uninterrupted runs.
+"""fdp.save_checkpoint / fdp.load_checkpoint (fdp._sharding._checkpoint) against uninterrupted runs.
 
 Round trips in one process; ZeRO states saved on 4 gloo ranks and resumed on
 2 and 3 against one process that never stopped; and a fault drill under

@@ -1,4 +1,4 @@
-"""fdp.optim.clip_by_global_norm against torch.nn.utils.clip_grad_norm_ (fdp._clip)."""
+"""fdp.optim.clip_by_global_norm against torch.nn.utils.clip_grad_norm_ (fdp.optim._clip)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Comm hooks with torch's protocol, ``hook(state, bucket)`` (fdp._comm_hooks).
+"""Comm hooks with torch's protocol, ``hook(state, bucket)`` (fdp._comm._comm_hooks).
 
 torch's own hooks (``torch.distributed.algorithms.ddp_comm_hooks``) run
 unmodified through ``ddp.register_comm_hook``. Every body runs on spawned

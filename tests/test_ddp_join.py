@@ -1,4 +1,4 @@
-"""DistributedDataParallel.join: ranks with different numbers of batches (fdp._ddp_join).
+"""DistributedDataParallel.join: ranks with different numbers of batches (fdp._ddp._join).
 
 Rank 0 trains on 3 batches, rank 1 on 5, rank 2 on none. At every step the
 reference is the single-process sum of the gradients of the ranks that

@@ -108,13 +108,13 @@ def test_fullgraph_ddp_with_whole_buckets_unused_on_some_ranks(size: int) -> Non
 
 def _unordered_step(rank: int, size: int, backend: str, skip: bool) -> tuple[Any, int]:
     """:func:`_fullgraph_step` as on a torch that cannot give an op an ordered effect."""
-    from fdp import _ddp_traced
+    from fdp._ddp import _traced
 
-    _ddp_traced._ORDERED = False
+    _traced._ORDERED = False
     try:
         return _fullgraph_step(rank, size, backend, skip)
     finally:
-        _ddp_traced._ORDERED = True
+        _traced._ORDERED = True
 
 
 def test_fullgraph_ddp_without_ordered_effects_ties_buckets_to_all_gradients() -> None:

@@ -1,4 +1,4 @@
-"""fdp.FullyShardedDataParallel (fdp._fsdp, fdp._fsdp_gather) against one process on the full batch.
+"""fdp.FullyShardedDataParallel against one process on the full batch.
 
 Every rank builds the same parameters; the reference, computed in the
 parent, is plain single-process autograd and ``fdp.optim`` on the whole
@@ -604,7 +604,7 @@ PASSES = [((0, 1, 2), False), ((0, 1, 2), False), ((2, 0, 1), False), ((0, 1, 2)
 
 
 def _prefetching(rank: int, size: int, prefetch: bool) -> Any:
-    from fdp import _fsdp_prefetch  # the gathers started, logged by unit
+    from fdp._sharding import _fsdp_prefetch  # the gathers started, logged by unit
 
     params = make_params()
     fsdp = fdp.FullyShardedDataParallel(params, prefetch=prefetch)
@@ -678,7 +678,7 @@ def test_prefetching_runs_one_unit_ahead_and_changes_no_result(prefetch: bool) -
 
 
 def test_prefetcher_predicts_the_last_order_and_nothing_used_in_this_pass() -> None:
-    from fdp._fsdp_prefetch import Prefetcher
+    from fdp._sharding._fsdp_prefetch import Prefetcher
 
     ahead = Prefetcher(["e", "a", "b", "c"], enabled=True)
     # First: the plan's order, nothing used in this pass ("b" after "a");

@@ -1,4 +1,4 @@
-"""fdp.optim.GradScaler against torch.amp.GradScaler driving torch.optim (fdp._grad_scaler)."""
+"""fdp.optim.GradScaler against torch.amp.GradScaler driving torch.optim."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""fdp._groups: process groups and the eager-or-compiled collectives, against local arithmetic.
+"""fdp._comm._groups: process groups and eager-or-compiled collectives, against arithmetic.
 
 Every rank's input is a function of its rank, so the parent computes what
 each collective must return; each one runs eagerly and traced
@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fdp import _bucket, _groups
+from fdp import _bucket
+from fdp._comm import _groups
 from tests import ranks
 
 

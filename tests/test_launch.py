@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 import fdp
-from fdp import _launch
+from fdp._comm import _launch
 from tests import ranks
 
 TIMEOUT = datetime.timedelta(seconds=20)

@@ -1,10 +1,12 @@
-"""The module layers of docs/design.md, checked on fdp's import graph.
+"""The layers of docs/design.md, as folders, checked on fdp's import graph.
 
-Three layers: the single-process core imports nothing distributed; the
-building blocks (groups, the psum-rule collectives, agreement checks, comm
-hooks, sync batch norm) import neither DDP nor sharding; DDP and sharding
-do not import each other. A module-level ``from fdp import ...`` is an
-edge, an import inside a function (asked for by an option) is not.
+The single-process core is the flat ``fdp/_*.py``; the communication
+building blocks live in ``fdp/_comm/``, DDP in ``fdp/_ddp/``, ZeRO, fully
+sharded parameters and checkpoints in ``fdp/_sharding/``, the functional
+optimizers in ``fdp/optim/``. Which layer a module belongs to is where its
+file is; what each layer may import is the table below. A module-level
+``from fdp... import ...`` is an edge; an import inside a function (asked
+for by an option) is not.
 """
 
 from __future__ import annotations
@@ -13,135 +15,105 @@ import ast
 from pathlib import Path
 
 FDP = Path(__file__).resolve().parent.parent / "fdp"
+LAYERS = {"_comm": "comm", "_ddp": "ddp", "_sharding": "sharding", "optim": "optim"}
+# What each layer's modules may import (besides their own layer).
+ALLOWED = {
+    "core": set(),
+    "comm": {"core"},
+    "optim": {"core", "comm"},
+    "ddp": {"core", "comm"},
+    "sharding": {"core", "comm", "optim"},
+}
 
-CORE = {
-    "_data_parallel",
-    "_functional",
-    "_replica",
-    "_scatter_gather",
-    "_batch",
-    "_replicate",
-    "_parallel_apply",
-    "_device",
-    "_tree",
-    "_bucket",
-    "_compat",
-    "_optim",
-    "_optim_rules",
-    "_param_groups",
-    "_clip",
-    "_caches",
-}
-# The building blocks: buckets' collectives, agreement, hooks, sync batch norm.
-BLOCKS = {
-    "_groups",
-    "_transforms",
-    "_agreement",
-    "_comm_hooks",
-    "_sync_batch_norm",
-    "_training",
-    "_collectives",
-    "_launch",
-}
-DDP = {
-    "_ddp",
-    "_ddp_arming",
-    "_ddp_reducer",
-    "_ddp_sparse",
-    "_ddp_traced",
-    "_ddp_buffers",
-    "_ddp_join",
-}
-SHARDING = {
-    "_zero",
-    "_zero_comm",
-    "_zero_join",
-    "_zero_shards",
-    "_checkpoint",
-    "_fsdp",
-    "_fsdp_chain",
-    "_fsdp_gather",
-    "_fsdp_optim",
-    "_fsdp_plan",
-    "_fsdp_prefetch",
-    "_fsdp_reshard",
-    "_fsdp_state",
-}
-DISTRIBUTED = BLOCKS | DDP | SHARDING
+
+def modules() -> dict[str, Path]:
+    """Every module but the public surface: dotted name (``fdp._comm._groups``) to file."""
+    found = {}
+    for path in sorted(FDP.rglob("*.py")):
+        parts = path.relative_to(FDP.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if name != "fdp":
+            found[name] = path
+    return found
+
+
+MODULES = modules()
+
+
+def layer(name: str) -> str:
+    parts = name.split(".")
+    return LAYERS[parts[1]] if len(parts) > 2 or parts[1] in LAYERS else "core"
 
 
 def module_imports(name: str) -> set[str]:
-    """The fdp modules ``fdp/<name>.py`` imports at module level."""
-    tree = ast.parse((FDP / f"{name}.py").read_text())
+    """The fdp modules ``name`` imports at module level."""
     found: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module == "fdp":
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fdp."):
-            found.add((node.module or "").removeprefix("fdp."))
-    return found
+    for node in ast.parse(MODULES[name].read_text()).body:
+        if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("fdp"):
+            continue
+        for alias in node.names:
+            target = f"{node.module}.{alias.name}"
+            found.add(target if target in MODULES else str(node.module))
+    return {m for m in found if m in MODULES and m != name}
 
 
 def closure(start: str) -> set[str]:
     seen, todo = set(), [start]
     while todo:
         name = todo.pop()
-        if name in seen or not (FDP / f"{name}.py").exists():
+        if name in seen:
             continue
         seen.add(name)
         todo.extend(module_imports(name))
     return seen - {start}
 
 
+def test_every_folder_is_a_layer() -> None:
+    folders = {p.name for p in FDP.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(LAYERS)
+    assert {layer(m) for m in MODULES} == set(ALLOWED)
+
+
+def test_each_layer_imports_only_the_layers_below_it() -> None:
+    wrong = sorted(
+        f"{name} ({layer(name)}) -> {dep} ({layer(dep)})"
+        for name in MODULES
+        for dep in closure(name)
+        if layer(dep) != layer(name) and layer(dep) not in ALLOWED[layer(name)]
+    )
+    assert wrong == []
+
+
 def test_the_core_imports_nothing_distributed() -> None:
-    reached = {name: closure(name) & DISTRIBUTED for name in sorted(CORE)}
-    assert {k: v for k, v in reached.items() if v} == {}
-
-
-def test_the_building_blocks_serve_ddp_and_sharding_without_importing_them() -> None:
-    reached = {name: closure(name) & (DDP | SHARDING) for name in sorted(BLOCKS)}
-    assert {k: v for k, v in reached.items() if v} == {}
-
-
-def test_ddp_and_sharding_do_not_import_each_other() -> None:
-    reached = {name: closure(name) & SHARDING for name in sorted(DDP)}
-    reached |= {name: closure(name) & DDP for name in sorted(SHARDING)}
-    assert {k: v for k, v in reached.items() if v} == {}
-
-
-def test_every_module_is_in_a_layer() -> None:
-    modules = {p.stem for p in FDP.glob("_*.py")} - {"__init__"}
-    others = {"_grad_scaler", "_version"}  # public glue that may reach both layers
-    assert modules == CORE | DISTRIBUTED | others
+    core = [m for m in MODULES if layer(m) == "core"]
+    assert {m: closure(m) for m in core if any(layer(d) != "core" for d in closure(m))} == {}
 
 
 def test_the_graph_has_no_cycle() -> None:
-    for name in {p.stem for p in FDP.glob("_*.py")} - {"__init__"}:
-        assert name not in closure(name), name
+    assert [name for name in MODULES if name in closure(name)] == []
 
 
 def test_no_private_helper_is_used_across_modules() -> None:
     """A module uses another's names without a leading underscore: those are its API."""
     crossings = []
-    for path in sorted(FDP.glob("*.py")):
+    for name, path in MODULES.items():
         tree = ast.parse(path.read_text())
-        modules = set()
+        imported = set()
         for node in tree.body:
-            if isinstance(node, ast.ImportFrom) and node.module == "fdp":
-                modules |= {alias.asname or alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fdp._"):
-                crossings += [
-                    f"{path.name}: from {node.module} import {a.name}"
-                    for a in node.names
-                    if a.name.startswith("_") and not a.name.startswith("__")
-                ]
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("fdp"):
+                continue
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in MODULES:
+                    imported.add(alias.asname or alias.name)
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    crossings.append(f"{name}: from {node.module} import {alias.name}")
         for inner in ast.walk(tree):
             if (
                 isinstance(inner, ast.Attribute)
                 and isinstance(inner.value, ast.Name)
-                and inner.value.id in modules
+                and inner.value.id in imported
                 and inner.attr.startswith("_")
                 and not inner.attr.startswith("__")
             ):
-                crossings.append(f"{path.name}: {inner.value.id}.{inner.attr}")
+                crossings.append(f"{name}: {inner.value.id}.{inner.attr}")
     assert crossings == []

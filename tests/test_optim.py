@@ -1,4 +1,4 @@
-"""fdp.optim against torch.optim (foreach=True) on the same trees and gradients (fdp._optim).
+"""fdp.optim against torch.optim (foreach=True) on the same trees and gradients (fdp.optim._base).
 
 Each step's gradient is a fixed function of the step and the current
 parameters, so the two trajectories only agree if every update does. One

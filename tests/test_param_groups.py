@@ -1,4 +1,4 @@
-"""fdp.optim.param_groups against torch.optim's parameter groups (fdp._param_groups)."""
+"""fdp.optim.param_groups against torch.optim's parameter groups (fdp.optim._param_groups)."""
 
 from __future__ import annotations
 

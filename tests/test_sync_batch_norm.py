@@ -1,4 +1,4 @@
-"""fdp.sync_batch_norm against batch norm on the concatenated global batch (fdp._sync_batch_norm).
+"""fdp.sync_batch_norm against batch norm on the concatenated global batch.
 
 Every rank holds a slice of one global batch (of different sizes, 0
 included) and a slice of a fixed output gradient. The reference is

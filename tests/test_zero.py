@@ -1,4 +1,4 @@
-"""fdp.ZeroRedundancy on 2-4 gloo ranks against one process running torch.optim (fdp._zero).
+"""fdp.ZeroRedundancy on 2-4 gloo ranks against one process running torch.optim.
 
 Each rank's local gradient is a fixed function of the step, the rank and
 the current parameters; the reference averages the ranks' gradients in one
@@ -96,7 +96,7 @@ def _zero_steps(
     rank: int, size: int, name: str, stage: int, cap: float, nccl_path: bool = False
 ) -> list[torch.Tensor]:
     if nccl_path:  # the collectives fdp uses on NCCL (reduce-scatter, all-gather), on gloo
-        with unittest.mock.patch.object(fdp._zero_comm, "is_gloo", return_value=False):
+        with unittest.mock.patch.object(fdp._sharding._zero_comm, "is_gloo", return_value=False):
             return _zero_steps(rank, size, name, stage, cap)
     make, _, hyper = OPTIMIZERS[name]
     params = tree()

@@ -5,7 +5,7 @@ each leaf that any rank got one for is all-reduced on its own, as a sparse
 tensor, after the buckets, in leaf order, on every rank: a rank without one
 (its loss did not use the table, or it left a ``join``) takes part with an
 empty one. A step flags such leaves in its usage all-reduce
-(``fdp/_ddp_reducer.py``), so every rank knows which reductions come.
+(``fdp/_reducer.py``), so every rank knows which reductions come.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from fdp import _param_groups
-from fdp._zero_shards import Part, Segment, Shards
+from fdp._sharding._zero_shards import Part, Segment, Shards
+from fdp.optim import _param_groups
 
 ShardTree = dict[str, tuple[torch.Tensor, ...]]
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fdp import _bucket, _compat, _tree
-from fdp._groups import ProcessGroup
+from fdp._comm._groups import ProcessGroup
 
 
 def require_member(call: str, group: object) -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fdp import _tree
-from fdp._groups import ProcessGroup
+from fdp._comm._groups import ProcessGroup
 
 T = TypeVar("T")
 

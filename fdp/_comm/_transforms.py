@@ -31,8 +31,9 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from fdp import _bucket, _compat, _groups, _tree
-from fdp._groups import ProcessGroup
+from fdp import _bucket, _compat, _tree
+from fdp._comm import _groups
+from fdp._comm._groups import ProcessGroup
 
 F = TypeVar("F", bound=Callable[..., Any])
 

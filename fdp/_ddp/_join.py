@@ -33,11 +33,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fdp import _bucket, _compat, _groups
-from fdp._ddp_buffers import Buffers
-from fdp._ddp_sparse import empty_sparse
-from fdp._groups import ProcessGroup
-from fdp._training import ALONE, TRAINING, Group, Training
+from fdp import _bucket, _compat
+from fdp._comm import _groups
+from fdp._comm._groups import ProcessGroup
+from fdp._comm._training import ALONE, TRAINING, Group, Training
+from fdp._ddp._buffers import Buffers
+from fdp._ddp._sparse import empty_sparse
 
 UNDER_TRANSFORM = (
     "fdp.DistributedDataParallel.join: ddp(params) under a torch.func transform (or on "

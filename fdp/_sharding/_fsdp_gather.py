@@ -6,7 +6,7 @@ averages the cotangents over ranks and keeps this rank's part: a
 reduce-scatter divided by the world size, so that the shards' gradient is
 the gradient of the mean of the ranks' losses, as under DDP.
 
-As with :mod:`fdp._transforms`' psum rule, every map here is linear, so
+As with :mod:`fdp._comm._transforms`' psum rule, every map here is linear, so
 its derivatives are the same collectives: :class:`_Gather` (all-gather
 forward; backward the reduce-scatter, or for the parameters the
 data-parallel mean: also summed over HSDP's replicas, then divided by every
@@ -29,8 +29,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fdp import _compat, _groups, _transforms
-from fdp._groups import ProcessGroup
+from fdp import _compat
+from fdp._comm import _groups, _transforms
+from fdp._comm._groups import ProcessGroup
 
 
 class How(NamedTuple):

@@ -4,7 +4,7 @@
 the leaf's memory (not an autograd view) and registers a gradient hook on it
 (:class:`Reducer`). Every backward that passes through a call's output runs
 those hooks, and so is reduced, once per backward: the first hook of a
-backward opens a :class:`fdp._ddp_reducer.Step`, which ends with that
+backward opens a :class:`fdp._ddp._reducer.Step`, which ends with that
 backward. A backward that does not pass through one (a local backward on
 ``params`` itself, torch's backward through ``ddp.module``) runs no hook and
 issues no collective. A call's output reused for several backwards
@@ -31,7 +31,7 @@ import torch
 
 from fdp import _compat
 from fdp._bucket import Layout
-from fdp._ddp_reducer import Reduction, Step
+from fdp._ddp._reducer import Reduction, Step
 
 
 def hooked_leaves(layout: Layout, leaves: list[Any]) -> list[int]:

@@ -2,7 +2,7 @@
 
 One :class:`Step` lives from the first hook of a backward that passes
 through a ``ddp(params)`` output to the end of that backward
-(``fdp/_ddp_arming.py`` says what arms it). Each hook copies its gradient
+(``fdp/_arming.py`` says what arms it). Each hook copies its gradient
 into its bucket's flat buffer; a full bucket is launched once every earlier
 bucket has been, so every rank issues the same collectives in the same
 order. A callback queued on the engine runs when backward ends: it launches what is
@@ -35,10 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fdp import _comm_hooks, _compat, _transforms
+from fdp import _compat
 from fdp._bucket import Layout
-from fdp._comm_hooks import CommHook, GradBucket
-from fdp._ddp_sparse import empty_sparse, reduce_sparse
+from fdp._comm import _comm_hooks, _transforms
+from fdp._comm._comm_hooks import CommHook, GradBucket
+from fdp._ddp._sparse import empty_sparse, reduce_sparse
 
 
 @dataclass(frozen=True)

@@ -19,21 +19,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from fdp import (
-    _agreement,
-    _bucket,
-    _clip,
-    _optim,
-    _transforms,
-    _tree,
-    _zero_comm,
-    _zero_join,
-    _zero_shards,
-)
-from fdp._collectives import tensor_leaves
-from fdp._groups import ProcessGroup
-from fdp._optim import OptimizerProtocol, check_grad
-from fdp._zero_shards import Part, Shards
+from fdp import _bucket, _tree
+from fdp._comm import _agreement, _transforms
+from fdp._comm._collectives import tensor_leaves
+from fdp._comm._groups import ProcessGroup
+from fdp._sharding import _zero_comm, _zero_join, _zero_shards
+from fdp._sharding._zero_shards import Part, Shards
+from fdp.optim import _base, _clip
+from fdp.optim._base import OptimizerProtocol, check_grad
 
 T = TypeVar("T")
 
@@ -103,7 +96,7 @@ class ZeroRedundancy:
         bucket_cap_mb: float = 25.0,
     ) -> None:
         call = "fdp.ZeroRedundancy"
-        if not isinstance(optimizer, _optim.OptimizerProtocol):
+        if not isinstance(optimizer, _base.OptimizerProtocol):
             raise TypeError(
                 f"{call}: `optimizer` expected an fdp.optim optimizer (slots, init and update: "
                 f"fdp.optim.OptimizerProtocol); got {_tree.describe(optimizer)}"
@@ -256,7 +249,7 @@ class ZeroRedundancy:
             raise
         slots_now = _tree.flatten(state.slots)[0]
         lr = getattr(self.optimizer, "lr", None)
-        differentiable = not torch.compiler.is_compiling() and _optim.differentiable(
+        differentiable = not torch.compiler.is_compiling() and _base.differentiable(
             lr, p, g, {"slots": slots_now}
         )
         if differentiable:  # checked before the first collective, as on the fast path
@@ -400,7 +393,7 @@ class ZeroRedundancy:
 
 def _bind(optimizer: OptimizerProtocol, params: Any, parts: Sequence[Part]) -> list[Any]:
     """Per bucket, the optimizer of its segments (``param_groups`` labels them by leaf)."""
-    if not isinstance(optimizer, _optim.Grouped):
+    if not isinstance(optimizer, _base.Grouped):
         return [optimizer] * len(parts)
     labels = optimizer.labels(params)
     return [optimizer.bind([labels[s.leaf] for s in part.segments]) for part in parts]

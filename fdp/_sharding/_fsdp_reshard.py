@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 
-from fdp import _compat, _fsdp_gather, _groups, _tree
+from fdp import _compat, _tree
+from fdp._comm import _groups
+from fdp._sharding import _fsdp_gather
 
 
 def eligible(outputs: Sequence[torch.Tensor]) -> bool:

@@ -1,6 +1,6 @@
 """``DistributedDataParallel`` inside ``torch.compile``: the reduction as part of the graph.
 
-Eager DDP hooks every leaf and reduces from the hooks (``_ddp_reducer.py``). A
+Eager DDP hooks every leaf and reduces from the hooks (``_reducer.py``). A
 compiled function cannot register hooks, and hooks would fire only after the
 compiled backward has finished. So while dynamo traces ``ddp(params)``, the
 leaves go through one identity :class:`_Average` Function instead. Its
@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from fdp import _bucket, _comm_hooks, _compat, _groups
-from fdp._groups import ProcessGroup
+from fdp import _bucket, _compat
+from fdp._comm import _comm_hooks, _groups
+from fdp._comm._groups import ProcessGroup
 
 F = TypeVar("F", bound=Callable[..., Any])
 

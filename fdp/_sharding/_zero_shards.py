@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from fdp import _bucket, _tree
-from fdp._groups import ProcessGroup
+from fdp._comm._groups import ProcessGroup
 
 
 @dataclasses.dataclass(frozen=True)

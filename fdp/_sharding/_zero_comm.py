@@ -15,7 +15,7 @@ is broadcast by its owner. Flat buffers are reused from step to step once
 nothing else views them: a fresh buffer costs page faults.
 
 Traced (``torch.compile``), the functional reduce-scatter (stage 1:
-all-reduce) and all-gather of :mod:`fdp._groups`, whatever the backend."""
+all-reduce) and all-gather of :mod:`fdp._comm._groups`, whatever the backend."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fdp import _compat, _groups, _transforms
-from fdp._groups import ProcessGroup
+from fdp import _compat
+from fdp._comm import _groups, _transforms
+from fdp._comm._groups import ProcessGroup
 
 
 class Pool:
@@ -123,7 +124,7 @@ def is_gloo(group: ProcessGroup | None) -> bool:
 
 
 class Traced:
-    """Functional collectives (:mod:`fdp._groups`), for ``torch.compile``."""
+    """Functional collectives (:mod:`fdp._comm._groups`), for ``torch.compile``."""
 
     traced = True
 
@@ -156,7 +157,7 @@ class Traced:
 
 
 class Differentiable:
-    """Collectives that carry derivatives (:mod:`fdp._transforms`), for a step under autograd.
+    """Collectives that carry derivatives (:mod:`fdp._comm._transforms`), for a step under autograd.
 
     Both stages all-reduce (the reduce-scatter's result is this rank's
     slice of it) and the new slices travel as a zero-padded all-reduce:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fdp import _compat, _tree
-from fdp._groups import ProcessGroup
+from fdp._comm._groups import ProcessGroup
 
 Step = Callable[[Any, Any, Any], tuple[Any, Any]]
 

@@ -16,7 +16,7 @@ The collectives run eagerly under ``loss.backward()`` and ``torch.func.grad``
 (with functorch's dispatch disabled, on plain tensors: a collective is not
 differentiable), and as functional collectives while compiling. Inside
 ``DistributedDataParallel.join`` they run among the ranks still training
-(``fdp/_ddp_join.py``).
+(``fdp/_join.py``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from fdp import _compat, _groups, _training, _transforms
-from fdp._groups import ProcessGroup
+from fdp import _compat
+from fdp._comm import _groups, _training, _transforms
+from fdp._comm._groups import ProcessGroup
 
 Group = _training.Group
 

@@ -14,7 +14,7 @@ the copy goes to the tensor underneath, with functorch's dispatch disabled
 (the collective would otherwise be recorded). While compiling it uses
 functional broadcasts and ``copy_`` into the leaves: an input mutation,
 which ``torch.compile`` applies after the graph. Both are
-:func:`fdp._groups.broadcast_coalesced`.
+:func:`fdp._comm._groups.broadcast_coalesced`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fdp import _bucket, _groups
-from fdp._groups import ProcessGroup
+from fdp import _bucket
+from fdp._comm import _groups
+from fdp._comm._groups import ProcessGroup
 
 
 def is_buffer(t: torch.Tensor) -> bool:

@@ -26,7 +26,9 @@ from collections.abc import Sequence
 
 import torch
 
-from fdp import _compat, _fsdp_gather, _fsdp_reshard, _groups
+from fdp import _compat
+from fdp._comm import _groups
+from fdp._sharding import _fsdp_gather, _fsdp_reshard
 
 
 def eligible(shards: Sequence[torch.Tensor]) -> bool:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from fdp._groups import ProcessGroup
+from fdp._comm._groups import ProcessGroup
 
 __all__ = ["CommHook", "GradBucket", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
 

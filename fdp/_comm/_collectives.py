@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from fdp import _agreement, _bucket, _caches, _compat, _groups, _transforms, _tree
-from fdp._groups import ProcessGroup
+from fdp import _bucket, _caches, _compat, _tree
+from fdp._comm import _agreement, _groups, _transforms
+from fdp._comm._groups import ProcessGroup
 
 __all__ = ["all_reduce_grads", "broadcast_params"]
 

@@ -4,8 +4,8 @@ It overlaps the gradient all-reduce with backward, as
 ``torch.nn.parallel.DistributedDataParallel`` does for modules. The bucket
 layout lives in ``fdp/_bucket.py``, the cross-rank agreement checks in
 ``fdp/_agreement.py``, the per-step reduction (how DDP hooks into backward)
-in ``fdp/_ddp_reducer.py``, the compiled reduction in ``fdp/_ddp_traced.py``,
-buffers in ``fdp/_ddp_buffers.py`` and ``join`` in ``fdp/_ddp_join.py``;
+in ``fdp/_reducer.py``, the compiled reduction in ``fdp/_traced.py``,
+buffers in ``fdp/_buffers.py`` and ``join`` in ``fdp/_join.py``;
 ``docs/design.md`` draws the data flow.
 """
 
@@ -19,23 +19,15 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from fdp import (
-    _agreement,
-    _bucket,
-    _comm_hooks,
-    _compat,
-    _ddp_buffers,
-    _ddp_join,
-    _ddp_traced,
-    _transforms,
-    _tree,
-)
-from fdp._collectives import tensor_leaves
-from fdp._comm_hooks import CommHook
-from fdp._ddp_arming import Reducer, hooked_leaves
-from fdp._ddp_join import Joiner
-from fdp._ddp_reducer import Reduction
-from fdp._groups import ProcessGroup
+from fdp import _bucket, _compat, _tree
+from fdp._comm import _agreement, _comm_hooks, _transforms
+from fdp._comm._collectives import tensor_leaves
+from fdp._comm._comm_hooks import CommHook
+from fdp._comm._groups import ProcessGroup
+from fdp._ddp import _buffers, _join, _traced
+from fdp._ddp._arming import Reducer, hooked_leaves
+from fdp._ddp._join import Joiner
+from fdp._ddp._reducer import Reduction
 
 __all__ = ["DistributedDataParallel"]
 
@@ -46,8 +38,8 @@ def _ddp_eagerly(ddp: DistributedDataParallel, params: Any) -> Any:
 
 # Where ddp(params) cannot be compiled, dynamo calls it eagerly (a graph
 # break) and, under fullgraph=True, reports fdp's reason.
-_UNDER_TRANSFORM = _compat.compiler_disable(_ddp_eagerly, reason=_ddp_traced.UNDER_TRANSFORM)
-_IN_JOIN = _compat.compiler_disable(_ddp_eagerly, reason=_ddp_traced.IN_JOIN)
+_UNDER_TRANSFORM = _compat.compiler_disable(_ddp_eagerly, reason=_traced.UNDER_TRANSFORM)
+_IN_JOIN = _compat.compiler_disable(_ddp_eagerly, reason=_traced.IN_JOIN)
 
 T = TypeVar("T")
 
@@ -95,7 +87,7 @@ class DistributedDataParallel:
         leaves it did not use. Inside ``torch.compile`` (``fullgraph=True``
         included) ``ddp(params)`` is traced: the same buckets are
         all-reduced by functional collectives in the compiled backward
-        (``fdp/_ddp_traced.py``), with the default hook or the fp16/bf16 ones;
+        (``fdp/_traced.py``), with the default hook or the fp16/bf16 ones;
         there a leaf that no rank used gets a zero ``.grad``.
 
     Buffers:
@@ -184,13 +176,13 @@ class DistributedDataParallel:
         self._planned = _tree.Planned(params, owner="this DistributedDataParallel")
         every = [t if isinstance(t, torch.Tensor) else None for t in leaves]
         self._meta = [None if t is None else (t.shape, t.dtype, t.device) for t in every]
-        self._buffers = _ddp_buffers.Buffers(every, group) if broadcast_buffers else None
-        final = _ddp_buffers.Buffers(every, group, with_params=True)  # every tensor leaf
+        self._buffers = _buffers.Buffers(every, group) if broadcast_buffers else None
+        final = _buffers.Buffers(every, group, with_params=True)  # every tensor leaf
         if init_sync:  # as torch's DDP: every rank starts from rank 0's parameters and buffers
             final.sync(leaves, src=0)
         elif self._buffers is not None:  # no_sync calls use them
             self._buffers.sync(leaves, src=0)
-        self._refs = _ddp_join.weak(leaves)  # the tensors join synchronises if none come later
+        self._refs = _join.weak(leaves)  # the tensors join synchronises if none come later
         self._layout = _bucket.Layout(tensors, cap_bytes=cap, first_cap_bytes=first_cap)
         paths = _tree.paths(params, "params")
         # Without a hook the division by the world size is folded into
@@ -203,7 +195,7 @@ class DistributedDataParallel:
         ]
         """The leaf paths of each bucket, in reduction order."""
         self._traced_spec = _tree.traced_spec(params)
-        self._traced_hook = _ddp_traced.traced_hook(comm_hook, group, group)
+        self._traced_hook = _traced.traced_hook(comm_hook, group, group)
         firsts: dict[int, int] = {}
         self._ties = {i: firsts.setdefault(id(leaves[i]), i) for i in sorted(self._layout.where)}
         self._ties = {i: j for i, j in self._ties.items() if i != j}
@@ -213,7 +205,7 @@ class DistributedDataParallel:
         # The leaves a step's usage all-reduce counts (hooked: needing grad,
         # each tensor once), for join's mirroring ranks.
         counted = [leaves[i] for i in hooked_leaves(self._layout, leaves)]
-        self._join_plan = _ddp_join.JoinPlan(
+        self._join_plan = _join.JoinPlan(
             group=group,
             buckets=tuple(self._layout.buckets),
             counted=len(counted),
@@ -254,7 +246,7 @@ class DistributedDataParallel:
             )
         reduction = dataclasses.replace(self._reducer.reduction, hook=hook, state=state)
         self._reducer = Reducer(reduction)
-        self._traced_hook = _ddp_traced.traced_hook(hook, state, reduction.group)
+        self._traced_hook = _traced.traced_hook(hook, state, reduction.group)
 
     @contextmanager
     def join(self, *, divide_by_initial_world_size: bool = True) -> Iterator[None]:
@@ -276,7 +268,7 @@ class DistributedDataParallel:
         agree. An optimizer's own state (Adam's moments) is not synchronised,
         as in torch. ``fdp.sync_batch_norm`` inside the block takes its
         statistics over the ranks still training. Eager only, with the default reduction
-        (``fdp/_ddp_join.py``).
+        (``fdp/_join.py``).
 
         Example::
 
@@ -325,7 +317,7 @@ class DistributedDataParallel:
         if torch.compiler.is_compiling():
             if self._joiner is not None:
                 return cast(T, _IN_JOIN(self, params))
-            if _ddp_traced.eager_only(
+            if _traced.eager_only(
                 leaves, buffers=self._buffers is not None and len(self._buffers.buckets) > 0
             ):
                 return cast(T, _UNDER_TRANSFORM(self, params))
@@ -338,7 +330,7 @@ class DistributedDataParallel:
             return params
         if torch.compiler.is_compiling():
             # No hooks in a compiled graph: the reduction becomes part of it.
-            synced = _ddp_traced.average(
+            synced = _traced.average(
                 leaves,
                 self._layout,
                 hook=self._traced_hook,

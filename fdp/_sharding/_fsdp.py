@@ -25,10 +25,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from fdp import (
-    _agreement,
-    _bucket,
-    _clip,
+from fdp import _bucket, _tree
+from fdp._comm import _agreement, _groups, _transforms
+from fdp._comm._collectives import tensor_leaves
+from fdp._comm._groups import ProcessGroup
+from fdp._sharding import (
     _fsdp_chain,
     _fsdp_gather,
     _fsdp_optim,
@@ -36,15 +37,10 @@ from fdp import (
     _fsdp_prefetch,
     _fsdp_reshard,
     _fsdp_state,
-    _groups,
-    _param_groups,
-    _transforms,
-    _tree,
     _zero_shards,
 )
-from fdp._collectives import tensor_leaves
-from fdp._groups import ProcessGroup
-from fdp._zero import ZeroState
+from fdp._sharding._zero import ZeroState
+from fdp.optim import _clip, _param_groups
 
 T = TypeVar("T")
 

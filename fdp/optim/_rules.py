@@ -1,8 +1,8 @@
 """``fdp.optim``'s optimizers: ``sgd``, ``adam``, ``adamw`` (``SGD``, ``Adam``).
 
-Each is an :class:`fdp._optim.Optimizer`: the update rule over the live
+Each is an :class:`fdp.optim._base.Optimizer`: the update rule over the live
 leaves (real views of complex ones), as torch's ``foreach`` implementations
-compute it; ``fdp/_optim.py`` has what every optimizer shares (the
+compute it; ``fdp/_base.py`` has what every optimizer shares (the
 contract, the checks, donation, the differentiable path).
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fdp._optim import (
+from fdp.optim._base import (
     Lists,
     Optimizer,
     check_hyper,

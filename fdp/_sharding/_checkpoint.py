@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fdp import _bucket, _compat
-from fdp._groups import ProcessGroup
-from fdp._zero import ZeroState
-from fdp._zero_shards import Shards
+from fdp._comm._groups import ProcessGroup
+from fdp._sharding._zero import ZeroState
+from fdp._sharding._zero_shards import Shards
 
 T = TypeVar("T")
 _RNG = "_fdp/rng/"

@@ -1,0 +1,34 @@
+"""Functional optimizers over parameter pytrees: ``sgd``, ``adam``, ``adamw``.
+
+Each returns an optimizer with ``init(params) -> state`` and
+``update(grads, state, params) -> (params, state)``, pure and traceable
+(``fdp/_base.py``, ``fdp/_rules.py``). Around them, what a training loop needs:
+``param_groups`` (per-leaf hyperparameters), ``clip_by_global_norm`` and
+``GradScaler`` (float16 loss scaling).
+"""
+
+from fdp.optim._base import Optimizer as Optimizer
+from fdp.optim._base import OptimizerProtocol as OptimizerProtocol
+from fdp.optim._clip import clip_by_global_norm as clip_by_global_norm
+from fdp.optim._grad_scaler import GradScaler as GradScaler
+from fdp.optim._param_groups import ParamGroups as ParamGroups
+from fdp.optim._param_groups import param_groups as param_groups
+from fdp.optim._rules import SGD as SGD
+from fdp.optim._rules import Adam as Adam
+from fdp.optim._rules import adam as adam
+from fdp.optim._rules import adamw as adamw
+from fdp.optim._rules import sgd as sgd
+
+__all__ = [
+    "SGD",
+    "Adam",
+    "GradScaler",
+    "Optimizer",
+    "OptimizerProtocol",
+    "ParamGroups",
+    "adam",
+    "adamw",
+    "clip_by_global_norm",
+    "param_groups",
+    "sgd",
+]
