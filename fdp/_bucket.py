@@ -21,6 +21,13 @@ import torch
 from fdp import _compat
 
 MB = 1024 * 1024
+# Every bucket size fdp picks, in one place. Gradient buckets as torch's DDP
+# sizes them: 25 MiB, the first (the last layers' gradients, ready first)
+# 1 MiB so communication starts early.
+BUCKET_CAP_MB = 25.0
+FIRST_BUCKET_CAP_MB = 1.0
+# Broadcasts are rare (initial weights, buffers): one per device and dtype.
+BROADCAST_CAP_BYTES = 250 * MB
 
 
 @dataclass(frozen=True)

@@ -173,32 +173,17 @@ def _unique_leaves(
     Deduplicated by identity: a tensor tied at two leaves enters the Function
     once (pytorch/pytorch#183604) and its copies stay tied.
     """
-    unique: list[torch.Tensor] = []
-    slot: dict[int, int] = {}
-    leaf_slots: list[int] = []
     for i, leaf in enumerate(leaves):
-        if leaf is None:
-            leaf_slots.append(-1)
-            continue
-        if not isinstance(leaf, torch.Tensor):
+        if leaf is not None and not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"{call}: `params` leaf {_tree.path(params, i, 'params')} expected a tensor "
                 f"or None; got {_tree.describe(leaf)}"
             )
-        s = _slot_of(leaf, unique, slot)
-        if s == len(unique):
-            unique.append(leaf)
-        leaf_slots.append(s)
-    return unique, leaf_slots
-
-
-def _slot_of(leaf: torch.Tensor, unique: list[torch.Tensor], slot: dict[int, int]) -> int:
-    """``leaf``'s index in ``unique`` if it is there (by identity), else ``len(unique)``."""
-    if torch.compiler.is_compiling():
-        # A scan by ``is``, at trace time only: dynamo before torch 2.13 cannot take
-        # the id() of a tensor made inside the trace (under a torch.func transform).
-        return next((j for j, u in enumerate(unique) if u is leaf), len(unique))
-    return slot.setdefault(id(leaf), len(unique))
+    tied = _tree.ties(leaves)
+    firsts = [i for i, leaf in enumerate(leaves) if leaf is not None and i not in tied]
+    slot = {i: k for k, i in enumerate(firsts)}
+    leaf_slots = [-1 if leaf is None else slot[tied.get(i, i)] for i, leaf in enumerate(leaves)]
+    return [leaves[i] for i in firsts], leaf_slots
 
 
 def replicate_on(

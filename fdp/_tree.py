@@ -11,7 +11,7 @@ unflattening restores each dict's own insertion order.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -92,6 +92,42 @@ def _unflatten_traceable(spec: tuple[Any, ...], leaves: Iterator[Any]) -> Any:
     if kind is tuple:
         return tuple(values_)
     return kind(*values_)  # a namedtuple
+
+
+def ties(leaves: Sequence[Any], indices: Iterable[int] | None = None) -> dict[int, int]:
+    """Tied leaves: leaf index -> the index of the first leaf holding the same tensor.
+
+    A tensor at several leaves (tied weights) is one tensor: every layer
+    copies, shards, reduces or saves it once, at its first leaf, and gives
+    the others that same result (as ``load_state_dict`` keeps ties).
+    Leaves that are not tensors are never tied. ``indices`` limits the
+    leaves looked at (in that order).
+
+    Example:
+        >>> w = torch.ones(2)
+        >>> ties([w, torch.ones(2), w])
+        {2: 0}
+    """
+    tied: dict[int, int] = {}
+    firsts: list[int] = []
+    by_id: dict[int, int] = {}
+    compiling = torch.compiler.is_compiling()
+    for i in range(len(leaves)) if indices is None else indices:
+        leaf = leaves[i]
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if compiling:
+            # Note: a scan by ``is``, at trace time only: dynamo before torch
+            # 2.13 cannot take the id() of a tensor made inside the trace
+            # (under a torch.func transform).
+            j = next((f for f in firsts if leaves[f] is leaf), i)
+        else:
+            j = by_id.setdefault(id(leaf), i)
+        if j == i:
+            firsts.append(i)
+        else:
+            tied[i] = j
+    return tied
 
 
 def traced_spec(tree: Any) -> tuple[Any, ...] | None:

@@ -89,7 +89,7 @@ def _coalesced(rank: int, size: int, compiled: bool) -> list[torch.Tensor | None
         torch.full((2, 2), complex(rank, -rank)),
         torch.full((1, 3, 2, 2), float(rank)).to(memory_format=torch.channels_last),
     ]
-    buckets = _bucket.plan(targets, cap_bytes=_groups.BROADCAST_CAP_BYTES)
+    buckets = _bucket.plan(targets, cap_bytes=_bucket.BROADCAST_CAP_BYTES)
 
     def sync(ts: list[torch.Tensor | None]) -> None:
         _groups.broadcast_coalesced(buckets, ts, src=1, group=group)  # group rank 1: global 2

@@ -88,7 +88,7 @@ def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None
     ):
         _broadcast_differentiable(tensors, src, group)
         return tree
-    buckets = _bucket.plan(tensors, cap_bytes=_groups.BROADCAST_CAP_BYTES)
+    buckets = _bucket.plan(tensors, cap_bytes=_bucket.BROADCAST_CAP_BYTES)
     _groups.broadcast_coalesced(buckets, tensors, src=_groups.group_rank(group, src), group=group)
     return tree
 
@@ -112,7 +112,7 @@ def all_reduce_grads(
     grads: T,
     *,
     group: ProcessGroup | None = None,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float = _bucket.BUCKET_CAP_MB,
     average: bool = True,
 ) -> T:
     """All-reduces a tree of gradients in buckets of about ``bucket_cap_mb``.

@@ -30,9 +30,6 @@ from fdp import _bucket, _compat
 
 ProcessGroup = dist.ProcessGroup
 
-# Broadcasts are rare (initial weights, buffers): one per device and dtype.
-BROADCAST_CAP_BYTES = 250 * _bucket.MB
-
 
 def resolve(group: ProcessGroup | None) -> Any:
     """The group itself; ``None``: the default group (``dist.group.WORLD``)."""

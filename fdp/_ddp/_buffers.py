@@ -63,7 +63,7 @@ class Buffers:
             i for i, t in enumerate(tensors) if t is not None and (with_params or is_buffer(t))
         ]
         self.buckets = _bucket.plan(
-            [tensors[i] for i in self.indices], cap_bytes=_groups.BROADCAST_CAP_BYTES
+            [tensors[i] for i in self.indices], cap_bytes=_bucket.BROADCAST_CAP_BYTES
         )
         self.group = group
 

@@ -151,8 +151,8 @@ class DistributedDataParallel:
         params: Any,
         *,
         group: ProcessGroup | None = None,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = 1.0,
+        bucket_cap_mb: float = _bucket.BUCKET_CAP_MB,
+        first_bucket_cap_mb: float = _bucket.FIRST_BUCKET_CAP_MB,
         comm_hook: CommHook | None = None,
         broadcast_buffers: bool = True,
         init_sync: bool = True,
@@ -196,9 +196,7 @@ class DistributedDataParallel:
         """The leaf paths of each bucket, in reduction order."""
         self._traced_spec = _tree.traced_spec(params)
         self._traced_hook = _traced.traced_hook(comm_hook, group, group)
-        firsts: dict[int, int] = {}
-        self._ties = {i: firsts.setdefault(id(leaves[i]), i) for i in sorted(self._layout.where)}
-        self._ties = {i: j for i, j in self._ties.items() if i != j}
+        self._ties = _tree.ties(leaves, sorted(self._layout.where))
         self._sync = True
         self._called = False
         self._joiner: Joiner | None = None

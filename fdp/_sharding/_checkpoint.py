@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from fdp import _bucket, _compat
+from fdp import _bucket, _compat, _tree
 from fdp._comm._groups import ProcessGroup
 from fdp._sharding._zero import ZeroState
 from fdp._sharding._zero_shards import Shards
@@ -169,14 +169,7 @@ def load_checkpoint(
 def _ties(like: Any) -> dict[int, int]:
     """Leaf index -> the first leaf holding the same tensor (``load_state_dict`` keeps ties)."""
     flat = optree.tree_leaves(like, is_leaf=lambda x: isinstance(x, ZeroState), none_is_leaf=True)
-    first: dict[int, int] = {}
-    ties = {}
-    for i, value in enumerate(flat):
-        if isinstance(value, torch.Tensor):
-            j = first.setdefault(id(value), i)
-            if j != i:
-                ties[i] = j
-    return ties
+    return _tree.ties(flat)
 
 
 class _Leaf:

@@ -138,12 +138,7 @@ class FullyShardedDataParallel:
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reshard_after_forward = reshard_after_forward
         self._planned = _tree.Planned(params, owner="this FullyShardedDataParallel")
-        # A tensor at several leaves (tied weights) is sharded once, at its first.
-        firsts: dict[int, int] = {}
-        self._ties = {
-            i: firsts.setdefault(id(t), i) for i, t in enumerate(tensors) if t is not None
-        }
-        self._ties = {i: j for i, j in self._ties.items() if i != j}
+        self._ties = _tree.ties(tensors)  # a tied tensor is sharded once, at its first leaf
         sharded = [None if i in self._ties else t for i, t in enumerate(tensors)]
         # Leaves that are not sharded (None, integer tensors) are kept as given.
         self._kept = {i: leaf for i, leaf in enumerate(leaves) if tensors[i] is None}

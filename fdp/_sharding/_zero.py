@@ -93,7 +93,7 @@ class ZeroRedundancy:
         *,
         group: ProcessGroup | None = None,
         stage: int = 2,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = _bucket.BUCKET_CAP_MB,
     ) -> None:
         call = "fdp.ZeroRedundancy"
         if not isinstance(optimizer, _base.OptimizerProtocol):
