@@ -162,16 +162,7 @@ class DistributedDataParallel:
         first_cap = _agreement.check_cap(first_bucket_cap_mb, "first_bucket_cap_mb", call=call)
         if comm_hook is not None:
             _comm_hooks.check_hook(comm_hook, call=call, arg="comm_hook")
-        _agreement.require_member(call, group)
-        leaves, spec, tensors = tensor_leaves(params, call=call, arg="params", float_only=True)
-        if all(t is None for t in tensors):
-            raise ValueError(
-                f"{call}: `params` expected at least one floating-point tensor leaf; got none "
-                f"among {len(leaves)} leaves (nothing to reduce: without trainable parameters "
-                "DistributedDataParallel is not needed)"
-            )
-        described = _agreement.signature(params, leaves, "params", requires_grad=True)
-        _agreement.check(described, group=group, call=call, arg="params")
+        leaves, spec, tensors = _checked_params(call, params, group)
         self._spec = spec
         self._planned = _tree.Planned(params, owner="this DistributedDataParallel")
         every = [t if isinstance(t, torch.Tensor) else None for t in leaves]
@@ -200,10 +191,16 @@ class DistributedDataParallel:
         self._sync = True
         self._called = False
         self._joiner: Joiner | None = None
+        self._join_plan = self._plan_join(leaves, group, final)
+
+    def _plan_join(
+        self, leaves: list[Any], group: ProcessGroup | None, final: _buffers.Buffers
+    ) -> _join.JoinPlan:
+        """What ranks that left ``join`` mirror: buckets, counted leaves, buffers."""
         # The leaves a step's usage all-reduce counts (hooked: needing grad,
         # each tensor once), for join's mirroring ranks.
         counted = [leaves[i] for i in hooked_leaves(self._layout, leaves)]
-        self._join_plan = _join.JoinPlan(
+        return _join.JoinPlan(
             group=group,
             buckets=tuple(self._layout.buckets),
             counted=len(counted),
@@ -421,3 +418,20 @@ def overlap_options() -> dict[str, Any]:
         "reorder_for_compute_comm_overlap": True,
         "reorder_for_compute_comm_overlap_passes": _compat.inductor_overlap_passes(),
     }
+
+
+def _checked_params(
+    call: str, params: Any, group: ProcessGroup | None
+) -> tuple[list[Any], Any, list[torch.Tensor | None]]:
+    """``params``' leaves, spec and float tensors, the same tree on every rank of ``group``."""
+    _agreement.require_member(call, group)
+    leaves, spec, tensors = tensor_leaves(params, call=call, arg="params", float_only=True)
+    if all(t is None for t in tensors):
+        raise ValueError(
+            f"{call}: `params` expected at least one floating-point tensor leaf; got none "
+            f"among {len(leaves)} leaves (nothing to reduce: without trainable parameters "
+            "DistributedDataParallel is not needed)"
+        )
+    described = _agreement.signature(params, leaves, "params", requires_grad=True)
+    _agreement.check(described, group=group, call=call, arg="params")
+    return leaves, spec, tensors

@@ -119,15 +119,7 @@ class FullyShardedDataParallel:
     ) -> None:
         call = "fdp.FullyShardedDataParallel"
         group, self.replicas = _fsdp_plan.mesh_groups(call, group, mesh)
-        _agreement.require_member(call, group)
-        leaves, _spec, tensors = tensor_leaves(params, call=call, arg="params", float_only=True)
-        described = _agreement.signature(params, leaves, "params", requires_grad=False)
-        _agreement.check(described, group=group, call=call, arg="params")
-        paths = _tree.paths(params, "params")
-        _agreement.check_values(tensors, paths, group=group, call=call, arg="params")
-        if self.replicas is not None:
-            _agreement.check(described, group=self.replicas, call=call, arg="params")
-            _agreement.check_values(tensors, paths, group=self.replicas, call=call, arg="params")
+        leaves, _spec, tensors = _checked_params(call, params, group, self.replicas)
         self.replicas_world = 1 if self.replicas is None else dist.get_world_size(self.replicas)
         for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and not (
@@ -469,3 +461,17 @@ class FullyShardedDataParallel:
                     f"{call}: `shards` unit {unit.name!r} expected tensors of shapes {expected} "
                     f"(this rank's shards); got {[_tree.describe(t) for t in given]}"
                 )
+
+
+def _checked_params(
+    call: str, params: Any, group: ProcessGroup | None, replicas: ProcessGroup | None
+) -> tuple[list[Any], Any, list[torch.Tensor | None]]:
+    """``params``' leaves, spec and float tensors: the same tree and values on every rank."""
+    _agreement.require_member(call, group)
+    leaves, spec, tensors = tensor_leaves(params, call=call, arg="params", float_only=True)
+    described = _agreement.signature(params, leaves, "params", requires_grad=False)
+    paths = _tree.paths(params, "params")
+    for among in (group,) if replicas is None else (group, replicas):
+        _agreement.check(described, group=among, call=call, arg="params")
+        _agreement.check_values(tensors, paths, group=among, call=call, arg="params")
+    return leaves, spec, tensors

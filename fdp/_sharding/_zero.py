@@ -234,6 +234,44 @@ class ZeroRedundancy:
         max_norm: float | torch.Tensor | None,
     ) -> tuple[T, ZeroState]:
         call = "fdp.ZeroRedundancy.step"
+        p, g = self._checked_step(call, grads, state, params, max_norm)
+        slots_now = _tree.flatten(state.slots)[0]
+        lr = getattr(self.optimizer, "lr", None)
+        differentiable = not torch.compiler.is_compiling() and _base.differentiable(
+            lr, p, g, {"slots": slots_now}
+        )
+        if differentiable:  # checked before the first collective, as on the fast path
+            fingerprint = self._fingerprint(grads, g)
+            fingerprint.finish(
+                fingerprint.start(self.group), group=self.group, call=call, arg="grads"
+            )
+        comm = self._comm(differentiable)
+        with contextlib.nullcontext() if differentiable else torch.no_grad():
+            checking = (
+                None
+                if comm.traced or differentiable
+                else self._fingerprint(grads, g).start(self.group)
+            )
+            # The check ends before the first reduction: a rank whose grads
+            # differ exchanges nothing else, so no collective may pair wrongly.
+            packed = [_pack(part, g, self.shards.world) for part in self.shards.parts]
+            if checking is not None:
+                self._fingerprint(grads, g).finish(
+                    checking, group=self.group, call=call, arg="grads"
+                )
+            out, slots = self._exchange(comm, packed, p, g, state, donate, max_norm, differentiable)
+        spec = self._planned.structure(call)
+        return _tree.unflatten(spec, out), ZeroState(slots, self.shards)
+
+    def _checked_step(
+        self,
+        call: str,
+        grads: Any,
+        state: ZeroState,
+        params: Any,
+        max_norm: float | torch.Tensor | None,
+    ) -> tuple[list[Any], list[Any]]:
+        """``params``' and ``grads``' leaves, checked; an error is raised on every rank."""
         try:
             if max_norm is not None and not isinstance(max_norm, torch.Tensor) and max_norm < 0:
                 raise ValueError(f"{call}: `max_norm` expected a number >= 0; got {max_norm!r}")
@@ -247,47 +285,34 @@ class ZeroRedundancy:
         except (ValueError, TypeError) as e:
             self._share(call, e, grads)
             raise
-        slots_now = _tree.flatten(state.slots)[0]
-        lr = getattr(self.optimizer, "lr", None)
-        differentiable = not torch.compiler.is_compiling() and _base.differentiable(
-            lr, p, g, {"slots": slots_now}
-        )
-        if differentiable:  # checked before the first collective, as on the fast path
-            fingerprint = self._fingerprint(grads, g)
-            fingerprint.finish(
-                fingerprint.start(self.group), group=self.group, call=call, arg="grads"
+        return p, g
+
+    def _exchange(
+        self,
+        comm: Any,
+        packed: list[Any],
+        p: list[Any],
+        g: list[Any],
+        state: ZeroState,
+        donate: bool,
+        max_norm: float | torch.Tensor | None,
+        differentiable: bool,
+    ) -> tuple[list[Any], dict[str, list[Any]]]:
+        """Reduce-scatter each bucket, update this rank's slices, all-gather the new values."""
+        parts = self.shards.parts
+        started = [comm.reduce(k, flat) for k, flat in enumerate(packed)]
+        clipped = None if max_norm is None else self._clip(comm, started, max_norm)
+        gathers, slots = [], {k: list(v) for k, v in state.slots.items()}
+        for k, part in enumerate(parts):
+            reduced = comm.reduced(started[k]) if clipped is None else clipped[k]
+            pieces = self._update(
+                part, k, p, g, reduced, slots, donate=donate, detach=not differentiable
             )
-        comm = self._comm(differentiable)
-        parts, world = self.shards.parts, self.shards.world
-        with contextlib.nullcontext() if differentiable else torch.no_grad():
-            checking = (
-                None
-                if comm.traced or differentiable
-                else self._fingerprint(grads, g).start(self.group)
-            )
-            # The check ends before the first reduction: a rank whose grads
-            # differ exchanges nothing else, so no collective may pair wrongly.
-            packed = [_pack(part, g, world) for part in parts]
-            if checking is not None:
-                self._fingerprint(grads, g).finish(
-                    checking, group=self.group, call=call, arg="grads"
-                )
-            started = [comm.reduce(k, flat) for k, flat in enumerate(packed)]
-            clipped = None if max_norm is None else self._clip(comm, started, max_norm)
-            gathers, slots = [], {k: list(v) for k, v in state.slots.items()}
-            for k, part in enumerate(parts):
-                reduced = comm.reduced(started[k]) if clipped is None else clipped[k]
-                pieces = self._update(
-                    part, k, p, g, reduced, slots, donate=donate, detach=not differentiable
-                )
-                gathers.append(comm.gather(k, pieces))
-            out = list(p)
-            for part, handle in zip(parts, gathers, strict=True):
-                _unpack(
-                    part, comm.gathered(handle), p, out, leaf=not (comm.traced or differentiable)
-                )
-        spec = self._planned.structure(call)
-        return _tree.unflatten(spec, out), ZeroState(slots, self.shards)
+            gathers.append(comm.gather(k, pieces))
+        out = list(p)
+        for part, handle in zip(parts, gathers, strict=True):
+            _unpack(part, comm.gathered(handle), p, out, leaf=not (comm.traced or differentiable))
+        return out, slots
 
     def _clip(
         self, comm: Any, started: list[Any], max_norm: float | torch.Tensor

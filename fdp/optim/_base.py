@@ -147,6 +147,19 @@ class Optimizer:
                     "(drop donate=True to differentiate through the step)"
                 )
             return self._differentiable_update(p, g, s, live, spec)
+        return self._foreach_update(call, params, (p, g, s), live, spec, donate)
+
+    def _foreach_update(
+        self,
+        call: str,
+        params: Any,
+        leaves: tuple[list[Any], list[Any], dict[str, list[Any]]],
+        live: list[int],
+        spec: Any,
+        donate: bool,
+    ) -> tuple[Any, dict[str, Any]]:
+        """The step in foreach kernels over the live leaves, as torch.optim's foreach path."""
+        p, g, s = leaves
         try:
             with torch.no_grad():
                 if donate:
