@@ -189,7 +189,26 @@ def steps(rank: int) -> dict[str, Callable[[], Any]]:
             h = fsdp.apply(mine, str(i), layer, h)
         torch.autograd.backward(torch.nn.functional.cross_entropy(h, y))
 
-    return {"one eager DDP step": ddp_step, "one FSDP step (apply per unit)": fsdp_step}
+    zero = fdp.ZeroRedundancy(
+        fdp.optim.adamw(1e-3), [{k: t.detach() for k, t in layer.items()} for layer in params]
+    )
+    plain = [{k: t.detach() for k, t in layer.items()} for layer in params]
+    opt = zero.init(plain)
+
+    def zero_step() -> None:
+        grads = torch.func.grad(lambda p: torch.nn.functional.cross_entropy(mlp(p, x), y))(plain)
+        zero.step(grads, opt, plain)
+
+    def data_parallel_step() -> None:
+        out = fdp.data_parallel(mlp, params, x, devices=["cpu", "cpu"])
+        torch.autograd.backward(torch.nn.functional.cross_entropy(out, y))
+
+    return {
+        "one data_parallel step (2 CPU replicas)": data_parallel_step,
+        "one eager DDP step": ddp_step,
+        "one ZeRO step (AdamW)": zero_step,
+        "one FSDP step (apply per unit)": fsdp_step,
+    }
 
 
 def rank_main(rank: int, size: int, port: int) -> None:

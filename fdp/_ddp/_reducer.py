@@ -287,6 +287,10 @@ class Step:
 
     def _reduce_late(self) -> None:
         """Reduces the gradients that missed their bucket, on every rank (some had them)."""
+        # Note: why every bucket, on every rank. Whether a gradient came late
+        # depends on this rank's graph (a reentrant checkpoint, a leaf used
+        # twice), so ranks differ; one more all-reduce per bucket, zeros where
+        # nothing was late, keeps their collectives paired whatever happened.
         for k, bucket in enumerate(self.reduction.layout.buckets):
             extra = bucket.empty().view(-1).zero_()
             for j, view in enumerate(bucket.views(extra)):
