@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fdp import _bucket, _caches, _compat, _tree
-from fdp._comm import _agreement, _groups, _transforms
+from fdp._comm import _agreement, _groups, _parallel, _transforms
 from fdp._comm._groups import ProcessGroup
 
 __all__ = ["all_reduce_grads", "broadcast_params"]
@@ -104,7 +104,7 @@ def _broadcast_differentiable(
     mine = _groups.group_rank(group, src)
     for t in tensors:
         if t is not None:
-            t.copy_(_transforms.broadcast(t, mine, group))
+            t.copy_(_parallel.broadcast(t, mine, group))
 
 
 @_transforms.eager_under_transforms("fdp.all_reduce_grads")
@@ -196,7 +196,7 @@ def _all_reduce_differentiable(
     cap: int,
     divisor: int,
 ) -> list[Any]:
-    """all_reduce_grads under autograd or a transform: one :func:`_transforms.psum` per bucket.
+    """all_reduce_grads under autograd or a transform: one :func:`_parallel.psum` per bucket.
 
     The result is differentiable at any depth (the reduction's derivatives
     are the same reduction) and batches under ``vmap``.

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from fdp import _compat
-from fdp._comm import _groups, _training, _transforms
+from fdp._comm import _groups, _parallel, _training, _transforms
 from fdp._comm._groups import ProcessGroup
 
 Group = _training.Group
@@ -69,7 +69,7 @@ def _composite(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused forward from differentiable ops, for transforms and double backward.
 
-    The statistics travel through :func:`_transforms.all_gather`, whose
+    The statistics travel through :func:`_parallel.all_gather`, whose
     derivatives are collectives too, so every transform (and the derivative
     of this backward) follows from the ops: the psum rule. Same numbers as
     the fused path (exact per-rank statistics, Chan's formula).
@@ -86,7 +86,7 @@ def _composite(
     if group is _training.ALONE:
         rows = row.view(1, -1)
     else:
-        rows = _transforms.all_gather(row, cast(ProcessGroup | None, group))
+        rows = _parallel.all_gather(row, cast(ProcessGroup | None, group))
     counts, means, variances = rows[:, :1], rows[:, 1 : c + 1], rows[:, c + 1 :]
     total = counts.sum(0)
     mean = (counts * means).sum(0) / total

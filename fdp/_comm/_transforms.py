@@ -1,19 +1,11 @@
-"""fdp's collectives as linear maps with a rule for every ``torch.func`` transform (the psum rule).
+"""Parameters and their gradients under ``torch.func`` transforms, on fdp's psum rule.
 
-Every collective fdp runs is linear in its input, so its derivatives are
-collectives too, as with JAX's ``psum``: the vjp reduces the cotangent the
-same way, the jvp reduces the tangent the same way, and under ``vmap`` each
-batched slice is reduced. :class:`_AllReduce` carries these rules once, as
-an ``autograd.Function`` with ``setup_context``, ``backward``, ``jvp`` and
-``vmap``; its backward and jvp call the Function itself, so the rules hold
-at any nesting depth (``grad(grad)``, ``jvp(grad)``, ``vmap(grad)``,
-``jacrev``, ``jacfwd``, ``hessian``, ``torch.autograd.forward_ad``).
-Broadcast, all-gather and reduce-scatter are built from it (a masked or
-zero-padded all-reduce, exact because adding zeros is), so one Function
-holds every rule. These are the paths taken when a result must be
-differentiable; the fast paths (in-place, bucketed, overlapped) stay where
-nothing requires grad and no transform runs, and while compiling (dynamo
-cannot trace a Function with a custom ``jvp``) the functional collectives.
+The differentiable collectives themselves live in :mod:`fdp._comm._parallel`.
+Here: when a collective must carry derivatives (:func:`needs_rule`), the
+bucketed average of gradients through :func:`~fdp._comm._parallel.psum`
+(:func:`reduce_buckets`), and :func:`eager_under_transforms`, the
+decorator that runs an entry point eagerly where dynamo would drop a
+collective's derivatives.
 
 :class:`_Replicated` is ``ddp(params)`` under a transform: the identity
 forward, a bucketed average of the cotangents backward (through
@@ -29,71 +21,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
-import torch.distributed as dist
 
 from fdp import _bucket, _compat, _tree
-from fdp._comm import _groups
 from fdp._comm._groups import ProcessGroup
+from fdp._comm._parallel import psum
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class _AllReduce(torch.autograd.Function):
-    """``scale *`` the sum over the ranks of ``group`` of ``t``; linear, so self-transposed."""
-
-    @staticmethod
-    def forward(t: torch.Tensor, scale: float, group: ProcessGroup | None) -> torch.Tensor:
-        out = _groups.all_reduce(t, group=group)
-        return out if scale == 1.0 else out.mul_(scale)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.scale, ctx.group = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return psum(grad, scale=ctx.scale, group=ctx.group), None, None
-
-    @staticmethod
-    def jvp(ctx: Any, tangent: torch.Tensor, *_: Any) -> torch.Tensor:
-        return psum(tangent, scale=ctx.scale, group=ctx.group)
-
-    @staticmethod
-    def vmap(
-        info: Any, in_dims: tuple[Any, ...], t: torch.Tensor, scale: float, group: Any
-    ) -> tuple[torch.Tensor, int | None]:
-        # Every rank runs the same program, so every rank batches the same
-        # way: the batch dimension goes first everywhere and slices pair up.
-        dim = in_dims[0]
-        if dim is None:
-            return psum(t, scale=scale, group=group), None
-        return psum(t.movedim(dim, 0), scale=scale, group=group), 0
-
-
-def psum(t: torch.Tensor, *, scale: float = 1.0, group: ProcessGroup | None = None) -> torch.Tensor:
-    """``scale`` times the sum of ``t`` over the ranks of ``group``, differentiable at any depth."""
-    out: torch.Tensor = _AllReduce.apply(t, scale, group)  # type: ignore[no-untyped-call]
-    return out
-
-
-def broadcast(t: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
-    """Rank ``src``'s ``t`` (a group rank) on every rank; the transpose sums onto ``src``."""
-    # Zeros that depend on ``t``: every rank's psum then has the same
-    # derivatives to run (zeros_like would give the other ranks none: a hang).
-    mine = dist.get_rank(group) == src
-    return psum(t if mine else torch.where(torch.tensor(False), t, 0), group=group)
-
-
-def all_gather(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """``t`` from every rank stacked along a new dim 0; the transpose is a reduce-scatter."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    rows = [t if r == rank else torch.where(torch.tensor(False), t, 0) for r in range(world)]
-    return psum(torch.stack(rows), group=group)
-
-
-def reduce_scatter(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Row ``rank`` of the sum over ranks of ``t`` (shape ``(world, ...)``)."""
-    return psum(t, group=group)[dist.get_rank(group)]
 
 
 def needs_rule(leaves: Sequence[Any]) -> bool:

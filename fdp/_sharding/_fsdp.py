@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fdp import _bucket, _tree
-from fdp._comm import _agreement, _groups, _transforms
+from fdp._comm import _agreement, _groups, _parallel, _transforms
 from fdp._comm._collectives import tensor_leaves
 from fdp._comm._groups import ProcessGroup
 from fdp._sharding import (
@@ -328,7 +328,7 @@ class FullyShardedDataParallel:
         else:
             local = (norms**p).sum()
             if _transforms.needs_rule([local]):
-                total = _transforms.psum(local, group=self.group) ** (1.0 / p)
+                total = _parallel.psum(local, group=self.group) ** (1.0 / p)
             else:
                 total = _groups.all_reduce(local, group=self.group) ** (1.0 / p)
         scale = torch.clamp(max_norm / (total + _clip.EPS), max=1.0)

@@ -1,4 +1,4 @@
-"""The collectives of fully sharded parameters, with a rule for every ``torch.func`` transform.
+"""The collectives of fully sharded parameters: the flat all-gather of a unit and its transpose.
 
 A unit's parameters live as one flat shard per rank; :func:`gather` makes
 the whole flat buffer (every rank's shard in rank order) and its backward
@@ -6,18 +6,14 @@ averages the cotangents over ranks and keeps this rank's part: a
 reduce-scatter divided by the world size, so that the shards' gradient is
 the gradient of the mean of the ranks' losses, as under DDP.
 
-As with :mod:`fdp._comm._transforms`' psum rule, every map here is linear, so
-its derivatives are the same collectives: :class:`_Gather` (all-gather
-forward; backward the reduce-scatter, or for the parameters the
-data-parallel mean: also summed over HSDP's replicas, then divided by every
-rank) and
-:class:`_ReduceScatter` (its exact transpose; backward an all-gather) call
-each other, and hold at any nesting depth (``grad(grad)``, ``jvp``,
-``vmap``, ``torch.autograd.forward_ad``). Under ``vmap`` the batch travels
-in the same collective, folded into the flat buffer. The dtype policy is
-part of the map: the shard is cast to ``param_dtype`` before the
-all-gather, and a cotangent to ``reduce_dtype`` before the reduce-scatter;
-the shard's gradient comes back in the shard's own dtype.
+The all-gather and its transpose, with their rules for every transform,
+are :mod:`fdp._comm._parallel`'s (``all_gather_flat``); what is fully
+sharded's own is here: the dtype policy (the shard is cast to
+``param_dtype`` before the all-gather, a cotangent to ``reduce_dtype``
+before the reduce-scatter, and the shard's gradient comes back in the
+shard's own dtype), the data-parallel mean (:class:`_Mean`: the identity
+forward; backward summed over HSDP's replicas, then divided by every rank)
+and the explanation of a collective that failed (:func:`in_step`).
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fdp import _compat
-from fdp._comm import _groups, _transforms
+from fdp._comm import _groups, _parallel
 from fdp._comm._groups import ProcessGroup
 
 
@@ -44,6 +40,13 @@ class How(NamedTuple):
     shard_dtype: torch.dtype  # the master copy's, which gradients come back in
     replicas: ProcessGroup | None = None  # HSDP: the group across which shards are replicated
     total: int = 0  # the ranks whose losses are averaged: world times the replicas
+
+    @property
+    def flat(self) -> _parallel.Flat:
+        """The all-gather of the unit and its transpose, in this policy's dtypes."""
+        return _parallel.Flat(
+            self.group, self.world, self.param_dtype, self.reduce_dtype, self.shard_dtype, in_step
+        )
 
 
 @dataclass(frozen=True)
@@ -70,22 +73,24 @@ def gather(shard: torch.Tensor, how: How, ready: Ready | None = None) -> torch.T
                 "the loss and call .backward() or torch.autograd.grad on it, or run the "
                 "transform without torch.compile"
             )
-        traced: torch.Tensor = _Traced.apply(shard, how)  # type: ignore[no-untyped-call]
-        return traced
-    out: torch.Tensor = _Gather.apply(shard, how, True, ready)  # type: ignore[no-untyped-call]
-    return out
+        mean: torch.Tensor = _TracedMean.apply(shard, how)  # type: ignore[no-untyped-call]
+        return _parallel.all_gather_flat(mean, how.flat)
+    mean = _Mean.apply(shard, how)  # type: ignore[no-untyped-call]
+    return _parallel.all_gather_flat(mean, how.flat, ready=None if ready is None else ready.flat)
 
 
-class _Traced(torch.autograd.Function):
-    """:class:`_Gather` for ``torch.compile``: functional collectives both ways.
+class _Mean(torch.autograd.Function):
+    """The identity; backward the data-parallel mean of a shard's gradient.
 
-    No ``jvp`` or ``vmap`` rule, which dynamo cannot trace; compiled
-    transforms are refused before this (see :func:`gather`).
+    Summed over HSDP's replicas (a psum, so every rule still holds) and
+    divided by every rank whose loss counts.
     """
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(x: torch.Tensor, how: How) -> torch.Tensor:
-        return _all_gather(x, how)
+        return x.view_as(x)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -94,10 +99,32 @@ class _Traced(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         how: How = ctx.how
-        mine = _reduce_scatter(grad, how)
         if how.replicas is not None:
-            mine = _groups.all_reduce(mine, group=how.replicas)
-        return mine / how.total, None
+            grad = _parallel.psum(grad, group=how.replicas)
+        return grad / how.total, None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: Any) -> torch.Tensor:
+        return tangent.view_as(tangent)  # the forward returns a view, so must the jvp
+
+
+class _TracedMean(torch.autograd.Function):
+    """:class:`_Mean` for ``torch.compile``: the functional all-reduce across replicas."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, how: How) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.how = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        how: How = ctx.how
+        if how.replicas is not None:
+            grad = _groups.all_reduce(grad, group=how.replicas)
+        return grad / how.total, None
 
 
 @contextlib.contextmanager
@@ -121,99 +148,3 @@ def in_step(what: str) -> Iterator[None]:
             "join(), so give every rank the same number of batches (DistributedSampler with "
             "drop_last=True), or stop every rank when the first runs out of data"
         ) from err
-
-
-def _all_gather(x: torch.Tensor, how: How) -> torch.Tensor:
-    part = x.to(how.param_dtype)
-    if torch.compiler.is_compiling():
-        return _groups.all_gather(part, group=how.group)
-    with in_step("the all-gather of a unit's shards"):
-        return _groups.all_gather(part, group=how.group)
-
-
-def _reduce_scatter(y: torch.Tensor, how: How) -> torch.Tensor:
-    part = y.to(how.reduce_dtype)
-    if torch.compiler.is_compiling():
-        return _groups.reduce_scatter(part, group=how.group).to(how.shard_dtype)
-    with in_step("the reduce-scatter of a unit's gradient"):
-        return _groups.reduce_scatter(part, group=how.group).to(how.shard_dtype)
-
-
-class _Gather(torch.autograd.Function):
-    """All-gather forward; backward its transpose (the reduce-scatter), or with ``mean``
-    the data-parallel average: summed over the replicas too and divided by every rank."""
-
-    @staticmethod
-    def forward(x: torch.Tensor, how: How, mean: bool, ready: Ready | None) -> torch.Tensor:
-        return _all_gather(x, how) if ready is None else ready.flat
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.how, ctx.mean = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        how: How = ctx.how
-        out: torch.Tensor = _ReduceScatter.apply(grad, how)  # type: ignore[no-untyped-call]
-        if not ctx.mean:
-            return out, None, None, None
-        if how.replicas is not None:
-            out = _transforms.psum(out, group=how.replicas)
-        return out / how.total, None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, tangent: torch.Tensor, *_: Any) -> torch.Tensor:
-        out: torch.Tensor = _Gather.apply(tangent, ctx.how, ctx.mean, None)  # type: ignore[no-untyped-call]
-        return out
-
-    @staticmethod
-    def vmap(
-        info: Any,
-        in_dims: tuple[Any, ...],
-        x: torch.Tensor,
-        how: How,
-        mean: bool,
-        ready: Ready | None,
-    ) -> tuple[torch.Tensor, int | None]:
-        # Every rank runs the same program and batches alike: the batch goes
-        # into the flat buffer, rank-major, and back to the front after.
-        if in_dims[0] is None:
-            return _Gather.apply(x, how, mean, None), None  # type: ignore[no-untyped-call]
-        rows = x.movedim(in_dims[0], 0)
-        batch, n = rows.shape
-        flat = _Gather.apply(rows.reshape(-1), how, mean, None)  # type: ignore[no-untyped-call]
-        return flat.view(how.world, batch, n).transpose(0, 1).reshape(batch, -1), 0
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """This rank's part of the sum over ranks (a reduce-scatter); backward the all-gather."""
-
-    @staticmethod
-    def forward(y: torch.Tensor, how: How) -> torch.Tensor:
-        return _reduce_scatter(y, how)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.how = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        out: torch.Tensor = _Gather.apply(grad, ctx.how, False, None)  # type: ignore[no-untyped-call]
-        return out, None
-
-    @staticmethod
-    def jvp(ctx: Any, tangent: torch.Tensor, *_: Any) -> torch.Tensor:
-        out: torch.Tensor = _ReduceScatter.apply(tangent, ctx.how)  # type: ignore[no-untyped-call]
-        return out
-
-    @staticmethod
-    def vmap(
-        info: Any, in_dims: tuple[Any, ...], y: torch.Tensor, how: How
-    ) -> tuple[torch.Tensor, int | None]:
-        if in_dims[0] is None:
-            return _ReduceScatter.apply(y, how), None  # type: ignore[no-untyped-call]
-        rows = y.movedim(in_dims[0], 0)
-        batch = rows.shape[0]
-        rank_major = rows.reshape(batch, how.world, -1).transpose(0, 1).reshape(-1)
-        mine = _ReduceScatter.apply(rank_major, how)  # type: ignore[no-untyped-call]
-        return mine.view(batch, -1), 0

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fdp import _compat
-from fdp._comm import _groups, _transforms
+from fdp._comm import _groups, _parallel
 from fdp._comm._groups import ProcessGroup
 
 
@@ -157,11 +157,11 @@ class Traced:
 
 
 class Differentiable:
-    """Collectives that carry derivatives (:mod:`fdp._comm._transforms`), for a step under autograd.
+    """Collectives that carry derivatives (:mod:`fdp._comm._parallel`), for a step under autograd.
 
-    Both stages all-reduce (the reduce-scatter's result is this rank's
-    slice of it) and the new slices travel as a zero-padded all-reduce:
-    exact, and every derivative is again a collective.
+    A reduce-scatter of each bucket and an all-gather of the new slices,
+    the flat pair whose derivatives are each other: every derivative of the
+    step is again a collective.
     """
 
     traced = False
@@ -169,20 +169,20 @@ class Differentiable:
     def __init__(self, group: ProcessGroup | None, rank: int, world: int) -> None:
         self.group, self.rank, self.world = group, rank, world
 
+    def _flat(self, t: torch.Tensor) -> _parallel.Flat:
+        return _parallel.Flat(self.group, self.world, t.dtype, t.dtype, t.dtype)
+
     def reduce(self, k: int, pieces: list[torch.Tensor]) -> Any:
-        return _transforms.psum(torch.cat(pieces), group=self.group)
+        flat = torch.cat(pieces)
+        return _parallel.reduce_scatter_flat(flat, self._flat(flat))
 
     def reduced(self, started: Any) -> torch.Tensor:
-        flat: torch.Tensor = started
-        size = flat.numel() // self.world
-        return flat[self.rank * size : (self.rank + 1) * size] / self.world
+        mine: torch.Tensor = started
+        return mine / self.world
 
     def gather(self, k: int, pieces: list[torch.Tensor]) -> Any:
         mine = torch.cat(pieces)
-        size = mine.numel()
-        before = mine.new_zeros(self.rank * size)
-        after = mine.new_zeros((self.world - self.rank - 1) * size)
-        return _transforms.psum(torch.cat([before, mine, after]), group=self.group)
+        return _parallel.all_gather_flat(mine, self._flat(mine))
 
     def gathered(self, started: Any) -> torch.Tensor:
         full: torch.Tensor = started
@@ -190,4 +190,4 @@ class Differentiable:
 
     def total(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of ``t`` over the group, differentiably."""
-        return _transforms.psum(t, group=self.group)
+        return _parallel.psum(t, group=self.group)
