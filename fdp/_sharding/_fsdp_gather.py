@@ -79,14 +79,8 @@ def gather(shard: torch.Tensor, how: How, ready: Ready | None = None) -> torch.T
     return _parallel.all_gather_flat(mean, how.flat, ready=None if ready is None else ready.flat)
 
 
-class _Mean(torch.autograd.Function):
-    """The identity; backward the data-parallel mean of a shard's gradient.
-
-    Summed over HSDP's replicas (a psum, so every rule still holds) and
-    divided by every rank whose loss counts.
-    """
-
-    generate_vmap_rule = True
+class _Identity(torch.autograd.Function):
+    """The identity forward (a view) over a shard, keeping its :class:`How`."""
 
     @staticmethod
     def forward(x: torch.Tensor, how: How) -> torch.Tensor:
@@ -95,6 +89,16 @@ class _Mean(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.how = inputs[1]
+
+
+class _Mean(_Identity):
+    """The identity; backward the data-parallel mean of a shard's gradient.
+
+    Summed over HSDP's replicas (a psum, so every rule still holds) and
+    divided by every rank whose loss counts.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -108,16 +112,8 @@ class _Mean(torch.autograd.Function):
         return tangent.view_as(tangent)  # the forward returns a view, so must the jvp
 
 
-class _TracedMean(torch.autograd.Function):
-    """:class:`_Mean` for ``torch.compile``: the functional all-reduce across replicas."""
-
-    @staticmethod
-    def forward(x: torch.Tensor, how: How) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.how = inputs[1]
+class _TracedMean(_Identity):
+    """:class:`_Mean` for ``torch.compile``: the functional all-reduce, no jvp (dynamo's limit)."""
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
