@@ -227,3 +227,28 @@ def describe(leaf: object) -> str:
     if leaf is None:
         return "None"
     return f"{type(leaf).__name__} {leaf!r}"[:200]
+
+
+def tensor_leaves(
+    tree: Any, *, call: str, arg: str, float_only: bool
+) -> tuple[list[Any], Any, list[torch.Tensor | None]]:
+    """Leaves, spec, and per leaf the tensor to communicate (None: not communicated)."""
+    leaves, spec = flatten(tree)
+    selected: list[torch.Tensor | None] = []
+    for i, leaf in enumerate(leaves):
+        if leaf is None:
+            selected.append(None)
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{call}: `{arg}` leaf {path(tree, i, arg)} expected a tensor or None; "
+                f"got {describe(leaf)}"
+            )
+        if leaf.layout != torch.strided:
+            raise TypeError(
+                f"{call}: `{arg}` leaf {path(tree, i, arg)} expected a dense tensor; "
+                f"got layout {leaf.layout}"
+            )
+        floating = leaf.is_floating_point() or leaf.is_complex()
+        selected.append(leaf if floating or not float_only else None)
+    return leaves, spec, selected

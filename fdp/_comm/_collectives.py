@@ -26,31 +26,6 @@ T = TypeVar("T")
 # torch's own default for broadcasting module states.
 
 
-def tensor_leaves(
-    tree: Any, *, call: str, arg: str, float_only: bool
-) -> tuple[list[Any], Any, list[torch.Tensor | None]]:
-    """Leaves, spec, and per leaf the tensor to communicate (None: not communicated)."""
-    leaves, spec = _tree.flatten(tree)
-    selected: list[torch.Tensor | None] = []
-    for i, leaf in enumerate(leaves):
-        if leaf is None:
-            selected.append(None)
-            continue
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"{call}: `{arg}` leaf {_tree.path(tree, i, arg)} expected a tensor or None; "
-                f"got {_tree.describe(leaf)}"
-            )
-        if leaf.layout != torch.strided:
-            raise TypeError(
-                f"{call}: `{arg}` leaf {_tree.path(tree, i, arg)} expected a dense tensor; "
-                f"got layout {leaf.layout}"
-            )
-        floating = leaf.is_floating_point() or leaf.is_complex()
-        selected.append(leaf if floating or not float_only else None)
-    return leaves, spec, selected
-
-
 @_transforms.eager_under_transforms("fdp.broadcast_params")
 def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None) -> T:
     """Gives every rank's tensor leaves rank ``src``'s values, in place.
@@ -74,7 +49,7 @@ def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None
     """
     call = "fdp.broadcast_params"
     _agreement.require_member(call, group)
-    leaves, _spec, tensors = tensor_leaves(tree, call=call, arg="tree", float_only=False)
+    leaves, _spec, tensors = _tree.tensor_leaves(tree, call=call, arg="tree", float_only=False)
     described = _agreement.signature(tree, leaves, "tree", requires_grad=False)
     with _compat.functorch_disabled():
         _agreement.check(described, group=group, call=call, arg="tree")
@@ -148,7 +123,7 @@ def all_reduce_grads(
     call = "fdp.all_reduce_grads"
     cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
     _agreement.require_member(call, group)
-    leaves, spec, tensors = tensor_leaves(grads, call=call, arg="grads", float_only=False)
+    leaves, spec, tensors = _tree.tensor_leaves(grads, call=call, arg="grads", float_only=False)
     for i, t in enumerate(tensors):
         if t is not None and not (t.is_floating_point() or t.is_complex()):
             raise TypeError(

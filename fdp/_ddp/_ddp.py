@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from fdp import _bucket, _compat, _tree
 from fdp._comm import _agreement, _comm_hooks, _transforms
-from fdp._comm._collectives import tensor_leaves
 from fdp._comm._comm_hooks import CommHook
 from fdp._comm._groups import ProcessGroup
 from fdp._ddp import _buffers, _join, _traced
@@ -425,7 +424,7 @@ def _checked_params(
 ) -> tuple[list[Any], Any, list[torch.Tensor | None]]:
     """``params``' leaves, spec and float tensors, the same tree on every rank of ``group``."""
     _agreement.require_member(call, group)
-    leaves, spec, tensors = tensor_leaves(params, call=call, arg="params", float_only=True)
+    leaves, spec, tensors = _tree.tensor_leaves(params, call=call, arg="params", float_only=True)
     if all(t is None for t in tensors):
         raise ValueError(
             f"{call}: `params` expected at least one floating-point tensor leaf; got none "

@@ -37,8 +37,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fdp import _bucket, _compat, _tree
 from fdp._comm._groups import ProcessGroup
-from fdp._sharding._zero import ZeroState
-from fdp._sharding._zero_shards import Shards
+from fdp._sharding._zero_shards import Shards, ZeroState
 
 T = TypeVar("T")
 _RNG = "_fdp/rng/"

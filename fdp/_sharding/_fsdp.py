@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from fdp import _bucket, _tree
 from fdp._comm import _agreement, _groups, _parallel, _transforms
-from fdp._comm._collectives import tensor_leaves
 from fdp._comm._groups import ProcessGroup
 from fdp._sharding import (
     _fsdp_chain,
@@ -39,7 +38,7 @@ from fdp._sharding import (
     _fsdp_state,
     _zero_shards,
 )
-from fdp._sharding._zero import ZeroState
+from fdp._sharding._zero_shards import ZeroState
 from fdp.optim import _clip, _param_groups
 
 T = TypeVar("T")
@@ -468,7 +467,7 @@ def _checked_params(
 ) -> tuple[list[Any], Any, list[torch.Tensor | None]]:
     """``params``' leaves, spec and float tensors: the same tree and values on every rank."""
     _agreement.require_member(call, group)
-    leaves, spec, tensors = tensor_leaves(params, call=call, arg="params", float_only=True)
+    leaves, spec, tensors = _tree.tensor_leaves(params, call=call, arg="params", float_only=True)
     described = _agreement.signature(params, leaves, "params", requires_grad=False)
     paths = _tree.paths(params, "params")
     for among in (group,) if replicas is None else (group, replicas):

@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from fdp._sharding._zero import ZeroState
-from fdp._sharding._zero_shards import Shards
+from fdp._sharding._zero_shards import Shards, ZeroState
 
 # {unit name: (flat shard per bucket, ...)}: what FullyShardedDataParallel.shard returns.
 ShardTree = Mapping[str, tuple[Any, ...]]

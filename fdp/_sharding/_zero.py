@@ -21,37 +21,13 @@ import torch
 
 from fdp import _bucket, _tree
 from fdp._comm import _agreement, _transforms
-from fdp._comm._collectives import tensor_leaves
 from fdp._comm._groups import ProcessGroup
 from fdp._sharding import _zero_comm, _zero_join, _zero_shards
-from fdp._sharding._zero_shards import Part, Shards
+from fdp._sharding._zero_shards import Part, Shards, ZeroState
 from fdp.optim import _base, _clip
 from fdp.optim._base import OptimizerProtocol, check_grad
 
 T = TypeVar("T")
-
-
-class ZeroState:
-    """This rank's shard of the optimizer state, from :meth:`ZeroRedundancy.init`.
-
-    ``slots[name][k][s]`` is the optimizer's ``name`` entry (``"step"``,
-    ``"exp_avg"``, ...) for segment ``s`` of bucket ``k``; ``shards`` says
-    which elements of which leaf each segment holds. Pass it back to
-    :meth:`ZeroRedundancy.step`, or to :func:`fdp.save_checkpoint`.
-    """
-
-    __slots__ = ("shards", "slots")
-
-    def __init__(self, slots: dict[str, list[list[Any]]], shards: Shards) -> None:
-        self.slots = slots
-        self.shards = shards
-
-    def __repr__(self) -> str:
-        held = sum(t.numel() for v in self.slots.values() for ts in v for t in ts if t is not None)
-        return (
-            f"fdp.ZeroState(rank {self.shards.rank} of {self.shards.world}, "
-            f"slots {sorted(self.slots)}, {held} elements)"
-        )
 
 
 class ZeroRedundancy:
@@ -105,7 +81,7 @@ class ZeroRedundancy:
             raise ValueError(f"{call}: `stage` expected 1 or 2; got {stage!r}")
         cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
         _agreement.require_member(call, group)
-        leaves, self._spec, tensors = tensor_leaves(
+        leaves, self._spec, tensors = _tree.tensor_leaves(
             params, call=call, arg="params", float_only=True
         )
         trained = [t if t is not None and t.numel() > 0 else None for t in tensors]

@@ -119,3 +119,26 @@ def from_buckets(
         dtypes=dtypes,
         placements={i: tuple(v) for i, v in placements.items()},
     )
+
+
+class ZeroState:
+    """This rank's shard of the optimizer state, from :meth:`ZeroRedundancy.init`.
+
+    ``slots[name][k][s]`` is the optimizer's ``name`` entry (``"step"``,
+    ``"exp_avg"``, ...) for segment ``s`` of bucket ``k``; ``shards`` says
+    which elements of which leaf each segment holds. Pass it back to
+    :meth:`ZeroRedundancy.step`, or to :func:`fdp.save_checkpoint`.
+    """
+
+    __slots__ = ("shards", "slots")
+
+    def __init__(self, slots: dict[str, list[list[Any]]], shards: Shards) -> None:
+        self.slots = slots
+        self.shards = shards
+
+    def __repr__(self) -> str:
+        held = sum(t.numel() for v in self.slots.values() for ts in v for t in ts if t is not None)
+        return (
+            f"fdp.ZeroState(rank {self.shards.rank} of {self.shards.world}, "
+            f"slots {sorted(self.slots)}, {held} elements)"
+        )
