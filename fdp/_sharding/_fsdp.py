@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from fdp import _bucket, _tree
+from fdp import _tree
 from fdp._comm import _agreement, _groups, _parallel, _transforms
 from fdp._comm._groups import ProcessGroup
 from fdp._sharding import (
@@ -141,6 +141,11 @@ class FullyShardedDataParallel:
         self._meta = _tree.unflatten(
             _spec, [t.detach().to("meta") if isinstance(t, torch.Tensor) else t for t in leaves]
         )
+        self._by_name = {u.name: u for u in self.units}
+        total = self.world * self.replicas_world
+        self._policy = _fsdp_gather.Policy(
+            group, self.world, param_dtype, reduce_dtype, self.replicas, total
+        )
         self._prefetch = _fsdp_prefetch.Prefetcher(self.unit_names, enabled=prefetch)
         self._chain = _fsdp_chain.Chain()  # every gathered unit's backward on every rank
         # The same slices as a ZeroRedundancy's, for checkpoints (fdp/_fsdp_state.py).
@@ -189,7 +194,7 @@ class FullyShardedDataParallel:
         if self._prefetch.enabled and _fsdp_prefetch.eligible(mine):
             # Every unit's all-gather at once: the later ones arrive while
             # the first ones are unpacked.
-            started = [self._start(u.name, shards) for u in self.units]
+            started = [_fsdp_prefetch.start(u, shards[u.name], self._policy) for u in self.units]
         for unit, ahead in zip(self.units, started, strict=True):
             self._gather_into(out, unit, shards[unit.name], ahead.wait() if ahead else None)
         return _tree.unflatten(self._planned.structure(call), self._tied(out))
@@ -203,7 +208,9 @@ class FullyShardedDataParallel:
         call = "fdp.FullyShardedDataParallel.gather"
         unit = self._unit(call, shards, name)
         out: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
-        self._gather_into(out, unit, shards[name], self._prefetched(name, shards))
+        self._gather_into(
+            out, unit, shards[name], self._prefetch.ready(name, shards, self._by_name, self._policy)
+        )
         self._gather_borrowed(out, name, shards)
         return _fsdp_plan.subtree(
             _tree.unflatten(self._planned.structure(call), self._tied(out)), name
@@ -234,7 +241,12 @@ class FullyShardedDataParallel:
         unit = self._unit(call, shards, name)
         tree: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
         mark = self._chain.mark()
-        gathered = self._gather_into(tree, unit, shards[name], self._prefetched(name, shards))
+        gathered = self._gather_into(
+            tree,
+            unit,
+            shards[name],
+            self._prefetch.ready(name, shards, self._by_name, self._policy),
+        )
         gathered += self._gather_borrowed(tree, name, shards)
         whole = _tree.unflatten(self._planned.structure(call), self._tied(tree))
         out = fn(_fsdp_plan.subtree(whole, name), *args, **kwargs)
@@ -256,7 +268,7 @@ class FullyShardedDataParallel:
         with torch.no_grad():
             for unit in self.units:
                 for bucket, shard in zip(unit.buckets, shards[unit.name], strict=True):
-                    how = self._how(shard.dtype, bucket.dtype)
+                    how = self._policy.how(bucket, shard, exact=True)
                     flat = _fsdp_gather.gather(shard.detach(), how)[: bucket.numel]
                     for i, leaf in zip(bucket.indices, bucket.unpack(flat), strict=True):
                         out[i] = leaf.clone()
@@ -383,37 +395,6 @@ class FullyShardedDataParallel:
             out[i] = out[j]
         return out
 
-    def _prefetched(
-        self, name: str, shards: dict[str, tuple[torch.Tensor, ...]]
-    ) -> list[torch.Tensor] | None:
-        """Unit ``name``'s flat buffers if prefetched; starts the gather of the next unit."""
-        mine = shards[name]
-        if not (self._prefetch.enabled and _fsdp_prefetch.eligible(mine)):
-            self._prefetch.drop()
-            return None
-        ready = self._prefetch.take(name, mine)
-        if ready is None:  # gathered now, before the next unit's gather starts
-            ready = self._start(name, shards).wait()
-        following = self._prefetch.visit(name)
-        if following is not None:
-            self._prefetch.put(self._start(following, shards))
-        return ready
-
-    def _start(
-        self, name: str, shards: dict[str, tuple[torch.Tensor, ...]]
-    ) -> _fsdp_prefetch.Started:
-        unit = next(u for u in self.units if u.name == name)
-        mine = shards[name]
-        hows = [self._gather_how(b, t) for b, t in zip(unit.buckets, mine, strict=True)]
-        return _fsdp_prefetch.Started(name, mine, hows)
-
-    def _gather_how(self, bucket: _bucket.Bucket, shard: torch.Tensor) -> _fsdp_gather.How:
-        # torch has no bfloat16 complex: complex leaves keep their dtype.
-        dtype = self.param_dtype
-        if dtype is None or any(bucket.complex_):
-            dtype = bucket.dtype
-        return self._how(shard.dtype, dtype)
-
     def _gather_into(
         self,
         out: list[Any],
@@ -427,7 +408,7 @@ class FullyShardedDataParallel:
         buffer with its shard and how. ``key`` names the gather in the chain."""
         gathered = []
         for k, (bucket, shard) in enumerate(zip(unit.buckets, shards, strict=True)):
-            how = self._gather_how(bucket, shard)
+            how = self._policy.how(bucket, shard)
             done = None if ready is None else _fsdp_gather.Ready(ready[k])
             flat = _fsdp_gather.gather(shard, how, done)
             flat = self._chain.link(f"{key or unit.name}/{k}", flat)
@@ -436,13 +417,6 @@ class FullyShardedDataParallel:
                 out[i] = leaf
             gathered.append((flat, shard, how))
         return gathered
-
-    def _how(self, shard_dtype: torch.dtype, param_dtype: torch.dtype) -> _fsdp_gather.How:
-        reduce = param_dtype if self.reduce_dtype is None else self.reduce_dtype
-        total = self.world * self.replicas_world
-        return _fsdp_gather.How(
-            self.group, self.world, param_dtype, reduce, shard_dtype, self.replicas, total
-        )
 
     def _check_shards(self, call: str, shards: Any) -> None:
         if not isinstance(shards, dict) or sorted(shards) != sorted(self.unit_names):

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fdp import _compat
+from fdp import _bucket, _compat
 from fdp._comm import _groups, _parallel
 from fdp._comm._groups import ProcessGroup
 
@@ -47,6 +47,27 @@ class How(NamedTuple):
         return _parallel.Flat(
             self.group, self.world, self.param_dtype, self.reduce_dtype, self.shard_dtype, in_step
         )
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The groups and dtypes every gather of one FullyShardedDataParallel shares."""
+
+    group: ProcessGroup | None
+    world: int
+    param_dtype: torch.dtype | None  # None: each bucket's own
+    reduce_dtype: torch.dtype | None  # None: what the all-gather carried
+    replicas: ProcessGroup | None
+    total: int  # the ranks whose losses are averaged
+
+    def how(self, bucket: _bucket.Bucket, shard: torch.Tensor, *, exact: bool = False) -> How:
+        """How ``shard`` (of ``bucket``) travels; ``exact``: in the bucket's own dtype."""
+        dtype = self.param_dtype
+        # torch has no bfloat16 complex: complex leaves keep their dtype.
+        if exact or dtype is None or any(bucket.complex_):
+            dtype = bucket.dtype
+        reduce = dtype if self.reduce_dtype is None else self.reduce_dtype
+        return How(self.group, self.world, dtype, reduce, shard.dtype, self.replicas, self.total)
 
 
 @dataclass(frozen=True)

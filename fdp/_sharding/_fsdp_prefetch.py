@@ -22,13 +22,13 @@ compiling, nothing is prefetched (:func:`eligible`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from fdp import _compat
 from fdp._comm import _groups
-from fdp._sharding import _fsdp_gather, _fsdp_reshard
+from fdp._sharding import _fsdp_gather, _fsdp_plan, _fsdp_reshard
 
 
 def eligible(shards: Sequence[torch.Tensor]) -> bool:
@@ -70,6 +70,14 @@ class Started:
             and all(a is b for a, b in zip(shards, self.shards, strict=True))
             and tuple(t._version for t in shards) == self.versions
         )
+
+
+def start(
+    unit: _fsdp_plan.Unit, shards: Sequence[torch.Tensor], policy: _fsdp_gather.Policy
+) -> Started:
+    """The asynchronous all-gathers of ``unit``'s ``shards``, as ``policy`` has them travel."""
+    hows = [policy.how(b, t) for b, t in zip(unit.buckets, shards, strict=True)]
+    return Started(unit.name, shards, hows)
 
 
 class Prefetcher:
@@ -134,3 +142,23 @@ class Prefetcher:
         held = _fsdp_reshard.Held(buffers, before)
         self._held = weakref.ref(held)
         return held
+
+    def ready(
+        self,
+        name: str,
+        shards: Mapping[str, Sequence[torch.Tensor]],
+        units: Mapping[str, _fsdp_plan.Unit],
+        policy: _fsdp_gather.Policy,
+    ) -> list[torch.Tensor] | None:
+        """Unit ``name``'s flat buffers if prefetched; starts the gather of the next unit."""
+        mine = shards[name]
+        if not (self.enabled and eligible(mine)):
+            self.drop()
+            return None
+        ready = self.take(name, mine)
+        if ready is None:  # gathered now, before the next unit's gather starts
+            ready = start(units[name], mine, policy).wait()
+        following = self.visit(name)
+        if following is not None:
+            self.put(start(units[following], shards[following], policy))
+        return ready
