@@ -22,7 +22,7 @@ from typing import Any, Union
 import optree
 import torch
 
-from fdp import _compat
+from fdp import _compat, _tree
 
 _ATOMS = (str, bytes, bytearray, int, float, complex, bool, torch.device, torch.dtype, range)
 _PLAIN = (torch.Tensor, type(None), *_ATOMS)
@@ -77,11 +77,10 @@ def flatten(tree: Any, *, call: str, root: str) -> tuple[list[Any], Spec]:
     flatten; anything else is walked here. While compiling, always walked:
     dynamo traces the walk, not optree over dicts.
     """
-    if not torch.compiler.is_compiling():
-        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
-        if all(isinstance(leaf, _PLAIN) for leaf in leaves):
-            return leaves, spec
-    leaves = []
+    fast = _tree.flatten_optree(tree)
+    if fast is not None and all(isinstance(leaf, _PLAIN) for leaf in fast[0]):
+        return fast
+    leaves: list[Any] = []
     return leaves, _walk(tree, leaves, root, call)
 
 

@@ -33,17 +33,6 @@ def functorch_active() -> bool:
     return top.__class__ is not type(None)
 
 
-def compiling_a_transform() -> bool:
-    """Whether dynamo is tracing inside a ``torch.func`` transform.
-
-    There it drops a custom ``autograd.Function``'s backward
-    (pytorch/pytorch#193279, measured on torch 2.13 and open on every
-    supported release): callers that rely on one refuse or run eagerly.
-    ``nox -s torch_range`` runs their tests on each release.
-    """
-    return torch.compiler.is_compiling() and functorch_active()
-
-
 def one_jvp() -> bool:
     """Whether exactly one ``torch.func`` transform runs, and it is ``jvp``.
 

@@ -73,9 +73,8 @@ def data_parallel(
         if output_device is None
         else as_device(output_device, call=call, arg="output_device")
     )
-    eager = not torch.compiler.is_compiling()
     # Plain tensors split without a tree to walk; anything else, the general path.
-    chunks = split_plain(as_args(inputs), devs, dim) if eager and kwargs is None else None
+    chunks = split_plain(as_args(inputs), devs, dim) if kwargs is None else None
     if chunks is None:
         chunks, kw_chunks = scatter_kwargs_to(
             inputs, kwargs, devs, dim=dim, chunk_sizes=None, call=call
@@ -88,7 +87,7 @@ def data_parallel(
     outputs = parallel_apply_on(fn, replicas, chunks, kw_chunks, used)
     if copied_state:  # the common case has none; entering no_grad costs more than the rest
         _write_back(copied_state)
-    joined = cat_plain(outputs, target, dim) if eager else None
+    joined = cat_plain(outputs, target, dim)
     gathered: T = gather_to(outputs, target, dim=dim, call=call) if joined is None else joined
     return gathered
 

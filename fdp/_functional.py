@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from fdp import _replica
+from fdp import _mode, _replica
 
 __all__ = ["make_functional"]
 
@@ -179,6 +179,28 @@ def _eager_call(
     return out
 
 
+def _traced_call(
+    module: nn.Module,
+    state: Mapping[str, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    sync_batch_norm: bool,
+    group: Any,
+) -> Any:
+    """Compiled code runs on one thread: dynamo traces the real module."""
+    if sync_batch_norm:
+        raise NotImplementedError(
+            f"{_CALL}: `sync_batch_norm=True` does not run inside torch.compile (it swaps "
+            "the class of a per-call copy of the module); call fdp.sync_batch_norm in the "
+            "compiled function instead"
+        )
+    return torch.func.functional_call(module, dict(state), args, kwargs)
+
+
+_call = _mode.by_mode(_eager_call, _traced_call)
+
+
 def _refuse_lazy(state: Mapping[str, torch.Tensor], module: nn.Module) -> None:
     for name, tensor in state.items():
         if is_lazy(tensor):
@@ -260,17 +282,6 @@ def make_functional(
                 f"{_CALL}: `state` expected a mapping of names to tensors (as make_functional "
                 f"returned); got {type(state).__name__}"
             )
-        if not torch.compiler.is_compiling():
-            return _eager_call(
-                module, state, args, kwargs, sync_batch_norm=sync_batch_norm, group=group
-            )
-        # Compiled code runs on one thread; dynamo traces the real module.
-        if sync_batch_norm:
-            raise NotImplementedError(
-                f"{_CALL}: `sync_batch_norm=True` does not run inside torch.compile (it swaps "
-                "the class of a per-call copy of the module); call fdp.sync_batch_norm in the "
-                "compiled function instead"
-            )
-        return torch.func.functional_call(module, dict(state), args, kwargs)
+        return _call(module, state, args, kwargs, sync_batch_norm=sync_batch_norm, group=group)
 
     return fn, state

@@ -29,7 +29,7 @@ from typing import Any, NoReturn, TypeVar
 
 import torch
 
-from fdp import _caches, _compat, _replica, _tree
+from fdp import _caches, _compat, _mode, _replica, _tree
 from fdp._device import DeviceLike, all_cpu, as_device
 
 __all__ = ["parallel_apply"]
@@ -166,9 +166,8 @@ def _all_cpu(devices: list[torch.device]) -> bool:
 def _run_inline() -> bool:
     """Whether replicas must run in a loop on the calling thread."""
     return (
-        torch.compiler.is_compiling()
         # A torch.func transform (grad, vmap, ...) is active on this thread.
-        or _compat.functorch_active()
+        _compat.functorch_active()
         # A replica calling data_parallel again must not wait on its own pool.
         or getattr(_worker, "active", False)
     )
@@ -362,16 +361,26 @@ def parallel_apply_on(
     devs: list[torch.device],
 ) -> list[Any]:
     """:func:`parallel_apply` on checked arguments and normalised devices."""
-    n = len(replicas)
     args: Sequence[tuple[Any, ...]] = inputs
     for a in inputs:  # scatter's chunks are tuples already: no new list for them
         if type(a) is not tuple:
             args = [a if type(a) is tuple else (a,) for a in inputs]
             break
+    return _run(fn, replicas, args, kws, devs)
+
+
+def _run_eager(
+    fn: Callable[..., Any],
+    replicas: Sequence[Any],
+    args: Sequence[tuple[Any, ...]],
+    kws: Sequence[dict[str, Any]],
+    devs: list[torch.device],
+) -> list[Any]:
+    """The replicas on worker threads, or in a loop where threads cannot help."""
     deferred: _replica.Deferred = []
     state = None
     on_cpu = _all_cpu(devs)
-    if not (n == 1 or on_cpu or _run_inline() or _cold_compiled(fn)):
+    if not (len(replicas) == 1 or on_cpu or _run_inline() or _cold_compiled(fn)):
         state = _State(devs)
     if state is None or state.uncarried is not None:
         outputs = _loop(fn, replicas, args, kws, devs, deferred, on_cpu=on_cpu)
@@ -381,6 +390,20 @@ def parallel_apply_on(
     if deferred:
         _replica.run(deferred)
     return outputs
+
+
+def _run_traced(
+    fn: Callable[..., Any],
+    replicas: Sequence[Any],
+    args: Sequence[tuple[Any, ...]],
+    kws: Sequence[dict[str, Any]],
+    devs: list[torch.device],
+) -> list[Any]:
+    """One after another: compiled code runs on one thread, without the replica context."""
+    return [fn(r, *a, **k) for r, a, k in zip(replicas, args, kws, strict=True)]
+
+
+_run = _mode.by_mode(_run_eager, _run_traced)
 
 
 def _check_sequence(value: object, name: str, n: int | None, *, call: str) -> int:
@@ -474,8 +497,6 @@ def _loop(
     on_cpu: bool,
 ) -> list[Any]:
     """The replicas one after another on the calling thread."""
-    if torch.compiler.is_compiling():
-        return [fn(r, *a, **k) for r, a, k in zip(replicas, args, kws, strict=True)]
     outputs = []
     errors: list[tuple[int, BaseException]] = []
     for i in range(len(replicas)):

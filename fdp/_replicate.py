@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fdp import _bucket, _compat, _tree
+from fdp import _bucket, _compat, _mode, _tree
 from fdp._device import DeviceLike, all_cpu, as_devices
 
 __all__ = ["replicate"]
@@ -111,22 +111,19 @@ def _plan(tensors: list[torch.Tensor], targets: list[torch.device]) -> tuple[_Co
     return tuple((b, target) for target in targets for b in buckets if b.device != target)
 
 
-def _refuse_compiled_transform(call: str) -> None:
-    """Raises where torch would silently drop :class:`_Broadcast`'s backward.
+def _eager_function(tensors: list[torch.Tensor]) -> type[torch.autograd.Function]:
+    """The Function copying ``tensors``: one with a forward-mode rule where tangents may flow."""
+    if _compat.functorch_active() or any(_compat.has_tangent(t) for t in tensors):
+        return _BroadcastForward
+    return _Broadcast
 
-    Measured on torch 2.13: compiling ``torch.func.grad`` (or any functorch
-    transform) over a custom ``autograd.Function`` loses the Function's
-    backward, so the replicas' gradients would never reach the source leaves
-    (pytorch/pytorch#193279). Both checks are evaluated while dynamo traces.
-    """
-    if _compat.compiling_a_transform():
-        raise NotImplementedError(
-            f"{call}: copying params to other devices inside torch.compile(torch.func.grad(...)) "
-            "would give wrong gradients: torch 2.13 drops a custom autograd.Function's backward "
-            "when it compiles a torch.func transform (pytorch/pytorch#193279). Compile the loss "
-            "and call .backward() or torch.autograd.grad on its result instead, or run "
-            "torch.func.grad without torch.compile"
-        )
+
+def _traced_function(tensors: list[torch.Tensor]) -> type[torch.autograd.Function]:
+    """While tracing: reverse mode only (a compiled jvp over copies is refused first)."""
+    return _Broadcast
+
+
+_function = _mode.by_mode(_eager_function, _traced_function)
 
 
 def replicate(params: Any, devices: Sequence[DeviceLike]) -> list[Any]:
@@ -198,17 +195,12 @@ def replicate_on(
     ``copied_state``, if given, receives (leaf, replica 0's copy) for each
     leaf that does not require grad and that replica 0 holds as a copy.
     """
-    spec: _tree.Spec
-    if torch.compiler.is_compiling():
-        leaves, spec = _tree.flatten(params)
-    else:
-        # Nothing to copy: each replica is a tree of its own holding the leaves.
-        if type(params) is dict and _shared_as_is(params.values(), devs):
-            return [params.copy() for _ in devs]  # a flat dict (make_functional's state)
-        leaves, eager_spec = _tree.flatten_eager(params)
-        if _shared_as_is(leaves, devs):
-            return [eager_spec.unflatten(leaves) for _ in devs]
-        spec = eager_spec
+    # Nothing to copy: each replica is a tree of its own holding the leaves.
+    if type(params) is dict and _shared_as_is(params.values(), devs):
+        return [params.copy() for _ in devs]  # a flat dict (make_functional's state)
+    leaves, spec = _tree.flatten(params)
+    if _shared_as_is(leaves, devs):
+        return [_tree.unflatten(spec, leaves) for _ in devs]
     targets = list(dict.fromkeys(devs))
     unique, leaf_slots = _unique_leaves(params, leaves, call=call)
     per_device: dict[torch.device, list[torch.Tensor]] = {d: list(unique) for d in targets}
@@ -284,12 +276,13 @@ def _copy_to(
         copies = _plan(tensors, targets)
         if not copies:
             continue
-        _refuse_compiled_transform(call)
+        # Measured on torch 2.13: compiling a transform loses _Broadcast's
+        # backward, so the replicas' gradients would never reach the leaves.
+        _mode.refuse_compiled_transform(
+            call, "copying params to other devices", lost="their gradients"
+        )
         if use_autograd:
-            forward_mode = not torch.compiler.is_compiling() and (
-                _compat.functorch_active() or any(_compat.has_tangent(t) for t in tensors)
-            )
-            fn = _BroadcastForward if forward_mode else _Broadcast
+            fn = _function(tensors)
             outputs: Sequence[torch.Tensor] = fn.apply(copies, *tensors)  # type: ignore[no-untyped-call]
         else:
             with torch.no_grad():

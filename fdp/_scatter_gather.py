@@ -227,7 +227,7 @@ def scatter_kwargs_to(
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
     args = as_args(inputs)
     no_kwargs = kwargs is None or (type(kwargs) is dict and not kwargs)
-    if no_kwargs and chunk_sizes is None and not torch.compiler.is_compiling():
+    if no_kwargs and chunk_sizes is None:
         plain = split_plain(args, devs, dim)
         if plain is not None:
             return plain, [{}] * len(plain)  # one empty dict: ``**`` unpacks, never mutates
@@ -342,7 +342,7 @@ def gather(outputs: Sequence[T], output_device: DeviceLike, *, dim: int = 0) -> 
 
 
 def gather_to(outputs: Sequence[Any], target: torch.device, *, dim: int, call: str) -> Any:
-    if type(outputs) is list and type(dim) is int and not torch.compiler.is_compiling():
+    if type(outputs) is list and type(dim) is int:
         fast = cat_plain(outputs, target, dim)  # one tensor each: no tree to walk
         if fast is not None:
             return fast

@@ -17,6 +17,8 @@ from typing import Any
 import optree
 import torch
 
+from fdp import _mode
+
 NONE_IS_LEAF = True
 
 # optree's spec; while compiling, the nested tuples of _flatten_traceable.
@@ -25,14 +27,16 @@ Spec = optree.PyTreeSpec | tuple[Any, ...]
 
 def flatten(tree: Any) -> tuple[list[Any], Spec]:
     """Leaves in optree order and the structure to rebuild the tree."""
-    if torch.compiler.is_compiling():
+    if _mode.traced():  # dynamo traces a walk in Python, not optree's C flatten
         leaves: list[Any] = []
         return leaves, _flatten_traceable(tree, leaves)
     return optree.tree_flatten(tree, none_is_leaf=NONE_IS_LEAF)
 
 
-def flatten_eager(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
-    """:func:`flatten` for a caller that has checked that nothing is being compiled."""
+def flatten_optree(tree: Any) -> tuple[list[Any], optree.PyTreeSpec] | None:
+    """optree's flatten of ``tree`` (C, fast), or None while dynamo traces (see :func:`flatten`)."""
+    if _mode.traced():
+        return None
     return optree.tree_flatten(tree, none_is_leaf=NONE_IS_LEAF)
 
 
@@ -111,7 +115,7 @@ def ties(leaves: Sequence[Any], indices: Iterable[int] | None = None) -> dict[in
     tied: dict[int, int] = {}
     firsts: list[int] = []
     by_id: dict[int, int] = {}
-    compiling = torch.compiler.is_compiling()
+    compiling = _mode.traced()
     for i in range(len(leaves)) if indices is None else indices:
         leaf = leaves[i]
         if not isinstance(leaf, torch.Tensor):
@@ -165,7 +169,7 @@ class Planned:
 
     def structure(self, call: str) -> Spec:
         """The spec :func:`flatten` gives a matching tree here (eager or compiling)."""
-        if not torch.compiler.is_compiling():
+        if not _mode.traced():
             return self.spec
         if self.traced is None:
             raise TypeError(

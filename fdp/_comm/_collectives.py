@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from fdp import _bucket, _caches, _compat, _tree
+from fdp import _bucket, _caches, _compat, _mode, _tree
 from fdp._comm import _agreement, _groups, _parallel, _transforms
 from fdp._comm._groups import ProcessGroup
 
@@ -130,19 +130,28 @@ def all_reduce_grads(
                 f"{call}: `grads` leaf {_tree.path(grads, i, 'grads')} expected a floating-point "
                 f"tensor; got {_tree.describe(t)}"
             )
-    world = dist.get_world_size(group)
-    if torch.compiler.is_compiling():
-        scale = 1.0 / world if average else 1.0
-        out = _all_reduce_traceable(leaves, tensors, group, cap, scale)
-        return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
+    scale = 1.0 / dist.get_world_size(group) if average else 1.0
+    reduced: T = _reduce(grads, leaves, spec, tensors, group, cap, scale)
+    return reduced
+
+
+def _reduce_eager(
+    grads: Any,
+    leaves: list[Any],
+    spec: _tree.Spec,
+    tensors: list[torch.Tensor | None],
+    group: ProcessGroup | None,
+    cap: int,
+    scale: float,
+) -> Any:
+    """The bucketed all-reduces, asynchronous; under autograd or a transform, psum's."""
     if _transforms.needs_rule(tensors):
-        divisor = world if average else 1
-        out = _all_reduce_differentiable(grads, leaves, tensors, group, cap, divisor)
-        return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
+        out = _all_reduce_differentiable(grads, leaves, tensors, group, cap, scale)
+        return _tree.unflatten(spec, out)
+    call = "fdp.all_reduce_grads"
     plan = _cached_plan(grads, spec, leaves, tensors, cap, group)
     out = list(leaves)
     # Divided while packing, as torch's DDP does: one pass over the bytes.
-    scale = 1.0 / world if average else 1.0
     with torch.no_grad():
         checking = plan.fingerprint.start(group)
         flats = plan.claim()
@@ -160,7 +169,23 @@ def all_reduce_grads(
             plan.fingerprint.finish(checking, group=group, call=call, arg="grads")
         for work in works:
             work.wait()
-    return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
+    return _tree.unflatten(spec, out)
+
+
+def _reduce_traced(
+    grads: Any,
+    leaves: list[Any],
+    spec: _tree.Spec,
+    tensors: list[torch.Tensor | None],
+    group: ProcessGroup | None,
+    cap: int,
+    scale: float,
+) -> Any:
+    """One functional all-reduce per bucket: a graph of its own (no hooks, no plan cache)."""
+    return _tree.unflatten(spec, _all_reduce_traceable(leaves, tensors, group, cap, scale))
+
+
+_reduce = _mode.by_mode(_reduce_eager, _reduce_traced)
 
 
 def _all_reduce_differentiable(
@@ -169,7 +194,7 @@ def _all_reduce_differentiable(
     tensors: list[torch.Tensor | None],
     group: ProcessGroup | None,
     cap: int,
-    divisor: int,
+    scale: float,
 ) -> list[Any]:
     """all_reduce_grads under autograd or a transform: one :func:`_parallel.psum` per bucket.
 
@@ -183,7 +208,7 @@ def _all_reduce_differentiable(
             fingerprint.start(group), group=group, call="fdp.all_reduce_grads", arg="grads"
         )
     buckets = _bucket.plan(tensors, cap_bytes=cap)
-    reduced = _transforms.reduce_buckets(buckets, tensors, scale=1.0 / divisor, group=group)
+    reduced = _transforms.reduce_buckets(buckets, tensors, scale=scale, group=group)
     return [leaf if t is None else t for leaf, t in zip(leaves, reduced, strict=True)]
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fdp import _bucket, _compat
+from fdp import _bucket, _compat, _mode
 
 ProcessGroup = dist.ProcessGroup
 
@@ -56,7 +56,7 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 def all_reduce(t: torch.Tensor, *, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
     """The reduction (``"sum"`` or ``"max"``) of ``t`` over ``group``, as a new tensor."""
-    if torch.compiler.is_compiling():
+    if _mode.traced():
         out: torch.Tensor = funcol.all_reduce(t, op, resolve(group))
         return out
     with torch.no_grad(), _compat.functorch_disabled():
@@ -67,7 +67,7 @@ def all_reduce(t: torch.Tensor, *, group: ProcessGroup | None, op: str = "sum") 
 
 def all_gather(t: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tensor:
     """Every rank's ``t``, concatenated along dim 0 in rank order."""
-    if torch.compiler.is_compiling():
+    if _mode.traced():
         out: torch.Tensor = funcol.all_gather_tensor(t, 0, resolve(group))
         return out
     with torch.no_grad(), _compat.functorch_disabled():
@@ -97,7 +97,7 @@ def all_gather_start(
 
 def reduce_scatter(t: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tensor:
     """This rank's part (dim 0 cut in ``world`` equal parts) of the sum of ``t`` over ``group``."""
-    if torch.compiler.is_compiling():
+    if _mode.traced():
         out: torch.Tensor = funcol.reduce_scatter_tensor(t, "sum", 0, resolve(group))
         return out
     with torch.no_grad(), _compat.functorch_disabled():
@@ -110,7 +110,7 @@ def reduce_scatter(t: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tens
 
 def broadcast(t: torch.Tensor, *, src: int, group: ProcessGroup | None) -> torch.Tensor:
     """Rank ``src``'s ``t`` (``src`` a rank of ``group``)."""
-    if torch.compiler.is_compiling():
+    if _mode.traced():
         out: torch.Tensor = funcol.broadcast(t, src, resolve(group))
         return out
     with torch.no_grad(), _compat.functorch_disabled():
@@ -138,7 +138,7 @@ def broadcast_coalesced(
     targets are skipped. Outside autograd; under ``torch.func`` the tensors
     underneath the wrappers are written.
     """
-    if torch.compiler.is_compiling():  # copy_ into the leaves: an input mutation of the graph
+    if _mode.traced():  # copy_ into the leaves: an input mutation of the graph
         with torch.no_grad():
             for bucket in buckets:  # functional packing: dynamo cannot trace pack's views
                 flat = torch.cat(bucket.pieces([targets[i] for i in bucket.indices]))

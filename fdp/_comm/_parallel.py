@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from fdp import _mode
 from fdp._comm import _groups
 from fdp._comm._groups import ProcessGroup
 
@@ -120,19 +121,11 @@ class Flat(NamedTuple):
 
 
 def _gather_now(x: torch.Tensor, flat: Flat) -> torch.Tensor:
-    part = x.to(flat.gather_dtype)
-    if torch.compiler.is_compiling():
-        return _groups.all_gather(part, group=flat.group)
-    with flat.explain("the all-gather of a unit's shards"):
-        return _groups.all_gather(part, group=flat.group)
+    return _groups.all_gather(x.to(flat.gather_dtype), group=flat.group)
 
 
 def _scatter_now(y: torch.Tensor, flat: Flat) -> torch.Tensor:
-    part = y.to(flat.reduce_dtype)
-    if torch.compiler.is_compiling():
-        return _groups.reduce_scatter(part, group=flat.group).to(flat.out_dtype)
-    with flat.explain("the reduce-scatter of a unit's gradient"):
-        return _groups.reduce_scatter(part, group=flat.group).to(flat.out_dtype)
+    return _groups.reduce_scatter(y.to(flat.reduce_dtype), group=flat.group).to(flat.out_dtype)
 
 
 class _AllGather(torch.autograd.Function):
@@ -143,7 +136,10 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, flat: Flat, ready: torch.Tensor | None) -> torch.Tensor:
-        return _gather_now(x, flat) if ready is None else ready
+        if ready is not None:
+            return ready
+        with flat.explain("the all-gather of a unit's shards"):
+            return _gather_now(x, flat)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -176,7 +172,8 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(y: torch.Tensor, flat: Flat) -> torch.Tensor:
-        return _scatter_now(y, flat)
+        with flat.explain("the reduce-scatter of a unit's gradient"):
+            return _scatter_now(y, flat)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -222,19 +219,27 @@ class _TracedAllGather(torch.autograd.Function):
         return _scatter_now(grad, ctx.flat), None
 
 
-def all_gather_flat(
+def _all_gather_eager(
     x: torch.Tensor, flat: Flat, *, ready: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Every rank's ``x`` (1-D, the same size everywhere) concatenated in rank order.
 
     In ``flat.gather_dtype``; the derivative (vjp) is :func:`reduce_scatter_flat`,
-    in ``flat.reduce_dtype``, returned in ``flat.out_dtype``.
+    in ``flat.reduce_dtype``, returned in ``flat.out_dtype``. ``ready``: the
+    result, gathered before (eagerly only).
     """
-    if torch.compiler.is_compiling():
-        traced: torch.Tensor = _TracedAllGather.apply(x, flat)  # type: ignore[no-untyped-call]
-        return traced
     out: torch.Tensor = _AllGather.apply(x, flat, ready)  # type: ignore[no-untyped-call]
     return out
+
+
+def _all_gather_traced(
+    x: torch.Tensor, flat: Flat, *, ready: torch.Tensor | None = None
+) -> torch.Tensor:
+    traced: torch.Tensor = _TracedAllGather.apply(x, flat)  # type: ignore[no-untyped-call]
+    return traced
+
+
+all_gather_flat = _mode.by_mode(_all_gather_eager, _all_gather_traced)
 
 
 def reduce_scatter_flat(y: torch.Tensor, flat: Flat) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from fdp import _compat
+from fdp import _compat, _mode
 from fdp._comm import _groups, _parallel, _training, _transforms
 from fdp._comm._groups import ProcessGroup
 
@@ -237,14 +237,33 @@ def sync_batch_norm(
     return out
 
 
-def _count(n: torch.Tensor) -> int | None:
-    """The global batch's values per channel, where it can be read (None while tracing)."""
-    if torch.compiler.is_compiling() or _compat.functorch_active():
+def _count_eager(n: torch.Tensor) -> int | None:
+    """The global batch's values per channel, where it can be read (None under a transform)."""
+    if _compat.functorch_active():
         return None
     return int(n.reshape(-1)[0])
 
 
-def _update_running(
+def _count_traced(n: torch.Tensor) -> int | None:
+    return None  # reading a value would break the graph
+
+
+_count = _mode.by_mode(_count_eager, _count_traced)
+
+
+def _update_running_traced(
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    momentum: float,
+) -> None:
+    with torch.no_grad():
+        running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+        running_var.lerp_(var.to(running_var.dtype), momentum)
+
+
+def _update_running_eager(
     running_mean: torch.Tensor,
     running_var: torch.Tensor,
     mean: torch.Tensor,
@@ -252,11 +271,6 @@ def _update_running(
     momentum: float,
 ) -> None:
     """``F.batch_norm``'s in-place update of the running statistics."""
-    if torch.compiler.is_compiling():
-        with torch.no_grad():
-            running_mean.lerp_(mean.to(running_mean.dtype), momentum)
-            running_var.lerp_(var.to(running_var.dtype), momentum)
-        return
     # Under torch.func the statistics are wrapped at the transform's level,
     # while the buffers are plain tensors the transform captured.
     with torch.no_grad(), _compat.functorch_disabled():
@@ -270,6 +284,9 @@ def _update_running(
         for buf, new in ((running_mean, mean), (running_var, var)):
             target = _compat.unwrap_functorch(buf)
             target.lerp_(_compat.unwrap_functorch(new).to(target.dtype), momentum)
+
+
+_update_running = _mode.by_mode(_update_running_eager, _update_running_traced)
 
 
 def _synced_forward(self: Any, x: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 
-import torch
 import torch.distributed as dist
 
+from fdp import _mode
 from fdp._comm import _groups
 from fdp._comm._groups import ProcessGroup
 
@@ -40,10 +40,12 @@ TRAINING: contextvars.ContextVar[Training | None] = contextvars.ContextVar(
 )
 
 
-def training_group(group: ProcessGroup | None) -> Group:
+def _group_traced(group: ProcessGroup | None) -> Group:
+    return group  # join is eager; dynamo cannot read a ContextVar
+
+
+def _group_eager(group: ProcessGroup | None) -> Group:
     """The group ``fdp.sync_batch_norm`` over ``group`` runs in: the ranks still training."""
-    if torch.compiler.is_compiling():  # join is eager; dynamo cannot read a ContextVar
-        return group
     training = TRAINING.get()
     if training is None:
         return group
@@ -62,3 +64,6 @@ def training_group(group: ProcessGroup | None) -> Group:
             "ddp's group holds every process; got a smaller group"
         )
     return training.sub
+
+
+training_group = _mode.by_mode(_group_eager, _group_traced)

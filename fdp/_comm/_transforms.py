@@ -22,7 +22,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from fdp import _bucket, _compat, _tree
+from fdp import _bucket, _compat, _mode, _tree
 from fdp._comm._groups import ProcessGroup
 from fdp._comm._parallel import psum
 
@@ -156,7 +156,7 @@ def eager_under_transforms(call: str) -> Callable[[F], F]:
             # keep the derivatives (no transform, no dual tensor); otherwise
             # the disabled copy runs eagerly, a graph break, since a right
             # result outside the graph beats a wrong one inside it.
-            if torch.compiler.is_compiling() and _transformed(args, kwargs):
+            if _mode.traced() and _transformed(args, kwargs):
                 return eager(*args, **kwargs)
             return fn(*args, **kwargs)
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from fdp import _bucket, _compat, _tree
+from fdp import _bucket, _compat, _mode, _tree
 from fdp._comm import _agreement, _comm_hooks, _transforms
 from fdp._comm._comm_hooks import CommHook
 from fdp._comm._groups import ProcessGroup
@@ -304,17 +304,14 @@ class DistributedDataParallel:
 
     def __call__(self, params: T) -> T:
         """``params`` as aliases; each backward through them averages the gradients across ranks."""
+        return self._call(params)
+
+    def _call_eager(self, params: T) -> T:
+        """Hooks on the leaves reduce as backward runs (or the psum rule, under a transform)."""
         self._called = True
         leaves = self._checked_leaves(params)
         synchronised = self._sync and torch.is_grad_enabled()
         src, prescale = 0, None
-        if torch.compiler.is_compiling():
-            if self._joiner is not None:
-                return cast(T, _IN_JOIN(self, params))
-            if _traced.eager_only(
-                leaves, buffers=self._buffers is not None and len(self._buffers.buckets) > 0
-            ):
-                return cast(T, _UNDER_TRANSFORM(self, params))
         if self._joiner is not None:
             refused = synchronised and self._under_transform(leaves)
             src, prescale = self._joiner.step(leaves, synchronised=synchronised, refused=refused)
@@ -322,19 +319,32 @@ class DistributedDataParallel:
             self._buffers.sync(leaves, src=src)
         if not synchronised:
             return params
-        if torch.compiler.is_compiling():
-            # No hooks in a compiled graph: the reduction becomes part of it.
-            synced = _traced.average(
-                leaves,
-                self._layout,
-                hook=self._traced_hook,
-                group=self._reducer.reduction.group,
-                ties=self._ties,
-            )
-            return cast(T, _tree.unflatten(self._traced_spec or (), synced))
         if self._under_transform(leaves):
             return cast(T, _tree.unflatten(self._spec, self._transformed(leaves)))
         return self._hooked(params, leaves, prescale=prescale)
+
+    def _call_traced(self, params: T) -> T:
+        """No hooks in a compiled graph: the reduction becomes part of it."""
+        self._called = True
+        leaves = self._checked_leaves(params)
+        if self._joiner is not None:
+            return cast(T, _IN_JOIN(self, params))
+        if _traced.eager_only(
+            leaves, buffers=self._buffers is not None and len(self._buffers.buckets) > 0
+        ):
+            return cast(T, _UNDER_TRANSFORM(self, params))
+        synchronised = self._sync and torch.is_grad_enabled()
+        if self._buffers is not None and synchronised:
+            self._buffers.sync(leaves, src=0)
+        if not synchronised:
+            return params
+        group = self._reducer.reduction.group
+        synced = _traced.average(
+            leaves, self._layout, hook=self._traced_hook, group=group, ties=self._ties
+        )
+        return cast(T, _tree.unflatten(self._traced_spec or (), synced))
+
+    _call = _mode.by_mode(_call_eager, _call_traced)
 
     def _under_transform(self, leaves: list[Any]) -> bool:
         """Whether a leaf is a ``torch.func`` wrapper or a forward-mode dual tensor.

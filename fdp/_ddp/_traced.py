@@ -229,7 +229,7 @@ def eager_only(leaves: Sequence[Any], *, buffers: bool) -> bool:
     compiled ``vmap`` fails in dynamo on any ``autograd.Function`` (torch
     2.13), and a buffer sync would mutate a captured tensor.
     """
-    if not _compat.compiling_a_transform():
+    if not _compat.functorch_active():  # called while dynamo traces
         return False
     return (
         buffers

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from fdp import _mode
+
 
 class Entry:
     """One gathered flat buffer of this pass; ``held`` is set once its unit is resharded."""
@@ -84,9 +86,9 @@ class Chain:
         self.token: torch.Tensor | None = None
         self.entries: list[Entry] = []
 
-    def link(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+    def _link_eager(self, name: str, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` tied into this pass's chain (as it is where no backward follows)."""
-        if not (flat.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        if not (flat.requires_grad and torch.is_grad_enabled()):
             return flat
         if name in self.units:  # gathered again: a new pass (step, micro-batch)
             self.reset()
@@ -97,6 +99,12 @@ class Chain:
         self.units.add(name)
         linked: torch.Tensor = out
         return linked
+
+    def _link_traced(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` as it is: a compiled graph holds no resharding to order."""
+        return flat
+
+    link = _mode.by_mode(_link_eager, _link_traced)
 
     def mark(self) -> int:
         return len(self.entries)

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fdp import _bucket, _compat
+from fdp import _bucket, _mode
 from fdp._comm import _groups, _parallel
 from fdp._comm._groups import ProcessGroup
 
@@ -77,7 +77,7 @@ class Ready:
     flat: torch.Tensor
 
 
-def gather(shard: torch.Tensor, how: How, ready: Ready | None = None) -> torch.Tensor:
+def _gather_eager(shard: torch.Tensor, how: How, ready: Ready | None = None) -> torch.Tensor:
     """Every rank's ``shard`` (1-D), concatenated in rank order, in ``param_dtype``.
 
     The backward gives ``shard`` the mean over ranks of the cotangents'
@@ -85,19 +85,23 @@ def gather(shard: torch.Tensor, how: How, ready: Ready | None = None) -> torch.T
     the world size), in the shard's dtype. ``ready``: that result, gathered
     before from ``shard`` as it is now (eager only).
     """
-    if torch.compiler.is_compiling():
-        if _compat.compiling_a_transform():
-            raise NotImplementedError(
-                "fdp.FullyShardedDataParallel: gathering shards inside torch.compile of a "
-                "torch.func transform would lose the reduce-scatter of the gradients (torch drops "
-                "a custom autograd.Function's backward there, pytorch/pytorch#193279); compile "
-                "the loss and call .backward() or torch.autograd.grad on it, or run the "
-                "transform without torch.compile"
-            )
-        mean: torch.Tensor = _TracedMean.apply(shard, how)  # type: ignore[no-untyped-call]
-        return _parallel.all_gather_flat(mean, how.flat)
     mean = _Mean.apply(shard, how)  # type: ignore[no-untyped-call]
     return _parallel.all_gather_flat(mean, how.flat, ready=None if ready is None else ready.flat)
+
+
+def _gather_traced(shard: torch.Tensor, how: How, ready: Ready | None = None) -> torch.Tensor:
+    """:func:`gather` while dynamo traces (nothing is prefetched there)."""
+    # Measured on torch 2.13: compiling a transform would drop _TracedMean's backward.
+    _mode.refuse_compiled_transform(
+        "fdp.FullyShardedDataParallel",
+        "gathering shards",
+        lost="the reduce-scatter of the gradients",
+    )
+    mean: torch.Tensor = _TracedMean.apply(shard, how)  # type: ignore[no-untyped-call]
+    return _parallel.all_gather_flat(mean, how.flat)
+
+
+gather = _mode.by_mode(_gather_eager, _gather_traced)
 
 
 class _Identity(torch.autograd.Function):

@@ -26,18 +26,22 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fdp import _compat
+from fdp import _compat, _mode
 from fdp._comm import _groups
 from fdp._sharding import _fsdp_gather, _fsdp_plan, _fsdp_reshard
 
 
-def eligible(shards: Sequence[torch.Tensor]) -> bool:
-    """Whether prefetching can run: eager, plain tensors, no transform."""
-    return (
-        not torch.compiler.is_compiling()
-        and not _compat.functorch_active()
-        and not any(_compat.is_transformed(t) for t in shards)
-    )
+def _eligible_eager(shards: Sequence[torch.Tensor]) -> bool:
+    """Whether prefetching can run: plain tensors, no transform."""
+    return not _compat.functorch_active() and not any(_compat.is_transformed(t) for t in shards)
+
+
+def _eligible_traced(shards: Sequence[torch.Tensor]) -> bool:
+    """Never while dynamo traces: prefetches are asynchronous work kept between calls."""
+    return False
+
+
+eligible = _mode.by_mode(_eligible_eager, _eligible_traced)
 
 
 class Started:

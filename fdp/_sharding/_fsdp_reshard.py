@@ -27,19 +27,22 @@ from typing import Any
 
 import torch
 
-from fdp import _compat, _tree
+from fdp import _compat, _mode, _tree
 from fdp._comm import _groups
 from fdp._sharding import _fsdp_gather
 
 
-def eligible(outputs: Sequence[torch.Tensor]) -> bool:
-    """Whether resharding can run: eager autograd, and a backward to come."""
-    return (
-        torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-        and not _compat.functorch_active()
-        and len(outputs) > 0
-    )
+def _eligible_eager(outputs: Sequence[torch.Tensor]) -> bool:
+    """Whether resharding can run: autograd outside any transform, and a backward to come."""
+    return torch.is_grad_enabled() and not _compat.functorch_active() and len(outputs) > 0
+
+
+def _eligible_traced(outputs: Sequence[torch.Tensor]) -> bool:
+    """Never while dynamo traces: resharding frees storage behind autograd's back."""
+    return False
+
+
+eligible = _mode.by_mode(_eligible_eager, _eligible_traced)
 
 
 class Resharded:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from fdp import _bucket, _tree
+from fdp import _bucket, _mode, _tree
 from fdp._comm import _agreement, _transforms
 from fdp._comm._groups import ProcessGroup
 from fdp._sharding import _zero_comm, _zero_join, _zero_shards
@@ -153,18 +153,30 @@ class ZeroRedundancy:
         before the first is updated. The norm before clipping is then in
         :attr:`last_grad_norm` (the same 0-d tensor value on every rank).
         """
-        call = "fdp.ZeroRedundancy.step"
         if self._joined is not None:  # first, so that ranks that left pair with it
-            if torch.compiler.is_compiling():
-                raise NotImplementedError(
-                    f"{call}: a compiled step inside join(); join mirrors eager steps only: "
-                    "step eagerly inside the block"
-                )
-            self._joined.before(grads)
-            new_params, new_state = self._step(grads, state, params, donate, max_norm)
-            self._joined.after(new_params, new_state)
-            return new_params, new_state
+            return self._step_joined(grads, state, params, donate, max_norm)
         return self._step(grads, state, params, donate, max_norm)
+
+    def _step_joined_eager(
+        self, grads: Any, state: ZeroState, params: T, donate: bool, max_norm: Any
+    ) -> tuple[T, ZeroState]:
+        joined = self._joined
+        if joined is None:  # narrowing only: step() calls this inside join()
+            return self._step(grads, state, params, donate, max_norm)
+        joined.before(grads)
+        new_params, new_state = self._step(grads, state, params, donate, max_norm)
+        joined.after(new_params, new_state)
+        return new_params, new_state
+
+    def _step_joined_traced(
+        self, grads: Any, state: ZeroState, params: T, donate: bool, max_norm: Any
+    ) -> tuple[T, ZeroState]:
+        raise NotImplementedError(
+            "fdp.ZeroRedundancy.step: a compiled step inside join(); join mirrors eager steps "
+            "only: step eagerly inside the block"
+        )
+
+    _step_joined = _mode.by_mode(_step_joined_eager, _step_joined_traced)
 
     @contextlib.contextmanager
     def join(self, params: Any, state: ZeroState) -> Iterator[_zero_join.Joined]:
@@ -201,7 +213,7 @@ class ZeroRedundancy:
         finally:
             self._joined = None
 
-    def _step(
+    def _step_eager(
         self,
         grads: Any,
         state: ZeroState,
@@ -213,21 +225,52 @@ class ZeroRedundancy:
         p, g = self._checked_step(call, grads, state, params, max_norm)
         slots_now = _tree.flatten(state.slots)[0]
         lr = getattr(self.optimizer, "lr", None)
-        differentiable = not torch.compiler.is_compiling() and _base.differentiable(
-            lr, p, g, {"slots": slots_now}
-        )
-        if differentiable:  # checked before the first collective, as on the fast path
+        s = self.shards
+        if _base.differentiable(lr, p, g, {"slots": slots_now}):
+            # Checked before the first collective, as on the fast path.
             fingerprint = self._fingerprint(grads, g)
             fingerprint.finish(
                 fingerprint.start(self.group), group=self.group, call=call, arg="grads"
             )
-        comm = self._comm(differentiable)
+            comm: Any = _zero_comm.Differentiable(self.group, s.rank, s.world)
+            return self._run(call, comm, grads, state, p, g, donate, max_norm, checked=True)
+        comm = _zero_comm.Eager(self.group, self.stage, s.rank, s.world, self._pool)
+        return self._run(call, comm, grads, state, p, g, donate, max_norm, checked=False)
+
+    def _step_traced(
+        self,
+        grads: Any,
+        state: ZeroState,
+        params: T,
+        donate: bool,
+        max_norm: float | torch.Tensor | None,
+    ) -> tuple[T, ZeroState]:
+        """The compiled step: functional collectives, no cross-rank check (nothing to read)."""
+        call = "fdp.ZeroRedundancy.step"
+        p, g = self._checked_step(call, grads, state, params, max_norm)
+        s = self.shards
+        comm = _zero_comm.Traced(self.group, self.stage, s.rank, s.world)
+        return self._run(call, comm, grads, state, p, g, donate, max_norm, checked=True)
+
+    _step = _mode.by_mode(_step_eager, _step_traced)
+
+    def _run(
+        self,
+        call: str,
+        comm: Any,
+        grads: Any,
+        state: ZeroState,
+        p: list[Any],
+        g: list[torch.Tensor | None],
+        donate: bool,
+        max_norm: float | torch.Tensor | None,
+        *,
+        checked: bool,
+    ) -> tuple[Any, ZeroState]:
+        """Packs, reduces and updates the buckets; ``checked``: the grads check is done."""
+        differentiable = isinstance(comm, _zero_comm.Differentiable)
         with contextlib.nullcontext() if differentiable else torch.no_grad():
-            checking = (
-                None
-                if comm.traced or differentiable
-                else self._fingerprint(grads, g).start(self.group)
-            )
+            checking = None if checked else self._fingerprint(grads, g).start(self.group)
             # The check ends before the first reduction: a rank whose grads
             # differ exchanges nothing else, so no collective may pair wrongly.
             packed = [_pack(part, g, self.shards.world) for part in self.shards.parts]
@@ -305,14 +348,6 @@ class ZeroRedundancy:
             return [r.mul_(scale.to(r.device, r.dtype)) for r in reduced]
         return [r * scale.to(r.device, r.dtype) for r in reduced]
 
-    def _comm(self, differentiable: bool) -> Any:
-        s = self.shards
-        if differentiable:
-            return _zero_comm.Differentiable(self.group, s.rank, s.world)
-        if torch.compiler.is_compiling():
-            return _zero_comm.Traced(self.group, self.stage, s.rank, s.world)
-        return _zero_comm.Eager(self.group, self.stage, s.rank, s.world, self._pool)
-
     def release(self) -> None:
         """Drops the flat buffers kept for reuse (freed once no result views them)."""
         self._pool.clear()
@@ -362,7 +397,7 @@ class ZeroRedundancy:
                 out[i] = leaves[i]
         return out
 
-    def _share(self, call: str, error: Exception, grads: Any) -> None:
+    def _share_eager(self, call: str, error: Exception, grads: Any) -> None:
         """Makes this rank's input error every rank's, in the exchange the others run.
 
         The other ranks are in the grads check, the first collective of a
@@ -370,7 +405,7 @@ class ZeroRedundancy:
         appended, so that every rank raises the same error rather than
         the others waiting in the reduction.
         """
-        if torch.compiler.is_compiling() or self.shards.world == 1:
+        if self.shards.world == 1:
             return
         try:
             leaves = _tree.flatten(grads)[0]
@@ -380,6 +415,11 @@ class ZeroRedundancy:
         described.append(("<this rank's error>", f"{type(error).__name__}: {error}"))
         fingerprint = _agreement.Fingerprint(described)
         fingerprint.finish(fingerprint.start(self.group), group=self.group, call=call, arg="grads")
+
+    def _share_traced(self, call: str, error: Exception, grads: Any) -> None:
+        """Nothing while dynamo traces: a graph cannot carry the error's text to other ranks."""
+
+    _share = _mode.by_mode(_share_eager, _share_traced)
 
     def _fingerprint(self, grads: Any, g: Sequence[torch.Tensor | None]) -> _agreement.Fingerprint:
         """The fingerprint of this pattern of ``None`` gradients (computed once per pattern)."""

@@ -23,15 +23,17 @@ not require grad: compile the update in ``torch.func.grad`` loops, or set
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from fdp import _compat, _tree
+from fdp import _compat, _mode, _tree
+from fdp.optim import _lists
+from fdp.optim._lists import Lists
 
 T = TypeVar("T")
-Lists = tuple[torch.Tensor, ...] | list[torch.Tensor]
 
 
 @runtime_checkable
@@ -139,6 +141,7 @@ class Optimizer:
                 _explain_state(call, params, p, s, live)
         if not live:  # nothing to step (foreach ops refuse empty lists)
             return params, {k: state[k] for k in self._keys()}
+        ops: _lists.Ops = _lists.Foreach()
         if differentiable(self.lr, p, g, s):
             if donate:
                 raise ValueError(
@@ -146,11 +149,12 @@ class Optimizer:
                     "got inputs that require grad or are under a torch.func transform "
                     "(drop donate=True to differentiate through the step)"
                 )
-            return self._differentiable_update(p, g, s, live, spec)
-        return self._foreach_update(call, params, (p, g, s), live, spec, donate)
+            ops = _lists.Plain()
+        return self._update_lists(ops, call, params, (p, g, s), live, spec, donate)
 
-    def _foreach_update(
+    def _update_lists(
         self,
+        ops: _lists.Ops,
         call: str,
         params: Any,
         leaves: tuple[list[Any], list[Any], dict[str, list[Any]]],
@@ -158,24 +162,27 @@ class Optimizer:
         spec: Any,
         donate: bool,
     ) -> tuple[Any, dict[str, Any]]:
-        """The step in foreach kernels over the live leaves, as torch.optim's foreach path."""
+        """The step over the live leaves, in ``ops`` (see ``fdp/optim/_lists.py``).
+
+        With :class:`~fdp.optim._lists.Plain` nothing is detached or written
+        in place, so derivatives reach the parameters, gradients, state and
+        a tensor ``lr`` under autograd and every ``torch.func`` transform.
+        """
         p, g, s = leaves
+        foreach = isinstance(ops, _lists.Foreach)
         try:
-            with torch.no_grad():
+            with torch.no_grad() if foreach else contextlib.nullcontext():
                 if donate:
                     p = _untied(p, live)
-                old_steps = [s["step"][i] for i in live]
-                if donate:
-                    torch._foreach_add_(old_steps, 1)
-                steps = old_steps if donate else torch._foreach_add(old_steps, 1)
+                steps = ops("add", [s["step"][i] for i in live], 1, own=donate)
                 # Complex leaves as real pairs, as torch's foreach implementations
                 # do: Adam's second moment is per component, not g * g.
                 slots = {k: [_real(s[k][i]) for i in live] for k in self.slots}
                 live_g = [_real(g[i]) for i in live]
                 if self.maximize:
-                    live_g = list(torch._foreach_neg(live_g))
+                    live_g = list(ops("neg", live_g))
                 new_p, new_slots = self._apply(
-                    [_real(p[i]) for i in live], live_g, slots, steps, donate
+                    ops, [_real(p[i]) for i in live], live_g, slots, steps, donate
                 )
         except (RuntimeError, TypeError):
             _explain_state(call, params, p, s, live)  # a corrupt state, named; else torch's
@@ -186,7 +193,8 @@ class Optimizer:
             if donate:  # written in place (through the real views): the inputs themselves
                 continue
             back = p[i].is_complex()
-            out_p[i] = _like(_complex(new_p[j], back), p[i])
+            new = _complex(new_p[j], back)
+            out_p[i] = _like(new, p[i]) if foreach else new
             for k in self.slots:
                 out[k][i] = _complex(new_slots[k][j], back)
         return _tree.unflatten(spec, out_p), {k: _tree.unflatten(spec, v) for k, v in out.items()}
@@ -194,53 +202,34 @@ class Optimizer:
     def _keys(self) -> tuple[str, ...]:
         return ("step", *self.slots)
 
-    def _differentiable_update(
-        self, p: list[Any], g: list[Any], s: dict[str, list[Any]], live: list[int], spec: Any
-    ) -> tuple[Any, dict[str, Any]]:
-        """The step in plain differentiable ops, leaf by leaf (hypergradients, MAML).
-
-        Nothing is detached or written in place, so derivatives reach the
-        parameters, gradients, state and a tensor ``lr`` under autograd and
-        every ``torch.func`` transform. Same formulas as the foreach path.
-        """
-        out_p, out = list(p), {k: list(v) for k, v in s.items()}
-        for i in live:
-            step = s["step"][i] + 1
-            slots = {k: _real(s[k][i]) for k in self.slots}
-            gi = -_real(g[i]) if self.maximize else _real(g[i])
-            new_p, new_slots = self._leaf_step(_real(p[i]), gi, slots, step)
-            back = p[i].is_complex()
-            out_p[i] = _complex(new_p, back)
-            out["step"][i] = step
-            for k in self.slots:
-                out[k][i] = _complex(new_slots[k], back)
-        return _tree.unflatten(spec, out_p), {k: _tree.unflatten(spec, v) for k, v in out.items()}
-
-    def _leaf_step(
-        self,
-        p: torch.Tensor,
-        g: torch.Tensor,
-        slots: dict[str, torch.Tensor],
-        step: torch.Tensor,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        raise NotImplementedError
-
     def _apply(
-        self, params: Lists, grads: Lists, slots: Mapping[str, Lists], steps: Lists, donate: bool
+        self,
+        ops: _lists.Ops,
+        params: Lists,
+        grads: Lists,
+        slots: Mapping[str, Lists],
+        steps: Lists,
+        donate: bool,
     ) -> tuple[Lists, Mapping[str, Lists]]:
+        """The rule: new params and slots of the live leaves (``own=donate`` on inputs)."""
         raise NotImplementedError
 
     def _scaled_add(
-        self, params: Lists, direction: Lists, scale: float | torch.Tensor, donate: bool
+        self,
+        ops: _lists.Ops,
+        params: Lists,
+        direction: Lists,
+        scale: float | torch.Tensor,
+        donate: bool,
     ) -> Lists:
         """``params + scale * direction``, as torch adds (``alpha`` for a float)."""
         if isinstance(scale, torch.Tensor):
-            return foreach_op(donate, "add", params, torch._foreach_mul(direction, scale))
-        return foreach_op(donate, "add", params, direction, alpha=scale)
+            return ops("add", params, ops("mul", direction, scale), own=donate)
+        return ops("add", params, direction, alpha=scale, own=donate)
 
 
 def differentiable(lr: Any, p: list[Any], g: list[Any], s: dict[str, list[Any]]) -> bool:
-    """Whether a step must carry derivatives: see :meth:`Optimizer._differentiable_update`.
+    """Whether a step must carry derivatives: see :meth:`Optimizer._update_lists`.
 
     Parameters that are leaves of the autograd graph do not count: a
     ``loss.backward()`` loop passes them every step and wants new leaves,
@@ -298,7 +287,7 @@ def _explain_state(
                 )
 
 
-def _untied(p: list[Any], live: list[int]) -> list[Any]:
+def _untied_eager(p: list[Any], live: list[int]) -> list[Any]:
     """``p`` with a copy at every leaf whose memory another leaf holds (tied weights).
 
     Written in place, memory at two leaves would be stepped twice; the copy
@@ -308,13 +297,6 @@ def _untied(p: list[Any], live: list[int]) -> list[Any]:
     not have the same shape), in one sweep over the sorted spans.
     """
     out = list(p)
-    if torch.compiler.is_compiling():  # dynamo cannot read data pointers: identity only
-        seen: set[int] = set()
-        for i in live:
-            if id(p[i]) in seen:
-                out[i] = _copy(p[i])
-            seen.add(id(p[i]))
-        return out
     spans = sorted((_span(p[i]), i) for i in live if p[i].numel())
     end = -1
     for (start, stop), i in spans:
@@ -322,6 +304,20 @@ def _untied(p: list[Any], live: list[int]) -> list[Any]:
             out[i] = _copy(p[i])
         end = max(end, stop)
     return out
+
+
+def _untied_traced(p: list[Any], live: list[int]) -> list[Any]:
+    """:func:`_untied` by identity only: dynamo cannot read data pointers."""
+    out = list(p)
+    seen: set[int] = set()
+    for i in live:
+        if id(p[i]) in seen:
+            out[i] = _copy(p[i])
+        seen.add(id(p[i]))
+    return out
+
+
+_untied = _mode.by_mode(_untied_eager, _untied_traced)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -333,11 +329,17 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone(memory_format=torch.preserve_format).requires_grad_(t.requires_grad)
 
 
-def _like(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` as a leaf that requires grad if ``old`` did (eagerly: see the module doc)."""
-    if old.requires_grad and not torch.compiler.is_compiling():
-        return new.requires_grad_()
+def _like_eager(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` as a leaf that requires grad if ``old`` did (see the module doc)."""
+    return new.requires_grad_() if old.requires_grad else new
+
+
+def _like_traced(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` as it is: setting ``requires_grad`` would break the graph."""
     return new
+
+
+_like = _mode.by_mode(_like_eager, _like_traced)
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
@@ -346,21 +348,6 @@ def _real(t: torch.Tensor) -> torch.Tensor:
 
 def _complex(t: torch.Tensor, back: bool) -> torch.Tensor:
     return torch.view_as_complex(t) if back else t
-
-
-def foreach_op(donate: bool, name: str, first: Lists, *args: Any, **kwargs: Any) -> Lists:
-    """``torch._foreach_<name>``: in place on ``first`` when donated, else a new list."""
-    if donate:
-        getattr(torch, f"_foreach_{name}_")(first, *args, **kwargs)
-        return first
-    out: Lists = getattr(torch, f"_foreach_{name}")(first, *args, **kwargs)
-    return out
-
-
-def one_minus(xs: Lists) -> Lists:
-    out = torch._foreach_neg(xs)
-    torch._foreach_add_(out, 1.0)
-    return out
 
 
 def _is_param(t: Any) -> bool:
@@ -412,12 +399,24 @@ def torch_options(name: str, options: Mapping[str, Any], *, own: tuple[str, ...]
             )
 
 
+def _readable_eager(value: torch.Tensor) -> bool:
+    """Whether a tensor hyperparameter's values can be read to check them.
+
+    Vmapped or differentiated, they cannot (they are checked where the
+    transform is not); while dynamo traces, reading one would break the graph.
+    """
+    return not _compat.is_transformed(value)
+
+
+def _readable_traced(value: torch.Tensor) -> bool:
+    return False
+
+
+_readable = _mode.by_mode(_readable_eager, _readable_traced)
+
+
 def check_hyper(name: str, arg: str, value: Any, ok: Callable[[Any], bool], expected: str) -> None:
-    if isinstance(value, torch.Tensor) and (
-        torch.compiler.is_compiling() or _compat.is_transformed(value)
-    ):
-        # Vmapped or differentiated, its values cannot be read here; while
-        # compiling, reading one would break the graph (checked eagerly).
+    if isinstance(value, torch.Tensor) and not _readable(value):
         return
     scalar = (
         float(value.detach()) if isinstance(value, torch.Tensor) and value.dim() == 0 else value

@@ -2,8 +2,10 @@
 
 Each is an :class:`fdp.optim._base.Optimizer`: the update rule over the live
 leaves (real views of complex ones), as torch's ``foreach`` implementations
-compute it; ``fdp/_base.py`` has what every optimizer shares (the
-contract, the checks, donation, the differentiable path).
+compute it, written once over ``fdp/optim/_lists.py``'s operations (torch's
+foreach kernels, or plain ops where the step carries derivatives);
+``fdp/optim/_base.py`` has what every optimizer shares (the contract, the
+checks, donation).
 """
 
 from __future__ import annotations
@@ -13,15 +15,8 @@ from typing import Any
 
 import torch
 
-from fdp.optim._base import (
-    Lists,
-    Optimizer,
-    check_hyper,
-    float_betas,
-    foreach_op,
-    one_minus,
-    torch_options,
-)
+from fdp.optim._base import Optimizer, check_hyper, float_betas, torch_options
+from fdp.optim._lists import Lists, Ops, one_minus
 
 
 class SGD(Optimizer):
@@ -52,40 +47,29 @@ class SGD(Optimizer):
         self.slots = ("momentum_buffer",) if momentum else ()
 
     def _apply(
-        self, params: Lists, grads: Lists, slots: Mapping[str, Lists], steps: Lists, donate: bool
+        self,
+        ops: Ops,
+        params: Lists,
+        grads: Lists,
+        slots: Mapping[str, Lists],
+        steps: Lists,
+        donate: bool,
     ) -> tuple[Lists, Mapping[str, Lists]]:
         if self.weight_decay:
-            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
+            grads = ops("add", grads, params, alpha=self.weight_decay)
         new_slots: dict[str, Lists] = {}
         if self.momentum:
             # torch starts the buffer at the first gradient itself; from
             # zeros, "momentum * 0 + c * g" gives it with c = 1 at step 1.
-            bufs = foreach_op(donate, "mul", slots["momentum_buffer"], self.momentum)
+            bufs = ops("mul", slots["momentum_buffer"], self.momentum, own=donate)
             if self.dampening:
                 scales = [torch.where(s > 1, 1 - self.dampening, 1.0) for s in steps]
-                torch._foreach_add_(bufs, torch._foreach_mul(grads, scales))
+                bufs = ops("add", bufs, ops("mul", grads, scales), own=True)
             else:
-                torch._foreach_add_(bufs, grads)
+                bufs = ops("add", bufs, grads, own=True)
             new_slots["momentum_buffer"] = bufs
-            grads = torch._foreach_add(grads, bufs, alpha=self.momentum) if self.nesterov else bufs
-        return self._scaled_add(params, grads, -self.lr, donate), new_slots
-
-    def _leaf_step(
-        self,
-        p: torch.Tensor,
-        g: torch.Tensor,
-        slots: dict[str, torch.Tensor],
-        step: torch.Tensor,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if self.weight_decay:
-            g = g + self.weight_decay * p
-        new_slots: dict[str, torch.Tensor] = {}
-        if self.momentum:
-            damp = torch.where(step > 1, 1 - self.dampening, 1.0).to(g.dtype)
-            buf = self.momentum * slots["momentum_buffer"] + damp * g
-            new_slots["momentum_buffer"] = buf
-            g = g + self.momentum * buf if self.nesterov else buf
-        return p - self.lr * g, new_slots
+            grads = ops("add", grads, bufs, alpha=self.momentum) if self.nesterov else bufs
+        return self._scaled_add(ops, params, grads, -self.lr, donate), new_slots
 
 
 class Adam(Optimizer):
@@ -117,65 +101,45 @@ class Adam(Optimizer):
         self.slots = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
 
     def _apply(
-        self, params: Lists, grads: Lists, slots: Mapping[str, Lists], steps: Lists, donate: bool
+        self,
+        ops: Ops,
+        params: Lists,
+        grads: Lists,
+        slots: Mapping[str, Lists],
+        steps: Lists,
+        donate: bool,
     ) -> tuple[Lists, Mapping[str, Lists]]:
         beta1, beta2 = self.betas
         if self.weight_decay and self.decoupled:
-            params = foreach_op(donate, "mul", params, 1 - self.lr * self.weight_decay)
+            params = ops("mul", params, 1 - self.lr * self.weight_decay, own=donate)
         elif self.weight_decay:
-            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
-        exp_avg = foreach_op(donate, "lerp", slots["exp_avg"], grads, 1 - beta1)
-        exp_avg_sq = foreach_op(donate, "mul", slots["exp_avg_sq"], beta2)
-        torch._foreach_addcmul_(exp_avg_sq, grads, grads, 1 - beta2)
+            grads = ops("add", grads, params, alpha=self.weight_decay)
+        exp_avg = ops("lerp", slots["exp_avg"], grads, 1 - beta1, own=donate)
+        exp_avg_sq = ops("mul", slots["exp_avg_sq"], beta2, own=donate)
+        exp_avg_sq = ops("addcmul", exp_avg_sq, grads, grads, value=1 - beta2, own=True)
         new_slots: dict[str, Lists] = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         second = exp_avg_sq
         if self.amsgrad:
-            second = foreach_op(donate, "maximum", slots["max_exp_avg_sq"], exp_avg_sq)
+            second = ops("maximum", slots["max_exp_avg_sq"], exp_avg_sq, own=donate)
             new_slots["max_exp_avg_sq"] = second
-        if not torch.compiler.is_compiling():
-            # Eagerly, Python floats as torch's foreach Adam uses: the
+        counts = ops.counts(steps)
+        if counts is not None:
+            # Python floats as torch's eager foreach Adam uses: the
             # scalar-list kernels, and one addcdiv for the update.
             lr = float(self.lr)
-            counts = [float(s) for s in steps]
-            denom = torch._foreach_sqrt(second)
-            torch._foreach_div_(denom, [(1 - beta2**c) ** 0.5 for c in counts])
-            torch._foreach_add_(denom, self.eps)
+            denom = ops("sqrt", second)
+            denom = ops("div", denom, [(1 - beta2**c) ** 0.5 for c in counts], own=True)
+            denom = ops("add", denom, self.eps, own=True)
             sizes = [-lr / (1 - beta1**c) for c in counts]
-            return foreach_op(donate, "addcdiv", params, exp_avg, denom, sizes), new_slots
+            return ops("addcdiv", params, exp_avg, denom, sizes, own=donate), new_slots
         # Bias corrections per leaf, in float64 like torch's Python floats.
-        correction1 = one_minus(torch._foreach_pow(beta1, steps))
-        correction2 = one_minus(torch._foreach_pow(beta2, steps))
-        denom = torch._foreach_sqrt(second)
-        torch._foreach_div_(denom, torch._foreach_sqrt(correction2))
-        torch._foreach_add_(denom, self.eps)
-        step_size = torch._foreach_reciprocal(correction1)
-        torch._foreach_mul_(step_size, -self.lr)
-        direction = torch._foreach_div(exp_avg, denom)
-        torch._foreach_mul_(direction, step_size)
-        return foreach_op(donate, "add", params, direction), new_slots
-
-    def _leaf_step(
-        self,
-        p: torch.Tensor,
-        g: torch.Tensor,
-        slots: dict[str, torch.Tensor],
-        step: torch.Tensor,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        beta1, beta2 = self.betas
-        if self.weight_decay and self.decoupled:
-            p = p * (1 - self.lr * self.weight_decay)
-        elif self.weight_decay:
-            g = g + self.weight_decay * p
-        exp_avg = slots["exp_avg"] + (1 - beta1) * (g - slots["exp_avg"])
-        exp_avg_sq = beta2 * slots["exp_avg_sq"] + (1 - beta2) * g * g
-        new_slots = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-        second = exp_avg_sq
-        if self.amsgrad:
-            second = new_slots["max_exp_avg_sq"] = torch.maximum(slots["max_exp_avg_sq"], second)
-        correction1 = 1 - beta1**step
-        correction2 = 1 - beta2**step
-        denom = (second.sqrt() / correction2.sqrt()).to(p.dtype) + self.eps
-        return p - (self.lr / correction1).to(p.dtype) * exp_avg / denom, new_slots
+        correction1 = one_minus(ops, ops.powers(beta1, steps))
+        correction2 = one_minus(ops, ops.powers(beta2, steps))
+        denom = ops("div", ops("sqrt", second), ops("sqrt", correction2), own=True)
+        denom = ops("add", denom, self.eps, own=True)
+        step_size = ops("mul", ops("reciprocal", correction1), -self.lr, own=True)
+        direction = ops("mul", ops("div", exp_avg, denom), step_size, own=True)
+        return ops("add", params, direction, own=donate), new_slots
 
 
 def sgd(

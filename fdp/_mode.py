@@ -1,0 +1,74 @@
+"""Eager or traced: where fdp asks whether dynamo is tracing.
+
+Most of fdp runs the same code eagerly and under ``torch.compile``. Where
+the two must differ (hooks, threads and context variables dynamo cannot
+trace, values that cannot be read while tracing, a ``torch.func``
+transform whose custom backward compiling would drop), the module writes
+both forms side by side and :func:`by_mode` picks one at each call. The
+question itself is asked here and in the few modules that docs/design.md
+lists: how trees are flattened (``_tree``), how a collective is issued
+(``_comm/_groups``) and the compiled fallback (``_comm/_transforms``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+
+from fdp import _compat
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def traced() -> bool:
+    """Whether dynamo is tracing the calling code (``torch.compile``)."""
+    return torch.compiler.is_compiling()
+
+
+def by_mode(eager: F, traced_form: F) -> F:
+    """One callable: ``traced_form`` while dynamo traces, ``eager`` otherwise.
+
+    Dynamo answers the question while it traces, so a compiled graph holds
+    only the traced form; eagerly it costs one call.
+
+    Example:
+        >>> double = by_mode(lambda x: 2 * x, lambda x: x + x)
+        >>> double(3)
+        6
+    """
+
+    @functools.wraps(eager)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return traced_form(*args, **kwargs)
+        return eager(*args, **kwargs)
+
+    return cast(F, call)
+
+
+def compiling_a_transform() -> bool:
+    """Whether dynamo is tracing inside a ``torch.func`` transform.
+
+    There it drops a custom ``autograd.Function``'s backward
+    (pytorch/pytorch#193279, measured on torch 2.13 and open on every
+    supported release): callers that rely on one refuse (:func:`refuse_compiled_transform`)
+    or run eagerly. ``nox -s torch_range`` runs their tests on each release.
+    """
+    return torch.compiler.is_compiling() and _compat.functorch_active()
+
+
+def refuse_compiled_transform(call: str, doing: str, *, lost: str) -> None:
+    """Raises where compiling a transform would silently lose ``lost`` (see above).
+
+    ``doing`` names what ``call`` was doing; the message says what to do instead.
+    """
+    if compiling_a_transform():
+        raise NotImplementedError(
+            f"{call}: {doing} inside torch.compile of a torch.func transform would lose {lost} "
+            "(torch drops a custom autograd.Function's backward there, pytorch/pytorch#193279); "
+            "compile the loss and call .backward() or torch.autograd.grad on its result "
+            "instead, or run the transform without torch.compile"
+        )

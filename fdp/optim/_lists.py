@@ -1,0 +1,91 @@
+"""Arithmetic on lists of tensors, two ways, so that each optimizer rule is written once.
+
+A rule (``fdp/optim/_rules.py``) says ``ops("lerp", exp_avg, grads, 0.1)``
+and the step chooses how that runs:
+
+- :class:`Foreach`: torch's multi-tensor kernels (``torch._foreach_*``),
+  called as torch.optim's foreach implementations call them, so a step
+  agrees with torch's bitwise. ``own=True`` writes into the first list:
+  a buffer this step made, or one the caller donated.
+- :class:`Plain`: the same operations leaf by leaf in ordinary
+  differentiable ops, nothing in place (``own`` is ignored), for a step
+  that carries derivatives (hypergradients, MAML, a step under
+  ``torch.func.vmap``, ``jvp`` or ``grad``). The foreach kernels cannot do
+  that: on torch 2.13 they have no vmap rule and several lack forward-mode
+  derivatives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fdp import _mode
+
+Lists = tuple[torch.Tensor, ...] | list[torch.Tensor]
+
+
+class Foreach:
+    """``torch._foreach_<name>`` over whole lists, in place on the first where owned."""
+
+    def __call__(self, name: str, xs: Lists, *args: Any, own: bool = False, **kwargs: Any) -> Lists:
+        if own:
+            getattr(torch, f"_foreach_{name}_")(xs, *args, **kwargs)
+            return xs
+        out: Lists = getattr(torch, f"_foreach_{name}")(xs, *args, **kwargs)
+        return out
+
+    def powers(self, base: float, exponents: Lists) -> Lists:
+        """``base ** e`` for each tensor ``e``."""
+        out: Lists = torch._foreach_pow(base, exponents)
+        return out
+
+    def counts(self, steps: Lists) -> list[float] | None:
+        """The step counts as Python floats where they can be read (see :func:`_counts`)."""
+        return _counts(steps)
+
+
+class Plain:
+    """``torch.<name>`` leaf by leaf; list arguments are taken element by element."""
+
+    def __call__(self, name: str, xs: Lists, *args: Any, own: bool = False, **kwargs: Any) -> Lists:
+        op = getattr(torch, name)
+        return [
+            op(x, *(_at(a, i) for a in args), **{k: _at(v, i) for k, v in kwargs.items()})
+            for i, x in enumerate(xs)
+        ]
+
+    def powers(self, base: float, exponents: Lists) -> Lists:
+        """``base ** e`` for each tensor ``e``."""
+        return [torch.pow(base, e) for e in exponents]
+
+    def counts(self, steps: Lists) -> list[float] | None:
+        """None: a differentiated or batched step count cannot be read."""
+        return None
+
+
+Ops = Foreach | Plain
+
+
+def one_minus(ops: Ops, xs: Lists) -> Lists:
+    """``1 - x`` for each ``x``, as torch.optim's foreach Adam computes it."""
+    return ops("add", ops("neg", xs), 1.0, own=True)
+
+
+def _at(arg: Any, i: int) -> Any:
+    return arg[i] if isinstance(arg, Sequence) and not isinstance(arg, str) else arg
+
+
+def _counts_eager(steps: Lists) -> list[float] | None:
+    """Eagerly torch's foreach Adam reads the step counts and uses the scalar-list kernels."""
+    return [float(s) for s in steps]
+
+
+def _counts_traced(steps: Lists) -> list[float] | None:
+    """None while dynamo traces: reading a count would break the graph."""
+    return None
+
+
+_counts = _mode.by_mode(_counts_eager, _counts_traced)
