@@ -3,7 +3,8 @@
 Static figures come from the source (``ast``): module sizes, functions over
 50 lines of code, the import graph among fdp's modules (module-level
 imports; an import inside a function is not an edge) and its depth, and the
-modules that decide "eager or compiled" (``is_compiling``) or call
+modules that ask "is dynamo tracing?" (``is_compiling()``, ``_mode.traced()``)
+and those that hand an eager and a traced form to ``_mode.by_mode``, or call
 ``torch.distributed``'s collectives directly. Runtime figures come from two
 gloo ranks: the fdp modules one eager DDP step and one fully sharded step
 call into (rank 0, ``sys.setprofile``), in the order first entered, and how
@@ -31,6 +32,8 @@ FDP = ROOT / "fdp"
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                "broadcast", "all_to_all_single", "reduce_scatter", "all_gather_object",
                "broadcast_object_list", "all_reduce_coalesced"}  # fmt: skip
+# The question "is dynamo tracing?", however a module asks it.
+ASKS = ("is_compiling()", "_mode.traced()", "compiling_a_transform()")
 
 
 def modules() -> dict[str, Path]:
@@ -97,8 +100,10 @@ def static() -> None:
     print(f"import edges among fdp's modules: {sum(len(v) for v in graph.values())}")
     print(f"import depth (longest chain of modules): {depth(graph)}")
     text = {n: p.read_text() for n, p in mods.items()}
-    compiling = sorted(n for n, t in text.items() if "is_compiling" in t)
-    print(f"modules deciding eager or compiled (is_compiling): {len(compiling)}")
+    deciding = sorted(n for n, t in text.items() if any(q in t for q in ASKS))
+    print(f"modules asking whether dynamo traces: {len(deciding)}: {deciding}")
+    forms = sorted(n for n, t in text.items() if "_mode.by_mode(" in t)
+    print(f"modules giving an eager and a traced form to _mode.by_mode: {len(forms)}")
     raw = sorted(n for n, t in text.items() if raw_collectives(t))
     print(f"modules calling torch.distributed collectives directly: {len(raw)}: {raw}")
 

@@ -1,7 +1,7 @@
 """Running one function per replica concurrently.
 
 Eager calls on several devices use persistent worker threads (see
-:class:`_Job`): torch releases the GIL inside its kernels, so the devices
+``fdp/_workers.py``): torch releases the GIL inside its kernels, so the devices
 overlap. Replicas that all live on the CPU run in a loop: they share the
 same cores, which torch's intra-op parallelism already uses (see
 :func:`_all_cpu`).
@@ -15,13 +15,8 @@ devices).
 
 from __future__ import annotations
 
-import atexit
 import functools
-import os
-import queue
 import sys
-import threading
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
@@ -29,7 +24,7 @@ from typing import Any, NoReturn, TypeVar
 
 import torch
 
-from fdp import _caches, _compat, _mode, _replica, _tree
+from fdp import _caches, _compat, _mode, _replica, _tree, _workers
 from fdp._device import DeviceLike, all_cpu, as_device
 
 __all__ = ["parallel_apply"]
@@ -37,118 +32,6 @@ __all__ = ["parallel_apply"]
 T = TypeVar("T")
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
-_SPIN_S = 200e-6
-
-_worker = threading.local()
-
-
-class _Job:
-    """One replica's call, run by whichever thread claims it first.
-
-    The caller queues replicas 1..n-1 for the workers, runs replica 0, then
-    claims and runs inline whatever no worker has started yet. Waking a
-    blocked thread costs tens of microseconds, more than a small replica's
-    whole forward: stealing makes small calls cost no hand-off at all, while
-    large replicas (workers wake long before replica 0 finishes) still run in
-    parallel. A caller can always finish its own jobs, so nothing deadlocks
-    however many threads call at once.
-    """
-
-    __slots__ = ("call", "claim", "done", "error", "result")
-
-    def __init__(self, call: Callable[[], Any]) -> None:
-        self.call = call
-        self.claim = threading.Lock()
-        self.done = threading.Lock()
-        self.done.acquire()
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def run_if_unclaimed(self) -> None:
-        if not self.claim.acquire(blocking=False):
-            return
-        try:
-            self.result = self.call()
-        except BaseException as err:  # handed to the caller, which re-raises it
-            self.error = err
-        finally:
-            # The worker must not keep the replica's arguments (an autograd
-            # graph) alive until its next job.
-            self.call = _done
-            self.done.release()
-
-    def wait(self) -> None:
-        done = self.done
-        if done.acquire(blocking=False):
-            return
-        # Poll briefly before blocking (sleep(0) releases the GIL): the last
-        # microseconds of a worker's job are cheaper to wait out than a wake-up.
-        deadline = time.perf_counter() + _SPIN_S
-        while not done.acquire(blocking=False):
-            if time.perf_counter() > deadline:
-                done.acquire()
-                return
-            time.sleep(0)
-
-
-def _done() -> None:
-    return None
-
-
-class _Pool:
-    """The persistent daemon workers and their queue (``None`` stops a worker)."""
-
-    def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.threads: list[threading.Thread] = []
-        self.lock = threading.Lock()
-
-    def ensure(self, n: int) -> None:
-        """Starts workers until there are at least ``n``."""
-        with self.lock:
-            while len(self.threads) < n:
-                name = f"fdp-replica-{len(self.threads)}"
-                thread = threading.Thread(target=_work, args=(self.jobs,), name=name, daemon=True)
-                thread.start()
-                self.threads.append(thread)
-
-    def stop(self, timeout_s: float) -> None:
-        """Stops and joins the workers, so none dies inside torch at interpreter exit."""
-        with self.lock:
-            threads, self.threads = self.threads, []
-        for _ in threads:
-            self.jobs.put(None)
-        deadline = time.monotonic() + timeout_s
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-
-def _work(jobs: queue.SimpleQueue[_Job | None]) -> None:
-    _worker.active = True
-    while (job := jobs.get()) is not None:
-        job.run_if_unclaimed()
-        del job  # the next get() may block for a long time
-
-
-_pool = _Pool()
-
-
-def _stop_pool() -> None:
-    _pool.stop(timeout_s=10.0)
-
-
-def _reset_pool_after_fork() -> None:
-    # The child has none of the parent's threads; a queue they served would
-    # collect every job (and its autograd graph) forever.
-    global _pool
-    _pool = _Pool()
-
-
-# A daemon thread still holding a replica's graph when the interpreter
-# finalizes can abort the process (std::terminate); stop workers first.
-atexit.register(_stop_pool)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_pool_after_fork)
 
 
 def _all_cpu(devices: list[torch.device]) -> bool:
@@ -169,7 +52,7 @@ def _run_inline() -> bool:
         # A torch.func transform (grad, vmap, ...) is active on this thread.
         _compat.functorch_active()
         # A replica calling data_parallel again must not wait on its own pool.
-        or getattr(_worker, "active", False)
+        or _workers.inside_worker()
     )
 
 
@@ -458,13 +341,12 @@ def _threaded(
     n = len(replicas)
     dfr = deferred
     jobs = [
-        _Job(functools.partial(_call, fn, replicas[i], args[i], kws[i], devs[i], state, (i, dfr)))
+        _workers.Job(
+            functools.partial(_call, fn, replicas[i], args[i], kws[i], devs[i], state, (i, dfr))
+        )
         for i in range(1, n)
     ]
-    pool = _pool
-    pool.ensure(n - 1)
-    for job in jobs:
-        pool.jobs.put(job)
+    _workers.start(jobs)
     first: Any = None
     error: BaseException | None = None
     try:

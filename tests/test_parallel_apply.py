@@ -16,7 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import fdp
-from fdp import _parallel_apply
+from fdp import _parallel_apply, _workers
 from tests.helpers import fake, label
 
 FAKE = [fake(i) for i in range(4)]  # distinct devices: replicas run in threads
@@ -99,14 +99,14 @@ def test_worker_threads_are_reused() -> None:
 
     seen: set[threading.Thread] = set()
     fdp.parallel_apply(concurrently(whoami, 3), [0] * 3, [(0,)] * 3, None, FAKE[:3])
-    pool = list(_parallel_apply._pool.threads)
+    pool = _workers.threads()
     for _ in range(10):
         fn = concurrently(whoami, 3)
         seen.update(fdp.parallel_apply(fn, [0] * 3, [(0,)] * 3, None, FAKE[:3]))
     # The caller runs replica 0; the same persistent workers run the rest, every time.
     assert threading.current_thread() in seen
     assert seen - {threading.current_thread()} <= set(pool)
-    assert _parallel_apply._pool.threads == pool
+    assert _workers.threads() == pool
 
 
 @pytest.mark.parametrize("on", ["cpu", "fake"])

@@ -112,9 +112,24 @@ def allreduce_hook(
 def _average(group: ProcessGroup | None, flat: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     # Divide first, as torch's DDP does: one pass, and no overflow in the sum.
     flat.div_(dist.get_world_size(group))
+    return sum_hook(flat, group)
+
+
+def sum_hook(flat: torch.Tensor, group: ProcessGroup | None) -> torch.futures.Future[torch.Tensor]:
+    """DDP's reduction without a comm hook: the sum (packing already divided)."""
     work = dist.all_reduce(flat, group=group, async_op=True)
     future: torch.futures.Future[list[torch.Tensor]] = work.get_future()
     return future.then(reduced_tensor)
+
+
+def check_future(future: object) -> None:
+    """Raises unless a comm hook returned something to wait on."""
+    if not callable(getattr(future, "wait", None)):
+        raise TypeError(
+            f"fdp.DistributedDataParallel: `comm_hook` expected to return a "
+            f"torch.futures.Future of the reduced bucket; got {type(future).__name__} "
+            f"{future!r:.80}"
+        )
 
 
 def _compressed(

@@ -46,7 +46,7 @@ from fdp._ddp._sparse import empty_sparse, reduce_sparse
 class Reduction:
     """What every step of one ``DistributedDataParallel`` reduces, and how.
 
-    ``hook(state, bucket)`` (a comm hook, or None: :func:`sum_hook` after
+    ``hook(state, bucket)`` (a comm hook, or None: ``_comm_hooks.sum_hook`` after
     a ``prescale`` folded into packing) returns a future of the reduced
     bucket. ``paths`` names every leaf for error messages.
     """
@@ -121,8 +121,7 @@ class Step:
         self.hooked = hooked
         self.used: set[int] = set()  # leaves that got a gradient on this rank
         self.sparse: dict[int, torch.Tensor | None] = {}  # sparse here: this backward's
-        # Gradients that came after their bucket was launched (see _late).
-        self.late: dict[int, torch.Tensor] = {}
+        self.late: dict[int, torch.Tensor] = {}  # after their bucket's launch: see _again
         self.next_launch = 0
         self.delivery = Delivery.UNDECIDED
         self.queued = False
@@ -321,7 +320,7 @@ class Step:
                 old = None
             _pack_old(self.buckets[k].views[j], old, self.prescale)
         if self.reduction.hook is None:
-            future: Any = sum_hook(flat, self.reduction.group)
+            future: Any = _comm_hooks.sum_hook(flat, self.reduction.group)
         else:
             grad_bucket = GradBucket(
                 flat,
@@ -331,12 +330,7 @@ class Step:
                 parameters=[self.leaves[i] for i in bucket.indices],
             )
             future = self.reduction.hook(self.reduction.state, grad_bucket)
-        if not callable(getattr(future, "wait", None)):
-            raise TypeError(
-                f"fdp.DistributedDataParallel: `comm_hook` expected to return a "
-                f"torch.futures.Future of the reduced bucket; got {type(future).__name__} "
-                f"{future!r:.80}"
-            )
+        _comm_hooks.check_future(future)
         self.buckets[k].future = future
         self.next_launch = k + 1
 
@@ -499,11 +493,3 @@ def _pack_old(view: torch.Tensor, old: torch.Tensor | None, scale: float) -> Non
         view.zero_()  # unused this step (or frozen): counts as zero
     else:
         torch.mul(old, scale, out=view)
-
-
-def sum_hook(
-    bucket: torch.Tensor, group: dist.ProcessGroup | None
-) -> torch.futures.Future[torch.Tensor]:
-    work = dist.all_reduce(bucket, group=group, async_op=True)
-    future: torch.futures.Future[list[torch.Tensor]] = work.get_future()
-    return future.then(_comm_hooks.reduced_tensor)
