@@ -141,6 +141,13 @@ def train_meanflow(session: nox.Session) -> None:
 
 
 @shared
+def train_contrastive(session: nox.Session) -> None:
+    """InfoNCE with global negatives (fdp.all_gather) on 2 processes; -- --compile."""
+    script = "examples/train_contrastive.py"
+    run(session, *TORCHRUN, script, *session.posargs, env=COMPILE_CACHE)
+
+
+@shared
 def examples(session: nox.Session) -> None:
     """Runs every example briefly."""
     run(session, "python", "examples/train_digits.py", "--epochs", "2", "--min-accuracy", "0")
@@ -166,6 +173,10 @@ def examples(session: nox.Session) -> None:
     # MeanFlow: ddp(params) inside jvp, eager and compiled; one-step samples within the MMD bound.
     run(session, *TORCHRUN, "examples/train_meanflow.py")
     run(session, *TORCHRUN, "examples/train_meanflow.py", "--compile", env=COMPILE_CACHE)
+    # Contrastive, global negatives through fdp.all_gather: eager and compiled, briefly.
+    contrastive = (*TORCHRUN, "examples/train_contrastive.py", "--epochs", "2")
+    run(session, *contrastive, "--min-accuracy", "0")
+    run(session, *contrastive, "--compile", "--min-accuracy", "0", env=COMPILE_CACHE)
     for script in ("train_digits.py", "train_digits_ddp.py"):
         launch = ("python",) if script == "train_digits.py" else TORCHRUN
         run(

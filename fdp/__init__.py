@@ -11,6 +11,11 @@ from fdp._comm._comm_hooks import bf16_compress_hook as bf16_compress_hook
 from fdp._comm._comm_hooks import fp16_compress_hook as fp16_compress_hook
 from fdp._comm._launch import init_distributed as init_distributed
 from fdp._comm._sync_batch_norm import sync_batch_norm as sync_batch_norm
+from fdp._comm._tensor_collectives import all_gather as all_gather
+from fdp._comm._tensor_collectives import all_reduce as all_reduce
+from fdp._comm._tensor_collectives import all_to_all as all_to_all
+from fdp._comm._tensor_collectives import broadcast as broadcast
+from fdp._comm._tensor_collectives import reduce_scatter as reduce_scatter
 from fdp._data_parallel import data_parallel as data_parallel
 from fdp._ddp._ddp import DistributedDataParallel as DistributedDataParallel
 from fdp._ddp._ddp import overlap_options as overlap_options
@@ -34,9 +39,13 @@ __all__ = [
     "GradBucket",
     "ZeroRedundancy",
     "ZeroState",
+    "all_gather",
+    "all_reduce",
     "all_reduce_grads",
+    "all_to_all",
     "allreduce_hook",
     "bf16_compress_hook",
+    "broadcast",
     "broadcast_params",
     "clear_caches",
     "data_parallel",
@@ -48,6 +57,7 @@ __all__ = [
     "optim",
     "overlap_options",
     "parallel_apply",
+    "reduce_scatter",
     "replicate",
     "save_checkpoint",
     "scatter",

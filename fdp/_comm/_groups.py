@@ -6,7 +6,8 @@ global rank (what ``torch.distributed``'s ``src=``/``dst=`` take), and
 whether two arguments name the same group.
 
 And one place for "a collective, eager or compiled": :func:`all_reduce`,
-:func:`all_gather`, :func:`reduce_scatter` and :func:`broadcast` return a
+:func:`all_gather`, :func:`reduce_scatter`, :func:`all_to_all` and
+:func:`broadcast` return a
 new tensor and leave their input alone. While ``torch.compile`` traces, they
 are torch's functional collectives (dynamo puts them in the graph, with a
 wait at first use); eagerly, ``torch.distributed``'s, on a copy, outside
@@ -51,11 +52,11 @@ def same(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:
     return resolve(a) is resolve(b)
 
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def all_reduce(t: torch.Tensor, *, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
-    """The reduction (``"sum"`` or ``"max"``) of ``t`` over ``group``, as a new tensor."""
+    """The ``"sum"``, ``"max"`` or ``"min"`` of ``t`` over ``group``, as a new tensor."""
     if _mode.traced():
         out: torch.Tensor = funcol.all_reduce(t, op, resolve(group))
         return out
@@ -106,6 +107,18 @@ def reduce_scatter(t: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tens
         mine = plain.new_empty(plain.shape[0] // world, *plain.shape[1:])
         _compat.reduce_scatter_single(mine, plain, group).wait()
         return mine
+
+
+def all_to_all(t: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tensor:
+    """Row ``j`` of ``t`` (dim 0 cut in ``world`` equal parts) to rank ``j``; rows by sender."""
+    if _mode.traced():
+        out: torch.Tensor = funcol.all_to_all_single(t, None, None, resolve(group))
+        return out
+    with torch.no_grad(), _compat.functorch_disabled():
+        plain = _compat.unwrap_functorch(t).contiguous()
+        got = torch.empty_like(plain)
+        dist.all_to_all_single(got, plain, group=group)
+        return got
 
 
 def broadcast(t: torch.Tensor, *, src: int, group: ProcessGroup | None) -> torch.Tensor:

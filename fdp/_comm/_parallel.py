@@ -13,15 +13,21 @@ nesting depth (``grad(grad)``, ``jvp(grad)``, ``vmap(grad)``, ``jacrev``,
 - :func:`psum`: the all-reduce (``_AllReduce``); :func:`broadcast`, the
   stacked :func:`all_gather` and :func:`reduce_scatter` are built from it
   (a masked or zero-padded all-reduce, exact because adding zeros is).
+- :func:`pmax`: the elementwise max or min, piecewise linear (the holder's
+  derivatives), from a constant extreme and :func:`psum`.
 - :func:`all_gather_flat` and :func:`reduce_scatter_flat`: a flat 1-D
   all-gather and its transpose (``_AllGather``, ``_ReduceScatter``), with a
-  dtype policy (:class:`Flat`); fully sharded units and ZeRO use them.
+  dtype policy (:class:`Flat`); fully sharded units, ZeRO and the public
+  ``fdp.all_gather``/``fdp.reduce_scatter`` use them.
+- :func:`all_to_all_rows`: row ``j`` to rank ``j`` (``_AllToAll``), its own
+  transpose.
 
 These are the paths taken when a result must be differentiable; the fast
 paths (in-place, bucketed, overlapped) stay where nothing requires grad and
-no transform runs. While compiling, the flat pair traces as the functional
-collectives (``_TracedAllGather``: dynamo cannot trace a Function with a
-custom ``jvp``).
+no transform runs. While compiling, each traces as the functional
+collectives through a Function with forward and backward only
+(``_TracedAllReduce``, ``_TracedAllGather``, ...): dynamo cannot trace a
+Function with a custom ``jvp`` or ``vmap``; ``fdp/_mode.py`` picks the form.
 """
 
 from __future__ import annotations
@@ -74,10 +80,94 @@ class _AllReduce(torch.autograd.Function):
         return psum(t.movedim(dim, 0), scale=scale, group=group), 0
 
 
-def psum(t: torch.Tensor, *, scale: float = 1.0, group: ProcessGroup | None = None) -> torch.Tensor:
+class _TracedAllReduce(torch.autograd.Function):
+    """:class:`_AllReduce` for ``torch.compile``: forward and backward only (see the module doc)."""
+
+    @staticmethod
+    def forward(t: torch.Tensor, scale: float, group: ProcessGroup | None) -> torch.Tensor:
+        out = _groups.all_reduce(t, group=group)
+        return out if scale == 1.0 else out * scale
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.scale, ctx.group = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        out = _groups.all_reduce(grad, group=ctx.group)
+        return (out if ctx.scale == 1.0 else out * ctx.scale), None, None
+
+
+def _psum_eager(
+    t: torch.Tensor, *, scale: float = 1.0, group: ProcessGroup | None = None
+) -> torch.Tensor:
     """``scale`` times the sum of ``t`` over the ranks of ``group``, differentiable at any depth."""
     out: torch.Tensor = _AllReduce.apply(t, scale, group)  # type: ignore[no-untyped-call]
     return out
+
+
+def _psum_traced(
+    t: torch.Tensor, *, scale: float = 1.0, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    out: torch.Tensor = _TracedAllReduce.apply(t, scale, group)  # type: ignore[no-untyped-call]
+    return out
+
+
+psum = _mode.by_mode(_psum_eager, _psum_traced)
+
+
+class _Extreme(torch.autograd.Function):
+    """The elementwise max or min over ranks, as a constant (no derivatives): see :func:`pmax`."""
+
+    @staticmethod
+    def forward(t: torch.Tensor, op: str, group: ProcessGroup | None) -> torch.Tensor:
+        return _groups.all_reduce(t, group=group, op=op)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.mark_non_differentiable(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        return None, None, None
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[Any, ...], t: torch.Tensor, op: str, group: Any
+    ) -> tuple[torch.Tensor, int | None]:
+        if in_dims[0] is None:
+            return _extreme(t, op, group), None
+        return _extreme(t.movedim(in_dims[0], 0), op, group), 0
+
+
+def _extreme_eager(t: torch.Tensor, op: str, group: ProcessGroup | None) -> torch.Tensor:
+    out: torch.Tensor = _Extreme.apply(t.detach(), op, group)  # type: ignore[no-untyped-call]
+    return out
+
+
+def _extreme_traced(t: torch.Tensor, op: str, group: ProcessGroup | None) -> torch.Tensor:
+    return _groups.all_reduce(t.detach(), group=group, op=op)
+
+
+_extreme = _mode.by_mode(_extreme_eager, _extreme_traced)
+
+
+def pmax(t: torch.Tensor, op: str, group: ProcessGroup | None) -> torch.Tensor:
+    """The elementwise ``op`` (``"max"`` or ``"min"``) over ranks, piecewise linear.
+
+    Each element's value is its holder's: the lowest rank holding the
+    extreme (ties go to the lowest rank). So the derivatives are that rank's:
+    its tangent forward; the cotangent summed over ranks, to it alone,
+    backward (a :func:`psum` of ``t`` where this rank holds the extreme, else
+    zeros, which gives the extreme exactly). Three collectives: the extreme,
+    the holder, the psum.
+    """
+    extreme = _extreme(t, op, group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    held = t.detach() == extreme
+    claim = torch.where(held, rank, world).to(torch.int32)
+    holder = _extreme(claim, "min", group)
+    return psum(torch.where(holder == rank, t, torch.zeros_like(t)), group=group)
 
 
 def broadcast(t: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
@@ -242,7 +332,97 @@ def _all_gather_traced(
 all_gather_flat = _mode.by_mode(_all_gather_eager, _all_gather_traced)
 
 
-def reduce_scatter_flat(y: torch.Tensor, flat: Flat) -> torch.Tensor:
+class _TracedReduceScatter(torch.autograd.Function):
+    """:class:`_ReduceScatter` for ``torch.compile``: functional collectives both ways."""
+
+    @staticmethod
+    def forward(y: torch.Tensor, flat: Flat) -> torch.Tensor:
+        return _scatter_now(y, flat)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.flat = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_now(grad, ctx.flat), None
+
+
+def _reduce_scatter_eager(y: torch.Tensor, flat: Flat) -> torch.Tensor:
     """This rank's part (1/world of ``y``, rank-major) of the sum over ranks of ``y``."""
     out: torch.Tensor = _ReduceScatter.apply(y, flat)  # type: ignore[no-untyped-call]
     return out
+
+
+def _reduce_scatter_traced(y: torch.Tensor, flat: Flat) -> torch.Tensor:
+    out: torch.Tensor = _TracedReduceScatter.apply(y, flat)  # type: ignore[no-untyped-call]
+    return out
+
+
+reduce_scatter_flat = _mode.by_mode(_reduce_scatter_eager, _reduce_scatter_traced)
+
+
+# ---------------------------------------------------------------------------
+# The all-to-all: row j to rank j. Its own transpose, as psum is.
+
+
+class _AllToAll(torch.autograd.Function):
+    """Row ``j`` of ``rows`` (``(world, m)``) to rank ``j``; row ``i`` of the result from ``i``."""
+
+    @staticmethod
+    def forward(rows: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        return _groups.all_to_all(rows, group=group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # What rank i got from me, row i, was my row i: its cotangent goes back the same way.
+        return all_to_all_rows(grad, ctx.group), None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: Any) -> torch.Tensor:
+        return all_to_all_rows(tangent, ctx.group)
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[Any, ...], rows: torch.Tensor, group: Any
+    ) -> tuple[torch.Tensor, int | None]:
+        if in_dims[0] is None:
+            return all_to_all_rows(rows, group), None
+        batched = rows.movedim(in_dims[0], 0)  # (batch, world, m): each rank's rows by batch
+        batch, world, m = batched.shape
+        out = all_to_all_rows(batched.transpose(0, 1).reshape(world, batch * m), group)
+        return out.view(world, batch, m).transpose(0, 1), 0
+
+
+class _TracedAllToAll(torch.autograd.Function):
+    """:class:`_AllToAll` for ``torch.compile``: forward and backward only."""
+
+    @staticmethod
+    def forward(rows: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        return _groups.all_to_all(rows, group=group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _groups.all_to_all(grad, group=ctx.group), None
+
+
+def _all_to_all_eager(rows: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Row ``j`` of ``rows`` (``(world, m)``) to rank ``j``; row ``i`` of the result from ``i``."""
+    out: torch.Tensor = _AllToAll.apply(rows, group)  # type: ignore[no-untyped-call]
+    return out
+
+
+def _all_to_all_traced(rows: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    out: torch.Tensor = _TracedAllToAll.apply(rows, group)  # type: ignore[no-untyped-call]
+    return out
+
+
+all_to_all_rows = _mode.by_mode(_all_to_all_eager, _all_to_all_traced)

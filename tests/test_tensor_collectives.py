@@ -1,0 +1,293 @@
+"""fdp.all_reduce / all_gather / reduce_scatter / all_to_all / broadcast against one process.
+
+Every rank ``r`` holds its own ``x_r``; one process computes every rank's
+output from all of them (the reference ``G``). A rank's derivative is that
+of the sum over ranks of every rank's objective with respect to its own
+input, so each transform's reference comes from ``G`` with ``torch.func``
+and autograd: gradients, vjps, jvps, vmaps, jacobians, hessians and nests
+of them, eager and compiled, on 2 and 3 ranks and on a subgroup whose
+ranks are not the global ones.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fdp
+from tests import ranks
+
+Fn = Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+def _cat_ref(dim: int) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    return lambda xs: [torch.cat(xs, dim)] * len(xs)
+
+
+def _reduce_ref(op: str) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    def ref(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        stacked = torch.stack(xs)
+        out = {
+            "sum": lambda: stacked.sum(0),
+            "mean": lambda: stacked.mean(0),
+            "max": lambda: stacked.max(0).values,
+            "min": lambda: stacked.min(0).values,
+        }[op]()
+        return [out] * len(xs)
+
+    return ref
+
+
+def _scatter_ref(op: str, dim: int) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    def ref(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(_reduce_ref(op)(xs)[0].chunk(len(xs), dim))
+
+    return ref
+
+
+def _a2a_ref(split: int, concat: int) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    def ref(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        w = len(xs)
+        return [torch.cat([xs[i].chunk(w, split)[j] for i in range(w)], concat) for j in range(w)]
+
+    return ref
+
+
+def _bcast_ref(src: int) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    return lambda xs: [xs[src]] * len(xs)
+
+
+# name: (the call on a rank, the reference over every rank's input)
+SPECS: dict[str, tuple[Fn, Callable[[list[torch.Tensor]], list[torch.Tensor]]]] = {
+    "all_reduce sum": (lambda x, g: fdp.all_reduce(x, group=g), _reduce_ref("sum")),
+    "all_reduce mean": (lambda x, g: fdp.all_reduce(x, "mean", group=g), _reduce_ref("mean")),
+    "all_reduce max": (lambda x, g: fdp.all_reduce(x, "max", group=g), _reduce_ref("max")),
+    "all_reduce min": (lambda x, g: fdp.all_reduce(x, "min", group=g), _reduce_ref("min")),
+    "all_gather dim 1": (lambda x, g: fdp.all_gather(x, dim=1, group=g), _cat_ref(1)),
+    "reduce_scatter sum dim 0": (
+        lambda x, g: fdp.reduce_scatter(x, group=g),
+        _scatter_ref("sum", 0),
+    ),
+    "reduce_scatter mean dim -1": (
+        lambda x, g: fdp.reduce_scatter(x.transpose(0, 1), "mean", dim=-1, group=g),
+        lambda xs: _scatter_ref("mean", -1)([x.transpose(0, 1) for x in xs]),
+    ),
+    "reduce_scatter max": (
+        lambda x, g: fdp.reduce_scatter(x, "max", group=g),
+        _scatter_ref("max", 0),
+    ),
+    "all_to_all 0 -> 1": (
+        lambda x, g: fdp.all_to_all(x, split_dim=0, concat_dim=1, group=g),
+        _a2a_ref(0, 1),
+    ),
+    "broadcast src 1": (lambda x, g: fdp.broadcast(x, 1, group=g), _bcast_ref(1)),
+}
+
+TOPOLOGIES = {"2 ranks": (2, None), "3 ranks": (3, None), "ranks 1, 2 of 3": (3, [1, 2])}
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def _group(members: list[int] | None) -> tuple[Any, int, int] | None:
+    """(group, group rank, group size) on members; None elsewhere (every rank calls new_group)."""
+    if members is None:
+        return None, dist.get_rank(), dist.get_world_size()
+    key = tuple(members)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(members)
+    if dist.get_rank() not in members:
+        return None
+    group = _GROUPS[key]
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _random(shape: Any, r: int, salt: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * salt + r)
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def _inputs(r: int, w: int, salt: int) -> torch.Tensor:
+    """Rank ``r``'s input: rows that every group size here divides."""
+    return _random((2 * w, 3), r, salt)
+
+
+def _objective(r: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    w = 0.5 + 0.25 * r  # each rank's objective differs
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return (torch.sin(out * w) * (out + r)).sum()
+
+    return loss
+
+
+Ref = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def _total(ref: Ref, *xs: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks of every rank's objective, from every rank's input."""
+    return torch.stack([_objective(q)(o) for q, o in enumerate(ref(list(xs)))]).sum()
+
+
+def _output(ref: Ref, q: int, *xs: torch.Tensor) -> torch.Tensor:
+    return ref(list(xs))[q]
+
+
+def _modes(name: str, r: int, w: int, group: Any) -> dict[str, tuple[Any, Any]]:
+    """Per mode, (this rank's result, the reference computed in one process)."""
+    fn, ref = SPECS[name]
+    xs = [_inputs(q, w, 0) for q in range(w)]
+    x, every = xs[r], tuple(range(w))
+    total = functools.partial(_total, ref)
+
+    def coll(t: torch.Tensor) -> torch.Tensor:
+        return fn(t, group)
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        return _objective(r)(coll(t))
+
+    out: dict[str, tuple[Any, Any]] = {"forward": (coll(x), ref(xs)[r])}
+    leaf = x.clone().requires_grad_()
+    torch.autograd.backward(mine(leaf))
+    ref_grads = torch.func.grad(total, argnums=every)(*xs)
+    out["autograd"] = (leaf.grad, ref_grads[r])
+    out["grad"] = (torch.func.grad(mine)(x), ref_grads[r])
+    vs = [_random(ref(xs)[q].shape, q, 1) for q in range(w)]
+    ref_vjp = torch.func.vjp(lambda *a: tuple(ref(list(a))), *xs)[1](tuple(vs))
+    out["vjp"] = (torch.func.vjp(coll, x)[1](vs[r])[0], ref_vjp[r])
+    ts = [_inputs(q, w, 2) for q in range(w)]
+    ref_jvp = torch.func.jvp(lambda *a: tuple(ref(list(a))), tuple(xs), tuple(ts))[1]
+    out["jvp"] = (torch.func.jvp(coll, (x,), (ts[r],))[1], ref_jvp[r])
+    batch = [torch.stack([_inputs(q, w, 3 + b) for b in range(3)]) for q in range(w)]
+    ref_vmap = torch.stack([ref([bq[b] for bq in batch])[r] for b in range(3)])
+    out["vmap"] = (torch.func.vmap(coll)(batch[r]), ref_vmap)
+    jac = [
+        torch.func.jacrev(functools.partial(_output, ref, q), argnums=every)(*xs) for q in range(w)
+    ]
+    out["jacrev"] = (torch.func.jacrev(coll)(x), torch.stack([jac[q][r] for q in every]).sum(0))
+    out["jacfwd"] = (torch.func.jacfwd(coll)(x), torch.stack([jac[r][q] for q in every]).sum(0))
+    hess = torch.func.hessian(total, argnums=every)(*xs)
+    out["hessian"] = (torch.func.hessian(mine)(x), torch.stack([hess[r][q] for q in every]).sum(0))
+    # Nests: a batch of gradients, and forward over reverse.
+    grad_r = torch.func.grad(total, argnums=r)
+    ref_vgrad = torch.stack([grad_r(*[bq[b] for bq in batch]) for b in range(3)])
+    out["vmap(grad)"] = (torch.func.vmap(torch.func.grad(mine))(batch[r]), ref_vgrad)
+    ref_fwd_rev = torch.func.jvp(grad_r, tuple(xs), tuple(ts))[1]
+    out["jvp(grad)"] = (torch.func.jvp(torch.func.grad(mine), (x,), (ts[r],))[1], ref_fwd_rev)
+    return out
+
+
+def _compiled_modes(name: str, r: int, w: int, group: Any) -> dict[str, tuple[Any, Any]]:
+    fn, ref = SPECS[name]
+    xs = [_inputs(q, w, 0) for q in range(w)]
+    ref_grads = torch.func.grad(functools.partial(_total, ref), argnums=tuple(range(w)))(*xs)
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        return _objective(r)(fn(t, group))
+
+    torch._dynamo.reset()
+    # No transform: the collective and its backward in one graph.
+    leaf = xs[r].clone().requires_grad_()
+    torch.autograd.backward(torch.compile(mine, backend="aot_eager", fullgraph=True)(leaf))
+    out = {"compiled autograd (fullgraph)": (leaf.grad, ref_grads[r])}
+    # Under a transform the call runs eagerly (a graph break): still right.
+    compiled_grad = torch.compile(torch.func.grad(mine), backend="aot_eager")
+    out["compiled grad"] = (compiled_grad(xs[r]), ref_grads[r])
+    return out
+
+
+def _run_all(rank: int, size: int, name: str, members: list[int] | None, compiled: bool) -> Any:
+    got = _group(members)
+    if got is None:
+        return None
+    group, r, w = got
+    modes = (_compiled_modes if compiled else _modes)(name, r, w, group)
+    bad = {}
+    for mode, (mine, want) in modes.items():
+        if mine.shape != want.shape or not torch.allclose(mine, want, atol=1e-9, rtol=1e-7):
+            bad[mode] = (
+                f"got {mine.shape} {mine.flatten()[:4]}, want {want.shape} {want.flatten()[:4]}"
+            )
+    return bad
+
+
+@pytest.mark.parametrize("topology", list(TOPOLOGIES))
+@pytest.mark.parametrize("name", list(SPECS))
+def test_every_transform_matches_one_process(name: str, topology: str) -> None:
+    size, members = TOPOLOGIES[topology]
+    results = ranks.world(size).run(_run_all, name, members, False)
+    assert [r for r in results if r] == []
+
+
+@pytest.mark.parametrize("topology", list(TOPOLOGIES))
+@pytest.mark.parametrize("name", list(SPECS))
+def test_compiled_matches_one_process(name: str, topology: str) -> None:
+    size, members = TOPOLOGIES[topology]
+    results = ranks.world(size).run(_run_all, name, members, True)
+    assert [r for r in results if r] == []
+
+
+def _refused(rank: int, size: int, case: str) -> Any:
+    """Every rank's error (or None) for one rank's bad call; then a collective still pairs."""
+    x = torch.ones(4, 3)
+    calls: dict[str, Callable[[], Any]] = {
+        "an unknown op on one rank": lambda: fdp.all_reduce(x, "prod" if rank == 1 else "sum"),
+        "an unknown op everywhere": lambda: fdp.all_reduce(x, "prod"),
+        "dtypes differ": lambda: fdp.all_gather(x.double() if rank == 1 else x),
+        "a non-gathered dim differs": lambda: fdp.all_gather(torch.ones(4, 3 + rank)),
+        "a size not divisible on one rank": lambda: fdp.reduce_scatter(torch.ones(4 + rank, 3)),
+        "split_dim not divisible": lambda: fdp.all_to_all(torch.ones(3, 2)),
+        "src outside the group on one rank": lambda: fdp.broadcast(x, 2 if rank == 0 else 0),
+        "a dim out of range": lambda: fdp.all_gather(x, dim=2),
+        "not a tensor": lambda: fdp.all_reduce([1.0]),  # type: ignore[arg-type]
+    }
+    error = None
+    try:
+        calls[case]()
+    except (ValueError, TypeError) as e:
+        error = f"{type(e).__name__}: {e}"
+    after = fdp.all_reduce(torch.ones(2)).tolist()  # the ranks are still paired
+    return error, after
+
+
+REFUSALS = {
+    "an unknown op on one rank": ("differs across ranks", "`op` expected one of"),
+    "an unknown op everywhere": ("`op` expected one of", "`op` expected one of"),
+    "dtypes differ": ("differs across ranks", "differs across ranks"),
+    "a non-gathered dim differs": ("differs across ranks", "differs across ranks"),
+    "a size not divisible on one rank": ("differs across ranks", "the group's size 2 divides"),
+    "split_dim not divisible": ("the group's size 2 divides", "the group's size 2 divides"),
+    "src outside the group on one rank": ("`src` expected a rank of the group", "differs"),
+    "a dim out of range": ("`dim` expected a dimension of x", "`dim` expected a dimension"),
+    "not a tensor": ("`x` expected a torch.Tensor", "`x` expected a torch.Tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_a_bad_call_on_any_rank_raises_on_every_rank(case: str) -> None:
+    results = ranks.world(2).run(_refused, case)
+    for rank, (error, after) in enumerate(results):
+        assert error is not None, f"rank {rank} did not raise"
+        assert REFUSALS[case][rank] in error, error
+        assert error.startswith(("ValueError", "TypeError")), error
+        assert after == [2.0, 2.0]
+
+
+def _outside(rank: int, size: int) -> Any:
+    pair = _group([1, 2])
+    if pair is not None:
+        return fdp.all_gather(torch.full((1,), float(rank)), group=pair[0]).tolist()
+    try:
+        fdp.all_reduce(torch.ones(1), group=_GROUPS[(1, 2)])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_rank_outside_the_group_is_refused_and_the_group_gathers_in_group_rank_order() -> None:
+    outside, one, two = ranks.world(3).run(_outside)
+    assert "`group` expected a process group that contains this process" in outside
+    assert one == two == [1.0, 2.0]
