@@ -18,8 +18,9 @@ docs/fsdp.md has the data flow.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -29,6 +30,7 @@ from fdp import _tree
 from fdp._comm import _agreement, _groups, _parallel, _transforms
 from fdp._comm._groups import ProcessGroup
 from fdp._sharding import (
+    _fsdp_accumulate,
     _fsdp_chain,
     _fsdp_gather,
     _fsdp_optim,
@@ -81,6 +83,11 @@ class FullyShardedDataParallel:
             (e.g. ``torch.bfloat16``); ``None``: their own.
         reduce_dtype: the dtype gradients are reduce-scattered in (e.g.
             ``torch.float32``); ``None``: ``param_dtype``'s.
+        unit_dtypes: a precision per unit, over ``param_dtype`` and
+            ``reduce_dtype`` (torch applies a policy per ``fully_shard``
+            call): unit name to a param dtype (``None``: the parameters'
+            own) or to a pair ``(param_dtype, reduce_dtype)``, e.g.
+            ``{"head": torch.float32}`` for a float32 head on a bfloat16 body.
         mesh: instead of ``group``, a 2-D ``torch.distributed`` device mesh
             for hybrid sharding (HSDP): shards are cut across its second
             dimension and replicated across its first, whose ranks all-reduce
@@ -112,6 +119,7 @@ class FullyShardedDataParallel:
         group: ProcessGroup | None = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        unit_dtypes: Mapping[str, Any] | None = None,
         reshard_after_forward: bool = True,
         prefetch: bool = True,
         mesh: Any = None,
@@ -143,11 +151,13 @@ class FullyShardedDataParallel:
         )
         self._by_name = {u.name: u for u in self.units}
         total = self.world * self.replicas_world
-        self._policy = _fsdp_gather.Policy(
+        policy = _fsdp_gather.Policy(
             group, self.world, param_dtype, reduce_dtype, self.replicas, total
         )
+        self._policies = _fsdp_gather.per_unit(call, policy, unit_dtypes, self.unit_names)
         self._prefetch = _fsdp_prefetch.Prefetcher(self.unit_names, enabled=prefetch)
         self._chain = _fsdp_chain.Chain()  # every gathered unit's backward on every rank
+        self._sync, self._pending = True, _fsdp_accumulate.Pending()
         # The same slices as a ZeroRedundancy's, for checkpoints (fdp/_fsdp_state.py).
         buckets = [b for u in self.units for b in u.buckets]
         self._layout = _zero_shards.from_buckets(params, buckets, sharded, group=group)
@@ -158,6 +168,30 @@ class FullyShardedDataParallel:
             f"fdp.FullyShardedDataParallel({len(self.units)} units, world {self.world}, "
             f"param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype})"
         )
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulates gradients without communication (DDP's ``no_sync``).
+
+        Backward passes inside the block reduce-scatter nothing: each unit's
+        full gradient is kept (in ``reduce_dtype``) and added in by the first
+        backward after the block, one reduce-scatter per unit. Every rank runs
+        the same micro-batches in and out of it; eager ``loss.backward()`` only
+        (docs/fsdp.md, "Gradient accumulation").
+
+        Example::
+
+            with fsdp.no_sync():
+                loss_fn(fsdp(shards), first_half).backward()
+            loss_fn(fsdp(shards), second_half).backward()  # one reduce-scatter per unit
+        """
+        if not self._sync:
+            raise RuntimeError("fdp.FullyShardedDataParallel.no_sync: already inside no_sync")
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
 
     @property
     def unit_names(self) -> list[str]:
@@ -194,7 +228,9 @@ class FullyShardedDataParallel:
         if self._prefetch.enabled and _fsdp_prefetch.eligible(mine):
             # Every unit's all-gather at once: the later ones arrive while
             # the first ones are unpacked.
-            started = [_fsdp_prefetch.start(u, shards[u.name], self._policy) for u in self.units]
+            started = [
+                _fsdp_prefetch.start(u, shards[u.name], self._policies[u.name]) for u in self.units
+            ]
         for unit, ahead in zip(self.units, started, strict=True):
             self._gather_into(out, unit, shards[unit.name], ahead.wait() if ahead else None)
         return _tree.unflatten(self._planned.structure(call), self._tied(out))
@@ -209,7 +245,10 @@ class FullyShardedDataParallel:
         unit = self._unit(call, shards, name)
         out: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
         self._gather_into(
-            out, unit, shards[name], self._prefetch.ready(name, shards, self._by_name, self._policy)
+            out,
+            unit,
+            shards[name],
+            self._prefetch.ready(name, shards, self._by_name, self._policies),
         )
         self._gather_borrowed(out, name, shards)
         return _fsdp_plan.subtree(
@@ -245,7 +284,7 @@ class FullyShardedDataParallel:
             tree,
             unit,
             shards[name],
-            self._prefetch.ready(name, shards, self._by_name, self._policy),
+            self._prefetch.ready(name, shards, self._by_name, self._policies),
         )
         gathered += self._gather_borrowed(tree, name, shards)
         whole = _tree.unflatten(self._planned.structure(call), self._tied(tree))
@@ -268,7 +307,7 @@ class FullyShardedDataParallel:
         with torch.no_grad():
             for unit in self.units:
                 for bucket, shard in zip(unit.buckets, shards[unit.name], strict=True):
-                    how = self._policy.how(bucket, shard, exact=True)
+                    how = self._policies[unit.name].how(bucket, shard, exact=True)
                     flat = _fsdp_gather.gather(shard.detach(), how)[: bucket.numel]
                     for i, leaf in zip(bucket.indices, bucket.unpack(flat), strict=True):
                         out[i] = leaf.clone()
@@ -408,10 +447,16 @@ class FullyShardedDataParallel:
         buffer with its shard and how. ``key`` names the gather in the chain."""
         gathered = []
         for k, (bucket, shard) in enumerate(zip(unit.buckets, shards, strict=True)):
-            how = self._policy.how(bucket, shard)
+            how = self._policies[unit.name].how(bucket, shard)
             done = None if ready is None else _fsdp_gather.Ready(ready[k])
-            flat = _fsdp_gather.gather(shard, how, done)
-            flat = self._chain.link(f"{key or unit.name}/{k}", flat)
+            name = f"{key or unit.name}/{k}"
+            if self._sync:
+                flat = self._pending.release(_fsdp_gather.gather(shard, how, done), name)
+            else:  # no_sync: gathered outside autograd, its gradient kept (_fsdp_accumulate)
+                _fsdp_accumulate.check("fdp.FullyShardedDataParallel.no_sync", shard)
+                flat = _fsdp_gather.gather(shard.detach(), how, done)
+                flat = self._pending.hold(flat, shard, name, how.reduce_dtype)
+            flat = self._chain.link(name, flat)
             leaves = bucket.unpack(flat[: bucket.numel])
             for i, leaf in zip(bucket.indices, leaves, strict=True):
                 out[i] = leaf

@@ -19,7 +19,8 @@ and the explanation of a collective that failed (:func:`in_step`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -68,6 +69,37 @@ class Policy:
             dtype = bucket.dtype
         reduce = dtype if self.reduce_dtype is None else self.reduce_dtype
         return How(self.group, self.world, dtype, reduce, shard.dtype, self.replicas, self.total)
+
+
+def per_unit(
+    call: str, policy: Policy, unit_dtypes: Mapping[str, Any] | None, names: Sequence[str]
+) -> dict[str, Policy]:
+    """Each unit's policy: ``policy``, with the dtypes ``unit_dtypes`` gives a unit."""
+    policies = dict.fromkeys(names, policy)
+    if unit_dtypes is None:
+        return policies
+    if not isinstance(unit_dtypes, Mapping):
+        raise TypeError(
+            f"{call}: `unit_dtypes` expected a dict from unit name to a dtype or a pair "
+            f"(param_dtype, reduce_dtype); got {type(unit_dtypes).__name__}"
+        )
+    for name, value in unit_dtypes.items():
+        if name not in policies:
+            raise ValueError(
+                f"{call}: `unit_dtypes` key expected one of the units {list(names)}; got {name!r}"
+            )
+        pair = value if isinstance(value, tuple) else (value, policy.reduce_dtype)
+        if len(pair) != 2 or not all(_float_dtype(d) for d in pair):
+            raise TypeError(
+                f"{call}: `unit_dtypes[{name!r}]` expected a floating-point dtype, None, or a "
+                f"pair of them (param_dtype, reduce_dtype); got {value!r}"
+            )
+        policies[name] = dataclasses.replace(policy, param_dtype=pair[0], reduce_dtype=pair[1])
+    return policies
+
+
+def _float_dtype(dtype: object) -> bool:
+    return dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)
 
 
 @dataclass(frozen=True)

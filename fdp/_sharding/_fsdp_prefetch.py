@@ -152,7 +152,7 @@ class Prefetcher:
         name: str,
         shards: Mapping[str, Sequence[torch.Tensor]],
         units: Mapping[str, _fsdp_plan.Unit],
-        policy: _fsdp_gather.Policy,
+        policies: Mapping[str, _fsdp_gather.Policy],
     ) -> list[torch.Tensor] | None:
         """Unit ``name``'s flat buffers if prefetched; starts the gather of the next unit."""
         mine = shards[name]
@@ -161,8 +161,8 @@ class Prefetcher:
             return None
         ready = self.take(name, mine)
         if ready is None:  # gathered now, before the next unit's gather starts
-            ready = start(units[name], mine, policy).wait()
+            ready = start(units[name], mine, policies[name]).wait()
         following = self.visit(name)
         if following is not None:
-            self.put(start(units[following], shards[following], policy))
+            self.put(start(units[following], shards[following], policies[following]))
         return ready

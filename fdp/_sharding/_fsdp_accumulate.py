@@ -1,0 +1,116 @@
+"""Gradient accumulation without communication: ``FullyShardedDataParallel.no_sync``.
+
+Inside ``no_sync`` a unit is gathered as always (forward needs it), but its
+backward keeps the full-size gradient of each gathered buffer here instead
+of reduce-scattering it (:class:`_Hold`: nothing reaches the shard). The
+next synchronised backward adds what was kept into that buffer's gradient
+before its reduce-scatter (:class:`_Release`), so the shards get, in one
+reduce-scatter per buffer, the gradient of every micro-batch: what
+reduce-scattering each one would have given, for a fraction of the
+traffic. The cost is memory: a unit's full gradient is held between the
+micro-batches, as torch's ``set_requires_gradient_sync(False)`` holds it.
+
+Eager ``loss.backward()`` only: a ``torch.func`` transform returns its
+gradients and keeps nothing between calls, and a compiled graph cannot hold
+buffers across calls; both are refused inside ``no_sync``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fdp import _compat, _mode
+
+
+class Pending:
+    """The full-size gradients ``no_sync`` kept, by gathered buffer (``unit/bucket``)."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def hold(
+        self, flat: torch.Tensor, shard: torch.Tensor, key: str, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``flat`` (gathered from ``shard``, outside autograd) whose gradient is kept here.
+
+        Kept in ``dtype`` (the reduce dtype), so that micro-batches add up as
+        the reduce-scattered gradients would.
+        """
+        if not shard.requires_grad or not torch.is_grad_enabled():
+            return flat
+        out: torch.Tensor = _Hold.apply(flat, shard, self, key, dtype)  # type: ignore[no-untyped-call]
+        return out
+
+    def release(self, flat: torch.Tensor, key: str) -> torch.Tensor:
+        """``flat`` whose gradient gets what was kept for ``key`` (if anything) added."""
+        if key not in self.grads or not flat.requires_grad:
+            return flat
+        out: torch.Tensor = _Release.apply(flat, self, key)  # type: ignore[no-untyped-call]
+        return out
+
+    def clear(self) -> None:
+        self.grads.clear()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.grads.values())
+
+
+class _Hold(torch.autograd.Function):
+    """The identity on a gathered buffer; backward keeps its gradient, the shard gets none."""
+
+    @staticmethod
+    def forward(
+        flat: torch.Tensor, shard: torch.Tensor, pending: Pending, key: str, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return flat.view_as(flat)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.pending, ctx.key, ctx.dtype = inputs[2], inputs[3], inputs[4]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None, None]:
+        kept = ctx.pending.grads.get(ctx.key)
+        if kept is None:  # a copy: the engine may hand the same tensor to another consumer
+            ctx.pending.grads[ctx.key] = grad.to(ctx.dtype, copy=True)
+        else:
+            kept.add_(grad)
+        return None, None, None, None, None
+
+
+class _Release(torch.autograd.Function):
+    """The identity; backward adds the gradient ``no_sync`` kept for this buffer, once."""
+
+    @staticmethod
+    def forward(flat: torch.Tensor, pending: Pending, key: str) -> torch.Tensor:
+        return flat.view_as(flat)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.pending, ctx.key = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        kept = ctx.pending.grads.pop(ctx.key, None)
+        return (grad if kept is None else grad + kept.to(grad.dtype)), None, None
+
+
+def _check_eager(call: str, shard: torch.Tensor) -> None:
+    if _compat.functorch_active() or _compat.is_transformed(shard):
+        raise NotImplementedError(
+            f"{call}: inside no_sync() under a torch.func transform; no_sync keeps gradients "
+            "between eager loss.backward() calls, which a transform (returning its gradients) "
+            "cannot: accumulate the returned gradients yourself, or call backward()"
+        )
+
+
+def _check_traced(call: str, shard: torch.Tensor) -> None:
+    raise NotImplementedError(
+        f"{call}: inside no_sync() while torch.compile traces; a graph cannot keep gradients "
+        "between calls: run the accumulating micro-batches eagerly, or accumulate outside fdp"
+    )
+
+
+check = _mode.by_mode(_check_eager, _check_traced)
