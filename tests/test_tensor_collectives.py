@@ -196,6 +196,26 @@ def _compiled_modes(name: str, r: int, w: int, group: Any) -> dict[str, tuple[An
     # Under a transform the call runs eagerly (a graph break): still right.
     compiled_grad = torch.compile(torch.func.grad(mine), backend="aot_eager")
     out["compiled grad"] = (compiled_grad(xs[r]), ref_grads[r])
+
+    def coll(t: torch.Tensor) -> torch.Tensor:
+        return fn(t, group)
+
+    def tangent_out(t: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        tangent: torch.Tensor = torch.func.jvp(coll, (t,), (d,))[1]
+        return tangent
+
+    ts = [_inputs(q, w, 2) for q in range(w)]
+    ref_jvp = torch.func.jvp(lambda *a: tuple(ref(list(a))), tuple(xs), tuple(ts))[1]
+    out["compiled jvp"] = (
+        torch.compile(tangent_out, backend="aot_eager")(xs[r], ts[r]),
+        ref_jvp[r],
+    )
+    batch = [torch.stack([_inputs(q, w, 3 + b) for b in range(3)]) for q in range(w)]
+    ref_vmap = torch.stack([ref([bq[b] for bq in batch])[r] for b in range(3)])
+    out["compiled vmap"] = (
+        torch.compile(torch.func.vmap(coll), backend="aot_eager")(batch[r]),
+        ref_vmap,
+    )
     return out
 
 
@@ -291,3 +311,30 @@ def test_a_rank_outside_the_group_is_refused_and_the_group_gathers_in_group_rank
     outside, one, two = ranks.world(3).run(_outside)
     assert "`group` expected a process group that contains this process" in outside
     assert one == two == [1.0, 2.0]
+
+
+def _contrastive(rank: int, size: int) -> Any:
+    """docs/collectives.md's loss: InfoNCE over fdp.all_gather'd keys, ddp(params) averaging."""
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(8, 4, generator=g, dtype=torch.float64).requires_grad_()}
+    views = torch.randn(2, 4 * size, 8, generator=g, dtype=torch.float64)
+    ddp = fdp.DistributedDataParallel(params)
+    rows = slice(4 * rank, 4 * (rank + 1))
+    p = ddp(params)
+    queries = torch.nn.functional.normalize(views[0, rows] @ p["w"], dim=1)
+    keys = fdp.all_gather(torch.nn.functional.normalize(views[1, rows] @ p["w"], dim=1))
+    positives = torch.arange(4) + 4 * rank
+    torch.autograd.backward(torch.nn.functional.cross_entropy(queries @ keys.T / 0.1, positives))
+    return params["w"].grad, views
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_contrastive_loss_with_ddp_has_the_single_process_gradient(size: int) -> None:
+    for grad, views in ranks.world(size).run(_contrastive):
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(8, 4, generator=g, dtype=torch.float64).requires_grad_()
+        queries = torch.nn.functional.normalize(views[0] @ w, dim=1)
+        keys = torch.nn.functional.normalize(views[1] @ w, dim=1)
+        loss = torch.nn.functional.cross_entropy(queries @ keys.T / 0.1, torch.arange(4 * size))
+        (want,) = torch.autograd.grad(loss, w)
+        torch.testing.assert_close(grad, want)
