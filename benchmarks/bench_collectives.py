@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing as mp
 import os
-import socket
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
-from timing import interleaved
+from timing import interleaved, run_ranks
 
 import fdp
 
@@ -109,20 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     args, _ = parser.parse_known_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(rank, 2, port, args.quick)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(1800)
-    if any(p.exitcode != 0 for p in procs):
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    run_ranks(run, 2, args.quick)
 
 
 if __name__ == "__main__":

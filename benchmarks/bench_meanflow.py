@@ -27,15 +27,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import multiprocessing as mp
 import os
-import socket
-import sys
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from timing import interleaved
+from timing import interleaved, run_ranks
 
 import fdp
 
@@ -175,20 +172,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--compile", action="store_true", help="add the compiled variants")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(r, 2, port, args.quick, args.compile)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(1800)
-    if any(p.exitcode != 0 for p in procs):
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    run_ranks(run, 2, args.quick, args.compile)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing as mp
 import os
-import socket
-import sys
 from typing import Any
 
 import optree
@@ -33,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bench_ddp_step import CLASSES, DEPTH, WIDTH, data, make_params, mlp
-from timing import interleaved
+from timing import interleaved, run_ranks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import fdp
@@ -141,23 +138,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--ranks", type=int, default=2)
     args, _ = parser.parse_known_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=run, args=(rank, args.ranks, port, args.quick))
-        for rank in range(args.ranks)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(1800)
-    if any(p.exitcode != 0 for p in procs):
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    run_ranks(run, args.ranks, args.quick)
 
 
 if __name__ == "__main__":

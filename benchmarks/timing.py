@@ -67,3 +67,29 @@ def interleaved(
         for name in names[k:] + names[:k]:
             times[name].append(timed(fns[name], repeats, sync))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def run_ranks(target: Callable[..., None], size: int, *args: Any, timeout_s: float = 1800) -> None:
+    """``target(rank, size, port, *args)`` on ``size`` spawned processes (gloo on 127.0.0.1).
+
+    Exits with the ranks' exit codes if any fails; a rank still running at
+    the timeout is killed.
+    """
+    import multiprocessing as mp
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(rank, size, port, *args)) for rank in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    if any(p.exitcode != 0 for p in procs):
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
