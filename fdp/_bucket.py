@@ -192,6 +192,26 @@ class Bucket:
             out.append(memory_unflat(part, shape, self.order(j), complex_=self.complex_[j]))
         return out
 
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """What :meth:`unpack` gives, through one ``split_with_sizes`` of ``flat`` (any length
+        from ``numel`` on: padding after it is one more, unused, piece).
+
+        Its backward writes every leaf's gradient into one new buffer (a
+        ``cat``, zeros where a leaf has none), where slicing gives each leaf
+        a zero-filled buffer the size of ``flat`` that autograd then adds
+        up: one buffer at a time instead of up to three. Multi-output views
+        cannot be modified in place, so this is for leaves that are read.
+        """
+        sizes, pos = [], 0
+        for j in range(len(self.shapes)):
+            sizes += [self.offsets[j] - pos, self.width(j)]
+            pos = self.offsets[j] + self.width(j)
+        parts = flat.split_with_sizes([*sizes, flat.shape[0] - pos])
+        return [
+            memory_unflat(parts[2 * j + 1], shape, self.order(j), complex_=self.complex_[j])
+            for j, shape in enumerate(self.shapes)
+        ]
+
     def _fill(
         self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor | None
     ) -> torch.Tensor:

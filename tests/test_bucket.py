@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fdp import _bucket
 from tests.helpers import Labelled, fake
@@ -108,6 +111,67 @@ def test_complex_and_strided_leaves_round_trip() -> None:
         torch.testing.assert_close(view, t * 0.5)
     assert flat[135] == 0
     assert bucket._split_sizes is None  # padded, complex and strided: a view per leaf
+
+
+def test_split_views_as_unpack_and_assembles_the_gradient_in_one_buffer() -> None:
+    """Bucket.split: unpack's views (padding and a tail after numel included) through one
+    split_with_sizes; its gradient equals slicing's, also under vmap and jvp."""
+    tensors = [
+        torch.randn(2, 3, dtype=torch.complex64),
+        torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        torch.randn(4, 3).t(),
+        torch.randn(3),
+    ]
+    (bucket,) = _bucket.plan(list(tensors), cap_bytes=1 << 20)
+    ordered = [tensors[i] for i in bucket.indices]
+    flat = torch.cat([bucket.pack(ordered), torch.zeros(6)])  # a padded tail, as FSDP's
+    weights = [torch.randn(t.shape, dtype=t.dtype) for t in ordered]
+
+    def loss(f: torch.Tensor, how: str) -> torch.Tensor:
+        views = bucket.split(f) if how == "split" else bucket.unpack(f[: bucket.numel])
+        return sum(
+            ((v * w).real if v.is_complex() else v * w).sum()
+            for v, w in zip(views, weights, strict=True)
+        )  # type: ignore[return-value]
+
+    for view, unpacked, t in zip(bucket.split(flat), bucket.unpack(flat), ordered, strict=True):
+        assert view.stride() == unpacked.stride() == t.stride()
+        torch.testing.assert_close(view, t)
+    # Every leaf's gradient, and zeros in the padding and the tail.
+    for how in ("split", "slice"):
+        assert torch.func.grad(loss)(flat, how).shape == flat.shape
+    torch.testing.assert_close(
+        torch.func.grad(loss)(flat, "split"), torch.func.grad(loss)(flat, "slice")
+    )
+    batch = torch.stack([flat, 2 * flat])
+    torch.testing.assert_close(
+        torch.vmap(torch.func.grad(lambda f: loss(f, "split") ** 2))(batch),
+        torch.vmap(torch.func.grad(lambda f: loss(f, "slice") ** 2))(batch),
+    )
+    tangent = torch.randn_like(flat)
+    torch.testing.assert_close(
+        torch.func.jvp(lambda f: loss(f, "split"), (flat,), (tangent,)),
+        torch.func.jvp(lambda f: loss(f, "slice"), (flat,), (tangent,)),
+    )
+    # Autograd: one cat builds the flat gradient, not one buffer per leaf.
+    leaf = flat.clone().requires_grad_()
+    with _Ops() as ops:
+        torch.autograd.backward(loss(leaf, "split"))
+    assert ops.count("aten.cat.default") == 1
+    assert ops.count("aten.slice_backward.default") == 0
+
+
+class _Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    def count(self, name: str) -> int:
+        return self.seen.count(name)
 
 
 def test_empty_plan() -> None:

@@ -20,6 +20,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fdp
 from tests import ranks
@@ -675,6 +676,69 @@ def test_prefetching_runs_one_unit_ahead_and_changes_no_result(prefetch: bool) -
     dx = torch.cat([dx for _, dx, _ in results])
     torch.testing.assert_close(dx, _input_grad(2), **TOL)
     assert all(after == [0, 0, 0, 0] for _, _, after in results)
+
+
+class _HeldInBackward(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """How many applied units are gathered at each reduce-scatter, and at each ``cat``
+    that assembles a unit's flat gradient."""
+
+    def __init__(self, resharded: list[Any]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.resharded = resharded
+        self.at_scatter: list[int] = []
+        self.at_assembly: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        held = sum(r.storage.nbytes() > 0 for r in self.resharded)
+        if "reduce_scatter" in str(func):
+            self.at_scatter.append(held)
+        elif func is torch.ops.aten.cat.default and out.numel() in {
+            r.numel for r in self.resharded
+        }:
+            self.at_assembly.append(held)
+        return out
+
+
+def _held_in_backward(rank: int, size: int, prefetch: bool) -> Any:
+    from fdp._sharding import _fsdp_reshard  # each applied unit's gathered buffer
+
+    params = make_params()
+    fsdp = fdp.FullyShardedDataParallel(params, prefetch=prefetch)
+    x, y = data(size)
+    resharded: list[Any] = []
+
+    class Logged(_fsdp_reshard.Resharded):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            resharded.append(self)
+
+    with mock.patch.object(_fsdp_reshard, "Resharded", Logged):
+        shards = fsdp.shard(params)
+        loss = (applied(fsdp, shards, mine(x, rank), None) - mine(y, rank)).square().mean()
+    with _HeldInBackward(resharded) as watch:
+        torch.autograd.backward(loss)
+    grads = fsdp.full({k: tuple(_zero_if_none(t) for t in ts) for k, ts in shards.items()})
+    return grads, watch.at_scatter, watch.at_assembly
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
+def test_backward_holds_one_unit_besides_the_one_it_reduces(prefetch: bool) -> None:
+    """As torch's fully_shard: a unit's gathered parameters are freed before its flat
+    gradient is assembled, and only the unit before it (prefetched, or refilled for
+    its turn) is gathered during its reduce-scatter."""
+    expected = reference_grad(2, local_loss)
+    expected = {**expected, "frozen": torch.zeros_like(expected["frozen"])}
+    for grads, at_scatter, at_assembly in ranks.world(2).run(_held_in_backward, prefetch):
+        tree_allclose(grads, expected, **TOL)
+        # embed and blocks 0-2 are applied, conv, head and embed again gathered;
+        # the gathered units stay gathered until backward and count for none.
+        assert len(at_assembly) >= 4
+        assert len(at_scatter) >= 4
+        assert max(at_scatter) == 1
+        assert at_scatter[-1] == 0  # embed: nothing before it
+        assert max(at_assembly) == (1 if prefetch else 0)
+        assert at_assembly[-1] == 0
 
 
 def test_prefetcher_predicts_the_last_order_and_nothing_used_in_this_pass() -> None:

@@ -420,7 +420,7 @@ class FullyShardedDataParallel:
 
     def _gather_borrowed(
         self, out: list[Any], name: str, shards: dict[str, tuple[torch.Tensor, ...]]
-    ) -> list[tuple[torch.Tensor, torch.Tensor, _fsdp_gather.How]]:
+    ) -> list[_fsdp_reshard.Gathered]:
         """Gathers the units whose tensors are tied into unit ``name`` (see ``borrowed``)."""
         gathered = []
         for other in self._borrowed.get(name, ()):
@@ -442,10 +442,10 @@ class FullyShardedDataParallel:
         ready: Sequence[torch.Tensor] | None = None,
         *,
         key: str | None = None,
-    ) -> list[tuple[torch.Tensor, torch.Tensor, _fsdp_gather.How]]:
+    ) -> list[_fsdp_reshard.Gathered]:
         """Gathers ``unit`` into ``out`` (``ready``: already gathered); returns each flat
-        buffer with its shard and how. ``key`` names the gather in the chain."""
-        gathered = []
+        buffer with its shard, how and leaves. ``key`` names the gather in the chain."""
+        gathered: list[_fsdp_reshard.Gathered] = []
         for k, (bucket, shard) in enumerate(zip(unit.buckets, shards, strict=True)):
             how = self._policies[unit.name].how(bucket, shard)
             done = None if ready is None else _fsdp_gather.Ready(ready[k])
@@ -457,10 +457,10 @@ class FullyShardedDataParallel:
                 flat = _fsdp_gather.gather(shard.detach(), how, done)
                 flat = self._pending.hold(flat, shard, name, how.reduce_dtype)
             flat = self._chain.link(name, flat)
-            leaves = bucket.unpack(flat[: bucket.numel])
+            leaves = bucket.split(flat)
             for i, leaf in zip(bucket.indices, leaves, strict=True):
                 out[i] = leaf
-            gathered.append((flat, shard, how))
+            gathered.append((flat, shard, how, leaves))
         return gathered
 
     def _check_shards(self, call: str, shards: Any) -> None:

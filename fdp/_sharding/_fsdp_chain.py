@@ -62,7 +62,7 @@ class _Link(torch.autograd.Function):
         # those of the ranks that use it (see fdp/_fsdp_reshard.py).
         before: Entry | None = ctx.before
         if before is not None and before.held is not None:
-            before.held.refill()
+            before.held.refill(ahead=False)
         # An unused unit's cotangent comes materialised as zeros. The token's
         # stays undefined: the node before still runs (the edge is there),
         # and under vmap no batched empty tensor has to be made up.
