@@ -20,6 +20,18 @@ does, and the parent times them one at a time, round by round in rotating
 order (medians over rounds). Models sharing one process share its heap, and
 one model's allocations then fragment the others' (measured:
 docs/performance.md).
+
+The allocator is held steady. With glibc's defaults a process gives the
+4 MB blocks of a step (activations, gradients) back to the kernel and
+faults them in again the next step: 8,160 minor page faults (32 MB) and
+about 9 ms per local step here, but how many depends on what the heap
+held before (a process that ran another model first faulted less), so
+the same step measured 25% apart in two harnesses (issue 39). The ranks
+therefore run with a fixed mmap threshold and no trimming (glibc's
+``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``): steady state is
+then free of page faults, as under a caching allocator (CUDA's, or
+jemalloc/tcmalloc). ``--glibc-defaults`` measures with the defaults; the
+faults per step are printed for every variant either way.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import datetime
 import itertools
 import multiprocessing as mp
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -180,12 +193,24 @@ def worker(name: str, rank: int, size: int, port: int, cap_mb: float, conn: Conn
     conn.send(facts)
     while (n := conn.recv()) is not None:
         dist.barrier()
-        start = time.perf_counter()
+        start, faults = time.perf_counter(), _minor_faults()
         for _ in range(n):
             step()
         dist.barrier()
-        conn.send((time.perf_counter() - start) / n)
+        conn.send(((time.perf_counter() - start) / n, (_minor_faults() - faults) / n))
     dist.destroy_process_group()
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+# A fixed mmap threshold above the step's largest block, and no trimming:
+# freed blocks stay in the heap for the next step (see the docstring).
+STEADY_ALLOCATOR = {
+    "MALLOC_MMAP_THRESHOLD_": str(256 * 2**20),
+    "MALLOC_TRIM_THRESHOLD_": str(2**30),
+}
 
 
 Ranks = tuple[list[Any], list[Connection]]
@@ -208,8 +233,16 @@ def start(name: str, size: int, cap_mb: float) -> tuple[Ranks, dict[str, Any]]:
     return (procs, conns), facts[0]
 
 
-def report(ms: dict[str, float], facts: dict[str, Any], cap_mb: float, size: int) -> None:
+def report(
+    ms: dict[str, float],
+    faults: dict[str, float],
+    facts: dict[str, Any],
+    cap_mb: float,
+    size: int,
+    allocator: str,
+) -> None:
     print(f"torch {torch.__version__}, {size} gloo ranks on 127.0.0.1, 1 intra-op thread each")
+    print(f"allocator: {allocator}")
     print(
         f"DDP step, {DEPTH}x{WIDTH} tanh MLP + {CLASSES}-way head, batch {BATCH}/rank, "
         f"{facts['grad_mb']:.1f} MB of grads in {facts['buckets']} buckets of <= {cap_mb} MiB "
@@ -218,7 +251,7 @@ def report(ms: dict[str, float], facts: dict[str, Any], cap_mb: float, size: int
     best, torch_eager = ms[BOUNDS[2]], ms[TORCH]
     for name, t in ms.items():
         ratios = f"{t / best:5.2f}x bound  {t / torch_eager:5.2f}x torch DDP"
-        print(f"  {name:<50} {t:6.1f} ms  {ratios}")
+        print(f"  {name:<50} {t:6.1f} ms  {ratios}  {faults[name]:6.0f} page faults/step")
     if "torch_graphs" in facts:
         graphs = facts["torch_graphs"]
         why = "none of the model: pytorch/pytorch#140416" if graphs == 0 else "DDPOptimizer"
@@ -238,7 +271,15 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true", help="also the compiled variants")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="fdp and torch alike")
     parser.add_argument("--ranks", type=int, default=2, help="1: each DDP's own cost alone")
+    parser.add_argument(
+        "--glibc-defaults", action="store_true", help="glibc's allocator as is: page faults"
+    )
     args = parser.parse_args()
+    if args.glibc_defaults:
+        allocator = "glibc defaults (freed blocks go back to the kernel)"
+    else:  # read by glibc when each rank process starts
+        os.environ.update(STEADY_ALLOCATOR)
+        allocator = ", ".join(f"{k}={v}" for k, v in STEADY_ALLOCATOR.items())
     names = [*BOUNDS, TORCH, FDP, *(COMPILED if args.compiled else ())]
     running: dict[str, Ranks] = {}
     facts: dict[str, Any] = {}
@@ -247,13 +288,16 @@ def main() -> None:
             running[name], told = start(name, args.ranks, args.bucket_cap_mb)
             facts |= told
         times: dict[str, list[float]] = {name: [] for name in names}
+        faults: dict[str, list[float]] = {name: [] for name in names}
         for r in range(5 if args.quick else 11):
             k = r % len(names)
             for name in names[k:] + names[:k]:
                 conns = running[name][1]
                 for conn in conns:
                     conn.send(3)
-                times[name].append(conns[0].recv())
+                took, faulted = conns[0].recv()
+                times[name].append(took)
+                faults[name].append(faulted)
                 for conn in conns[1:]:
                     conn.recv()
         for _, conns in running.values():
@@ -269,7 +313,8 @@ def main() -> None:
     if failed:
         sys.exit(f"a rank failed: exit codes {failed}")
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-    report(ms, facts, args.bucket_cap_mb, args.ranks)
+    per_step = {name: statistics.median(f) for name, f in faults.items()}
+    report(ms, per_step, facts, args.bucket_cap_mb, args.ranks, allocator)
 
 
 if __name__ == "__main__":
