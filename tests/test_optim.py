@@ -15,6 +15,7 @@ from typing import Any
 import optree
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fdp
 from tests.helpers import detached_copy, params_corpus, tensor_leaves, tree_allclose
@@ -144,6 +145,49 @@ def test_complex_leaves_step_as_real_pairs_like_torch(name: str) -> None:
         for g, e in zip(got, expected, strict=True):
             assert g.dtype == e.dtype
             torch.testing.assert_close(g, e.detach(), rtol=1e-6, atol=1e-7)
+
+
+def large_tree() -> dict[str, Any]:
+    """Leaves over several of the eager step's runs of 4 MiB: one larger than a run,
+    a complex one, runs cut between leaves of mixed sizes."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": [(0.1 * torch.randn(512, 512, generator=g)).requires_grad_() for _ in range(5)],
+        "big": (0.1 * torch.randn(1536, 1024, generator=g)).requires_grad_(),
+        "z": (0.01 * torch.randn(300, 1000, generator=g, dtype=torch.complex64)).requires_grad_(),
+        "b": [torch.zeros(512, requires_grad=True) for _ in range(3)],
+    }
+
+
+class _Denominators(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The bytes of every foreach ``sqrt``: Adam's denominator, the step's temporary."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.nbytes: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._foreach_sqrt.default:
+            self.nbytes.append(sum(t.numel() * t.element_size() for t in args[0]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam_amsgrad"])
+def test_an_eager_cpu_step_makes_its_temporaries_run_by_run_and_equals_torch(name: str) -> None:
+    """Adam's denominator for runs of leaves of at most 4 MiB, not for the whole tree
+    (25 MiB here); the same trajectory as torch.optim's foreach step."""
+    from fdp.optim._lists import RUN_BYTES
+
+    expected = torch_steps(name, large_tree())
+    for donate in (False, True):
+        with _Denominators() as made:
+            got = tensor_leaves(fdp_steps(name, detached_copy(large_tree()), donate=donate))
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e.detach(), rtol=1e-6, atol=1e-7)
+        big = 1536 * 1024 * 4  # the one leaf larger than a run: a run of its own
+        assert max(made.nbytes) == big
+        assert max(n for n in made.nbytes if n != big) <= RUN_BYTES
+        assert len(made.nbytes) == 4 * STEPS  # b.*; big; w.0-3; w.4 and z
 
 
 def test_update_is_pure_and_skips_none_grads() -> None:

@@ -46,6 +46,10 @@ class Foreach:
         """The step counts as Python floats where they can be read (see :func:`_counts`)."""
         return _counts(steps)
 
+    def runs(self, xs: Lists) -> list[slice]:
+        """Consecutive runs of ``xs``, for a rule's temporaries (see :func:`_runs`)."""
+        return _runs(xs)
+
 
 class Plain:
     """``torch.<name>`` leaf by leaf; list arguments are taken element by element."""
@@ -65,6 +69,10 @@ class Plain:
         """None: a differentiated or batched step count cannot be read."""
         return None
 
+    def runs(self, xs: Lists) -> list[slice]:
+        """One run: leaf by leaf already."""
+        return [slice(None)]
+
 
 Ops = Foreach | Plain
 
@@ -72,6 +80,36 @@ Ops = Foreach | Plain
 def one_minus(ops: Ops, xs: Lists) -> Lists:
     """``1 - x`` for each ``x``, as torch.optim's foreach Adam computes it."""
     return ops("add", ops("neg", xs), 1.0, own=True)
+
+
+# Eagerly on CPU, a rule's temporaries (Adam's denominator) are made for
+# runs of leaves of at most this many bytes, not for a whole tree at once.
+# There a foreach kernel is a loop over its tensors anyway; elsewhere one
+# call launches fewer kernels, so other devices keep one run, as torch's
+# foreach optimizers do.
+RUN_BYTES = 4 * 2**20
+
+
+def _runs_eager(xs: Lists) -> list[slice]:
+    """``xs`` cut into runs of at most :data:`RUN_BYTES` (one tensor at least)."""
+    if any(x.device.type != "cpu" for x in xs):
+        return [slice(None)]
+    runs, start, size = [], 0, 0
+    for i, x in enumerate(xs):
+        nbytes = x.numel() * x.element_size()
+        if i > start and size + nbytes > RUN_BYTES:
+            runs.append(slice(start, i))
+            start, size = i, 0
+        size += nbytes
+    return [*runs, slice(start, len(xs))]
+
+
+def _runs_traced(xs: Lists) -> list[slice]:
+    """One run: the compiler fuses a rule's kernels, temporaries included."""
+    return [slice(None)]
+
+
+_runs = _mode.by_mode(_runs_eager, _runs_traced)
 
 
 def _at(arg: Any, i: int) -> Any:

@@ -123,6 +123,27 @@ class Adam(Optimizer):
             second = ops("maximum", slots["max_exp_avg_sq"], exp_avg_sq, own=donate)
             new_slots["max_exp_avg_sq"] = second
         counts = ops.counts(steps)
+        new_params: list[torch.Tensor] = []
+        # The update's temporaries (the denominator) one run at a time.
+        for run in ops.runs(params):
+            new_params += self._update(
+                ops,
+                (params[run], exp_avg[run], second[run], steps[run]),
+                None if counts is None else counts[run],
+                donate,
+            )
+        return new_params, new_slots
+
+    def _update(
+        self,
+        ops: Ops,
+        lists: tuple[Lists, Lists, Lists, Lists],
+        counts: list[float] | None,
+        donate: bool,
+    ) -> Lists:
+        """The new parameters from the moments (``counts``: the steps as Python floats)."""
+        params, exp_avg, second, steps = lists
+        beta1, beta2 = self.betas
         if counts is not None:
             # Python floats as torch's eager foreach Adam uses: the
             # scalar-list kernels, and one addcdiv for the update.
@@ -131,7 +152,7 @@ class Adam(Optimizer):
             denom = ops("div", denom, [(1 - beta2**c) ** 0.5 for c in counts], own=True)
             denom = ops("add", denom, self.eps, own=True)
             sizes = [-lr / (1 - beta1**c) for c in counts]
-            return ops("addcdiv", params, exp_avg, denom, sizes, own=donate), new_slots
+            return ops("addcdiv", params, exp_avg, denom, sizes, own=donate)
         # Bias corrections per leaf, in float64 like torch's Python floats.
         correction1 = one_minus(ops, ops.powers(beta1, steps))
         correction2 = one_minus(ops, ops.powers(beta2, steps))
@@ -139,7 +160,7 @@ class Adam(Optimizer):
         denom = ops("add", denom, self.eps, own=True)
         step_size = ops("mul", ops("reciprocal", correction1), -self.lr, own=True)
         direction = ops("mul", ops("div", exp_avg, denom), step_size, own=True)
-        return ops("add", params, direction, own=donate), new_slots
+        return ops("add", params, direction, own=donate)
 
 
 def sgd(
