@@ -19,6 +19,7 @@ docs/fsdp.md has the data flow.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fdp import _tree
-from fdp._comm import _agreement, _groups, _parallel, _transforms
+from fdp._comm import _groups, _parallel, _transforms
 from fdp._comm._groups import ProcessGroup
 from fdp._sharding import (
     _fsdp_accumulate,
@@ -94,12 +95,13 @@ class FullyShardedDataParallel:
             the reduce-scattered gradients.
         reshard_after_forward: free a unit gathered by :meth:`apply` once
             its function returns, and gather it again for backward (FSDP2's
-            option); ``False`` keeps it gathered until backward.
-        prefetch: while a unit computes (:meth:`apply`, :meth:`gather`),
-            all-gather the unit that followed it last time (first time: the
-            next in ``unit_names``) asynchronously, and in backward, refill
-            the unit that comes next while this one's backward runs. Eager
-            only; never changes a result, and holds at most one unit ahead.
+            option); inside ``torch.compile``, every gather is one the
+            compiler recomputes in backward (SimpleFSDP). ``False`` keeps
+            units gathered until backward.
+        prefetch: while a unit computes, all-gather the unit that followed
+            it last time (first time: the next in ``unit_names``), and in
+            backward the unit backward reaches next. Eager only (compiled,
+            the compiler orders the gathers); never changes a result.
 
     Example::
 
@@ -126,7 +128,7 @@ class FullyShardedDataParallel:
     ) -> None:
         call = "fdp.FullyShardedDataParallel"
         group, self.replicas = _fsdp_plan.mesh_groups(call, group, mesh)
-        leaves, _spec, tensors = _checked_params(call, params, group, self.replicas)
+        leaves, _spec, tensors = _fsdp_plan.checked_params(call, params, group, self.replicas)
         self.replicas_world = 1 if self.replicas is None else dist.get_world_size(self.replicas)
         for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and not (
@@ -450,18 +452,24 @@ class FullyShardedDataParallel:
             how = self._policies[unit.name].how(bucket, shard)
             done = None if ready is None else _fsdp_gather.Ready(ready[k])
             name = f"{key or unit.name}/{k}"
-            if self._sync:
-                flat = self._pending.release(_fsdp_gather.gather(shard, how, done), name)
-            else:  # no_sync: gathered outside autograd, its gradient kept (_fsdp_accumulate)
+            if not self._sync:
                 _fsdp_accumulate.check("fdp.FullyShardedDataParallel.no_sync", shard)
-                flat = _fsdp_gather.gather(shard.detach(), how, done)
-                flat = self._pending.hold(flat, shard, name, how.reduce_dtype)
-            flat = self._chain.link(name, flat)
-            leaves = bucket.split(flat)
+            make = functools.partial(self._gather_flat, shard, how, done, name)
+            recompute = self.reshard_after_forward
+            flat, leaves = _fsdp_gather.unit_leaves(bucket, shard, how, make, recompute=recompute)
             for i, leaf in zip(bucket.indices, leaves, strict=True):
                 out[i] = leaf
             gathered.append((flat, shard, how, leaves))
         return gathered
+
+    def _gather_flat(self, shard: torch.Tensor, how: Any, done: Any, name: str) -> torch.Tensor:
+        """A bucket's flat buffer, chained; in ``no_sync`` its gradient is kept instead."""
+        if self._sync:
+            flat = self._pending.release(_fsdp_gather.gather(shard, how, done), name)
+        else:  # gathered outside autograd (fdp/_sharding/_fsdp_accumulate.py)
+            flat = _fsdp_gather.gather(shard.detach(), how, done)
+            flat = self._pending.hold(flat, shard, name, how.reduce_dtype)
+        return self._chain.link(name, flat)
 
     def _check_shards(self, call: str, shards: Any) -> None:
         if not isinstance(shards, dict) or sorted(shards) != sorted(self.unit_names):
@@ -479,17 +487,3 @@ class FullyShardedDataParallel:
                     f"{call}: `shards` unit {unit.name!r} expected tensors of shapes {expected} "
                     f"(this rank's shards); got {[_tree.describe(t) for t in given]}"
                 )
-
-
-def _checked_params(
-    call: str, params: Any, group: ProcessGroup | None, replicas: ProcessGroup | None
-) -> tuple[list[Any], Any, list[torch.Tensor | None]]:
-    """``params``' leaves, spec and float tensors: the same tree and values on every rank."""
-    _agreement.require_member(call, group)
-    leaves, spec, tensors = _tree.tensor_leaves(params, call=call, arg="params", float_only=True)
-    described = _agreement.signature(params, leaves, "params", requires_grad=False)
-    paths = _tree.paths(params, "params")
-    for among in (group,) if replicas is None else (group, replicas):
-        _agreement.check(described, group=among, call=call, arg="params")
-        _agreement.check_values(tensors, paths, group=among, call=call, arg="params")
-    return leaves, spec, tensors

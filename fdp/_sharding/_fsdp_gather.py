@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils import checkpoint
 
 from fdp import _bucket, _mode
 from fdp._comm import _groups, _parallel
@@ -134,6 +135,68 @@ def _gather_traced(shard: torch.Tensor, how: How, ready: Ready | None = None) ->
 
 
 gather = _mode.by_mode(_gather_eager, _gather_traced)
+
+
+def _unit_leaves_eager(
+    bucket: _bucket.Bucket,
+    shard: torch.Tensor,
+    how: How,
+    gathered: Callable[[], torch.Tensor],
+    *,
+    recompute: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A bucket's flat buffer, as ``gathered()`` makes it, and its leaves (views of it)."""
+    flat = gathered()
+    return flat, bucket.split(flat)
+
+
+def _unit_leaves_traced(
+    bucket: _bucket.Bucket,
+    shard: torch.Tensor,
+    how: How,
+    gathered: Callable[[], torch.Tensor],
+    *,
+    recompute: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """With ``recompute``, the leaves gathered in a region the compiler recomputes in backward.
+
+    Note: resharding the compile-first way (SimpleFSDP, arXiv 2411.00284).
+    The eager path frees a unit after forward and gathers it again for
+    backward (``_fsdp_reshard``), which no graph can do. Here the all-gather
+    and the leaves' views of its result are one selective-checkpoint region
+    whose every op must be recomputed: the partitioner then saves the shard,
+    never the gathered parameters, and gathers again in backward where they
+    are needed. Gather and views must be one region: at the border of two
+    regions, or of a region and a plain view, the partitioner saves the
+    tensor that crosses it (the gathered buffer).
+    """
+    if not recompute:
+        return _unit_leaves_eager(bucket, shard, how, gathered, recompute=False)
+    _mode.refuse_compiled_transform(
+        "fdp.FullyShardedDataParallel",
+        "gathering shards",
+        lost="the reduce-scatter of the gradients",
+    )
+    mean = _TracedMean.apply(shard, how)  # type: ignore[no-untyped-call]
+
+    def region(part: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(bucket.split(_parallel.all_gather_flat(part, how.flat)))
+
+    leaves = checkpoint.checkpoint(
+        region, mean, use_reentrant=False, context_fn=_recompute_all
+    )  # fmt: skip
+    return leaves[0], list(leaves)
+
+
+def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> checkpoint.CheckpointPolicy:
+    return checkpoint.CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _recompute_all() -> Any:
+    return checkpoint.create_selective_checkpoint_contexts(_recompute)  # type: ignore[no-untyped-call]
+
+
+unit_leaves = _mode.by_mode(_unit_leaves_eager, _unit_leaves_traced)
 
 
 class _Identity(torch.autograd.Function):

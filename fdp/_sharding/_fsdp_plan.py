@@ -10,6 +10,8 @@ from typing import Any
 import torch
 
 from fdp import _bucket, _tree
+from fdp._comm import _agreement
+from fdp._comm._groups import ProcessGroup
 
 # A unit is packed whole: one flat buffer per dtype and device.
 _WHOLE = 1 << 62
@@ -132,3 +134,17 @@ def subtree(tree: Any, name: str) -> Any:
         else:
             tree = getattr(tree, part)
     return tree
+
+
+def checked_params(
+    call: str, params: Any, group: ProcessGroup | None, replicas: ProcessGroup | None
+) -> tuple[list[Any], Any, list[torch.Tensor | None]]:
+    """``params``' leaves, spec and float tensors: the same tree and values on every rank."""
+    _agreement.require_member(call, group)
+    leaves, spec, tensors = _tree.tensor_leaves(params, call=call, arg="params", float_only=True)
+    described = _agreement.signature(params, leaves, "params", requires_grad=False)
+    paths = _tree.paths(params, "params")
+    for among in (group,) if replicas is None else (group, replicas):
+        _agreement.check(described, group=among, call=call, arg="params")
+        _agreement.check_values(tensors, paths, group=among, call=call, arg="params")
+    return leaves, spec, tensors
