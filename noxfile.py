@@ -211,5 +211,5 @@ def bench(session: nox.Session) -> None:
     run(session, "python", "benchmarks/zero_memory.py")
     run(session, "python", "benchmarks/bench_fsdp_accumulate.py", *session.posargs)
     run(session, "python", "benchmarks/bench_collectives.py", *session.posargs)
-    run(session, "python", "benchmarks/fsdp_memory.py", *session.posargs)
+    run(session, "python", "benchmarks/fsdp_memory.py", *session.posargs, env=COMPILE_CACHE)
     run(session, "python", "benchmarks/bench_pack_order.py", *session.posargs, env=COMPILE_CACHE)

@@ -37,6 +37,9 @@ import gc
 import multiprocessing as mp
 import os
 import socket
+import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -91,6 +94,38 @@ def peak_of(step: Callable[[], None]) -> int:
     with Peak() as mode:
         step()
     return max(int(mode.peak), in_use())
+
+
+def sampled_rise_of(step: Callable[[], None]) -> int:
+    """How far the in-use bytes rise during ``step`` over its start, read by a thread
+    polling the allocator.
+
+    For compiled steps, which no dispatch mode can watch: the thread reads
+    whenever it holds the GIL (ops release it, the switch interval is cut to
+    10 us), so it sees a little more than the dispatch reading (collectives'
+    and kernels' own buffers) and both eager and compiled steps alike. Over
+    the step's start, not over a base taken before the model: compiling
+    allocates (graphs, generated code) from the same heap.
+    """
+    gc.collect()
+    start = in_use()
+    peak, running = [start], [True]
+
+    def poll() -> None:
+        while running[0]:
+            peak[0] = max(peak[0], in_use())
+            time.sleep(0)
+
+    thread, interval = threading.Thread(target=poll), sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    thread.start()
+    try:
+        step()
+    finally:
+        running[0] = False
+        thread.join()
+        sys.setswitchinterval(interval)
+    return max(peak[0], in_use()) - start
 
 
 def held(*trees: Any) -> int:
@@ -161,14 +196,46 @@ def measure(rank: int, size: int, rounds: int) -> dict[str, Any]:
     out["torch fully_shard"] = fs if isinstance(fs, str) else fs[:2]
     if not isinstance(fs, str):
         steps["torch fully_shard"] = fs[2]
+    out["sampled"] = sampled_rows(x, y, opt, steps)
     out["time"] = interleaved(steps, rounds=rounds, repeats=2)
     return out
 
 
+def sampled_rows(
+    x: torch.Tensor, y: torch.Tensor, opt: Any, steps: dict[str, Callable[[], None]]
+) -> dict[str, Any]:
+    """Eager against compiled, every peak read by the sampling thread (issue 39)."""
+    rows: dict[str, Any] = {}
+    for name, compiled in (("fdp fully sharded", False), ("fdp fully sharded, compiled", True)):
+        held_bytes, peak, step = fully_sharded(
+            x, y, opt, prefetch=True, sampled=True, compiled=compiled
+        )
+        rows[name] = (held_bytes, peak)
+        if compiled:
+            steps[name] = step
+    for name, compiled in (("torch fully_shard", False), ("torch fully_shard, compiled", True)):
+        fs = torch_fully_shard(x, y, sampled=True, compiled=compiled)
+        rows[name] = fs if isinstance(fs, str) else fs[:2]
+        if compiled and not isinstance(fs, str):
+            steps[name] = fs[2]
+    return rows
+
+
 def fully_sharded(
-    x: torch.Tensor, y: torch.Tensor, opt: Any, *, prefetch: bool
+    x: torch.Tensor,
+    y: torch.Tensor,
+    opt: Any,
+    *,
+    prefetch: bool,
+    compiled: bool = False,
+    sampled: bool = False,
 ) -> tuple[int, int, Callable[[], None]]:
-    """fdp's fully sharded step, each unit through apply: (held, peak, step)."""
+    """fdp's fully sharded step, each unit through apply: (held, peak, step).
+
+    ``compiled``: the loss (every unit's gather, forward and the loss) in one
+    ``fullgraph=True`` inductor graph. ``sampled``: the peak read by the
+    sampling thread (always, compiled).
+    """
     gc.collect()
     base = in_use()
     full = params_of()
@@ -185,13 +252,18 @@ def fully_sharded(
         return F.cross_entropy(F.linear(h, unit["w"], unit["b"]), y)
 
     # Each unit through apply: gathered for its function, freed until backward.
-    def step() -> None:
-        s = fbox[0]
+    def loss_of(s: Any) -> torch.Tensor:
         h = x
         for i in range(len(fsdp.units) - 1):
             h = fsdp.apply(s, str(i), layer, h)
-        loss = fsdp.apply(s, str(len(fsdp.units) - 1), head, h)
-        torch.autograd.backward(loss)
+        out: torch.Tensor = fsdp.apply(s, str(len(fsdp.units) - 1), head, h)
+        return out
+
+    loss_fn = torch.compile(loss_of, fullgraph=True) if compiled else loss_of
+
+    def step() -> None:
+        s = fbox[0]
+        torch.autograd.backward(loss_fn(s))
         grads = {k: tuple(t.grad for t in ts) for k, ts in s.items()}
         plain = {k: tuple(t.detach() for t in ts) for k, ts in s.items()}
         opt.update(grads, fbox[1], plain, donate=True)  # in place: the shards themselves
@@ -200,11 +272,20 @@ def fully_sharded(
                 t.grad = None
 
     step()
+    step()  # compiled: the backward graph too
+    if compiled or sampled:  # what the step holds, plus how far it rises
+        return held(fbox), held(fbox) + sampled_rise_of(step), step
     return held(fbox), peak_of(step) - base, step
 
 
-def torch_fully_shard(x: torch.Tensor, y: torch.Tensor) -> Any:
-    """torch's FSDP2 on the same model as modules: (held, peak, step), or why it does not run."""
+def torch_fully_shard(
+    x: torch.Tensor, y: torch.Tensor, *, compiled: bool = False, sampled: bool = False
+) -> Any:
+    """torch's FSDP2 on the same model as modules: (held, peak, step), or why it does not run.
+
+    ``compiled``: the model under ``torch.compile`` (graph breaks allowed:
+    torch's own hooks decide what it traces); the peak is then the sampled one.
+    """
     try:
         from torch.distributed.fsdp import fully_shard
 
@@ -217,14 +298,22 @@ def torch_fully_shard(x: torch.Tensor, y: torch.Tensor) -> Any:
             fully_shard(lin)
         fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        forward = torch.compile(model) if compiled else model
 
         def step() -> None:
-            torch.autograd.backward(F.cross_entropy(model(x), y))
+            torch.autograd.backward(F.cross_entropy(forward(x), y))
             opt.step()
             opt.zero_grad()
 
         step()
+        step()
         gc.collect()
+        if compiled or sampled:
+            local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+            state = [t for s in opt.state.values() for t in s.values()]
+            state = [getattr(t, "_local_tensor", t) for t in state]
+            kept = held(local, state)
+            return (kept, kept + sampled_rise_of(step), step)
         return (in_use() - base, peak_of(step) - base, step)
     except Exception as e:
         return f"refused: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
@@ -268,6 +357,20 @@ def report(size: int, m: dict[str, Any]) -> None:
         f"= {goal / MB:.1f} MiB; measured {sharded / MB:.1f} MiB (activations and "
         f"temporaries, from the local step: {activations / MB:.1f} MiB)"
     )
+    print(
+        "Eager and compiled, every peak sampled (a thread polling the allocator): what a "
+        "step holds (trees) plus how far it rises"
+    )
+    print(
+        "| method | held between steps (MiB) | sampled peak in a step (MiB) | peak - activations |"
+    )
+    print("| --- | ---: | ---: | ---: |")
+    for name, row in m["sampled"].items():
+        if isinstance(row, str):
+            print(f"| {name} | {row} | | |")
+        else:
+            h, p = row
+            print(f"| {name} | {h / MB:.1f} | {p / MB:.1f} | {(p - activations) / MB:.1f} |")
     t = m["time"]
     ddp = t["fdp DDP"]
     cells = ", ".join(f"{k} {v * 1e3:.1f} ms ({v / ddp:.2f}x)" for k, v in t.items())

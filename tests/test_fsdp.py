@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 from unittest import mock
@@ -784,6 +785,72 @@ def test_inside_one_compiled_graph_the_gradients_are_the_eager_ones(backend: str
     expected = {**expected, "frozen": torch.zeros_like(expected["frozen"])}  # requires no grad
     for grads in ranks.world(2).run(_compiled, backend):
         tree_allclose(grads, expected, **TOL)
+
+
+_VIEWS = {"view", "_unsafe_view", "t", "permute", "split_with_sizes", "slice", "alias", "reshape"}
+
+
+def _gathered_memory(node: Any) -> bool:
+    """Whether ``node`` of a graph is an all-gather's result or a view of one."""
+    while True:
+        if node.target is operator.getitem:
+            node = node.args[0]
+        elif getattr(node.target, "__name__", "").split(".")[0] in _VIEWS:
+            node = node.args[0]
+        else:
+            return "all_gather" in str(node.target) or "wait_tensor" in str(node.target)
+
+
+def _saved_in_graph(rank: int, size: int, reshard: bool) -> Any:
+    """What a compiled loss's forward saves for backward, and how often each graph gathers."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch._aot_autograd.utils import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    params = make_params()
+    fsdp = fdp.FullyShardedDataParallel(params, reshard_after_forward=reshard)
+    x, y = data(size)
+    shards = fsdp.shard(params)
+    graphs: list[Any] = []
+
+    def keep(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(  # the partitioner inductor uses
+        fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition
+    )
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def loss(s: Shards, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return local_loss(fsdp(s), x, y) + 0.0 * fsdp.apply(s, "conv", torch.sum)
+
+    torch.autograd.backward(loss(shards, mine(x, rank), mine(y, rank)))
+    forward, backward = graphs
+    (outputs,) = [n.args[0] for n in forward.graph.nodes if n.op == "output"]
+    gathers = [
+        sum("all_gather_into_tensor" in str(n.target) for n in g.graph.nodes) for g in graphs
+    ]
+    saved_gathered = sum(_gathered_memory(n) for n in outputs if isinstance(n, torch.fx.Node))
+    grads = fsdp.full({k: tuple(_zero_if_none(t) for t in ts) for k, ts in shards.items()})
+    return grads, saved_gathered, gathers
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_a_compiled_loss_saves_shards_and_gathers_again_in_backward(reshard: bool) -> None:
+    """SimpleFSDP: with reshard_after_forward, no gathered parameter is saved for
+    backward, which gathers each unit again; without, the gathered ones are saved."""
+    expected = reference_grad(2, local_loss)
+    expected = {**expected, "frozen": torch.zeros_like(expected["frozen"])}
+    for grads, saved_gathered, (forward, backward) in ranks.world(2).run(_saved_in_graph, reshard):
+        tree_allclose(grads, expected, **TOL)
+        assert forward >= 5  # embed, three blocks, conv, head, ... each gathered once
+        if reshard:
+            assert saved_gathered == 0
+            assert backward == forward - 1  # all but the frozen unit, gathered again
+        else:
+            assert saved_gathered > 0
+            assert backward == 0
 
 
 def _sharded(params: Any, size: int, hybrid: bool) -> fdp.FullyShardedDataParallel:

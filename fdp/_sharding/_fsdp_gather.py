@@ -163,12 +163,14 @@ def _unit_leaves_traced(
     Note: resharding the compile-first way (SimpleFSDP, arXiv 2411.00284).
     The eager path frees a unit after forward and gathers it again for
     backward (``_fsdp_reshard``), which no graph can do. Here the all-gather
-    and the leaves' views of its result are one selective-checkpoint region
-    whose every op must be recomputed: the partitioner then saves the shard,
-    never the gathered parameters, and gathers again in backward where they
-    are needed. Gather and views must be one region: at the border of two
+    and the leaves' views of its result are one checkpointed region, whose
+    ops the partitioner recomputes: it then saves the shard, never the
+    gathered parameters, and gathers again in backward where they are
+    needed. Gather and views must be one region: at the border of two
     regions, or of a region and a plain view, the partitioner saves the
-    tensor that crosses it (the gathered buffer).
+    tensor that crosses it (the gathered buffer). The flat buffer never
+    leaves the region; the first leaf stands for it (only eager resharding
+    uses it).
     """
     if not recompute:
         return _unit_leaves_eager(bucket, shard, how, gathered, recompute=False)
@@ -182,18 +184,10 @@ def _unit_leaves_traced(
     def region(part: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(bucket.split(_parallel.all_gather_flat(part, how.flat)))
 
-    leaves = checkpoint.checkpoint(
-        region, mean, use_reentrant=False, context_fn=_recompute_all
-    )  # fmt: skip
+    # Plain activation checkpointing: compiled, it tags every op of the
+    # region "prefer recompute", which the partitioner honours as a must.
+    leaves = checkpoint.checkpoint(region, mean, use_reentrant=False)
     return leaves[0], list(leaves)
-
-
-def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> checkpoint.CheckpointPolicy:
-    return checkpoint.CheckpointPolicy.MUST_RECOMPUTE
-
-
-def _recompute_all() -> Any:
-    return checkpoint.create_selective_checkpoint_contexts(_recompute)  # type: ignore[no-untyped-call]
 
 
 unit_leaves = _mode.by_mode(_unit_leaves_eager, _unit_leaves_traced)
