@@ -792,13 +792,13 @@ _VIEWS = {"view", "_unsafe_view", "t", "permute", "split_with_sizes", "slice", "
 
 def _gathered_memory(node: Any) -> bool:
     """Whether ``node`` of a graph is an all-gather's result or a view of one."""
-    while True:
-        if node.target is operator.getitem:
-            node = node.args[0]
-        elif getattr(node.target, "__name__", "").split(".")[0] in _VIEWS:
-            node = node.args[0]
-        else:
-            return "all_gather" in str(node.target) or "wait_tensor" in str(node.target)
+    while node.target is operator.getitem or _name(node) in _VIEWS:
+        node = node.args[0]
+    return "all_gather" in str(node.target) or "wait_tensor" in str(node.target)
+
+
+def _name(node: Any) -> str:
+    return str(getattr(node.target, "__name__", "")).split(".")[0]
 
 
 def _saved_in_graph(rank: int, size: int, reshard: bool) -> Any:
@@ -826,7 +826,7 @@ def _saved_in_graph(rank: int, size: int, reshard: bool) -> Any:
         return local_loss(fsdp(s), x, y) + 0.0 * fsdp.apply(s, "conv", torch.sum)
 
     torch.autograd.backward(loss(shards, mine(x, rank), mine(y, rank)))
-    forward, backward = graphs
+    forward = graphs[0]
     (outputs,) = [n.args[0] for n in forward.graph.nodes if n.op == "output"]
     gathers = [
         sum("all_gather_into_tensor" in str(n.target) for n in g.graph.nodes) for g in graphs
