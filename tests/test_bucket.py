@@ -90,13 +90,18 @@ def test_pack_and_views_round_trip(with_none: bool) -> None:
         torch.testing.assert_close(view, expected + 1)
 
 
-def test_complex_and_strided_leaves_round_trip() -> None:
-    tensors = [
+def mixed_leaves() -> list[torch.Tensor]:
+    """A complex leaf, a channels_last one, a transposed one and a vector."""
+    return [
         torch.randn(2, 3, dtype=torch.complex64),
         torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
         torch.randn(4, 3).t(),
         torch.randn(3),
     ]
+
+
+def test_complex_and_strided_leaves_round_trip() -> None:
+    tensors = mixed_leaves()
     (bucket,) = _bucket.plan(list(tensors), cap_bytes=1 << 20)
     assert bucket.dtype == torch.float32  # complex leaves travel as their real view
     # Reverse leaf order: 3, 12, 120 real elements, then the complex leaf at
@@ -116,12 +121,7 @@ def test_complex_and_strided_leaves_round_trip() -> None:
 def test_split_views_as_unpack_and_assembles_the_gradient_in_one_buffer() -> None:
     """Bucket.split: unpack's views (padding and a tail after numel included) through one
     split_with_sizes; its gradient equals slicing's, also under vmap and jvp."""
-    tensors = [
-        torch.randn(2, 3, dtype=torch.complex64),
-        torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
-        torch.randn(4, 3).t(),
-        torch.randn(3),
-    ]
+    tensors = mixed_leaves()
     (bucket,) = _bucket.plan(list(tensors), cap_bytes=1 << 20)
     ordered = [tensors[i] for i in bucket.indices]
     flat = torch.cat([bucket.pack(ordered), torch.zeros(6)])  # a padded tail, as FSDP's
