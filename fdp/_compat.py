@@ -208,6 +208,14 @@ def unwrap_functorch(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def plain_checkpoint_recomputes() -> bool:
+    """Whether compiled plain checkpointing tags its ops "prefer recompute" (torch 2.13;
+    2.11 needs a selective-checkpoint policy, for which 2.13 logs a warning)."""
+    from torch._higher_order_ops import wrap
+
+    return hasattr(wrap, "_always_prefer_recompute")
+
+
 def compiler_disable(fn: F, *, reason: str) -> F:
     """``torch.compiler.disable(fn, reason=reason)``: dynamo runs ``fn`` eagerly.
 

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import checkpoint
 
-from fdp import _bucket, _mode
+from fdp import _bucket, _compat, _mode
 from fdp._comm import _groups, _parallel
 from fdp._comm._groups import ProcessGroup
 
@@ -184,10 +184,21 @@ def _unit_leaves_traced(
     def region(part: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(bucket.split(_parallel.all_gather_flat(part, how.flat)))
 
-    # Plain activation checkpointing: compiled, it tags every op of the
-    # region "prefer recompute", which the partitioner honours as a must.
-    leaves = checkpoint.checkpoint(region, mean, use_reentrant=False)
+    # Compiled plain activation checkpointing tags every op of the region
+    # "prefer recompute", which the partitioner honours as a must; before
+    # torch 2.13 only a selective-checkpoint policy tags them.
+    if _compat.plain_checkpoint_recomputes():
+        leaves = checkpoint.checkpoint(region, mean, use_reentrant=False)
+    else:
+        leaves = checkpoint.checkpoint(region, mean, use_reentrant=False, context_fn=_recompute)
     return leaves[0], list(leaves)
+
+
+def _recompute() -> Any:
+    """A selective-checkpoint policy: every op of the region recomputed."""
+    return checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
+        lambda ctx, op, *args, **kwargs: checkpoint.CheckpointPolicy.MUST_RECOMPUTE
+    )
 
 
 unit_leaves = _mode.by_mode(_unit_leaves_eager, _unit_leaves_traced)
