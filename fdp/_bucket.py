@@ -131,7 +131,12 @@ class Bucket:
         5.2 + 3.3 ms for 25.6 MB in 200 leaves). Any other bucket is filled
         through its leaf views by one foreach copy.
         """
-        contiguous = all(t is not None and t.is_contiguous() for t in tensors)
+        # A loop, not all() of a generator: torch 2.15's dynamo cannot close a
+        # generator made inside a traced autograd.Function's forward (replicate's
+        # copies), and fails the compile ("generator already executing").
+        contiguous = True
+        for t in tensors:
+            contiguous = contiguous and t is not None and t.is_contiguous()
         fused = out is not None and views is not None and scale != 1.0
         if fused and contiguous and not any(self.complex_):
             for view, t in zip(views, tensors, strict=True):  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -236,6 +236,28 @@ def is_transformed(t: torch.Tensor) -> bool:
     """
     functorch = torch._C._functorch
     return bool(functorch.is_functorch_wrapped_tensor(t))
+
+
+def traced_transform_keeps_backward(inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether dynamo, tracing inside a ``torch.func`` transform, keeps a custom Function's
+    backward for these inputs (call only while it traces one).
+
+    Dynamo keeps the backward only where it sees an input that requires grad.
+    Up to torch 2.14 a tensor of ``torch.func.grad`` reports
+    ``requires_grad=False`` while traced, so dynamo inlines the forward and
+    drops the backward (pytorch/pytorch#193279); torch 2.15 reports True and
+    keeps it. Only one reverse-mode transform (``grad``, ``vjp``) is
+    answered for, and only when every input reports ``requires_grad`` (one
+    that does not would be copied without autograd). Traceable as
+    :func:`one_jvp` is; if the interpreter API goes, False (refuse).
+    """
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+    top = retrieve_current_functorch_interpreter()
+    grad = torch._C._functorch.TransformType.Grad
+    if not (top.level() == 1 and top.key() == grad):
+        return False
+    return all(t.requires_grad for t in inputs)
 
 
 def has_tangent(t: torch.Tensor) -> bool:

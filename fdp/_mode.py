@@ -13,7 +13,7 @@ lists: how trees are flattened (``_tree``), how a collective is issued
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -52,23 +52,31 @@ def by_mode(eager: F, traced_form: F) -> F:
 def compiling_a_transform() -> bool:
     """Whether dynamo is tracing inside a ``torch.func`` transform.
 
-    There it drops a custom ``autograd.Function``'s backward
-    (pytorch/pytorch#193279, measured on torch 2.13 and open on every
-    supported release): callers that rely on one refuse (:func:`refuse_compiled_transform`)
-    or run eagerly. ``nox -s torch_range`` runs their tests on each release.
+    There torch 2.11 to 2.14 drop a custom ``autograd.Function``'s backward
+    (pytorch/pytorch#193279): callers that rely on one refuse
+    (:func:`refuse_compiled_transform`) or run eagerly. ``nox -s torch_range``
+    runs their tests on each release.
     """
     return torch.compiler.is_compiling() and _compat.functorch_active()
 
 
-def refuse_compiled_transform(call: str, doing: str, *, lost: str) -> None:
+def refuse_compiled_transform(
+    call: str, doing: str, *, lost: str, inputs: Sequence[torch.Tensor] | None = None
+) -> None:
     """Raises where compiling a transform would silently lose ``lost`` (see above).
 
-    ``doing`` names what ``call`` was doing; the message says what to do instead.
+    ``doing`` names what ``call`` was doing; the message says what to do
+    instead. ``inputs``: the tensors the Function is applied to, when known;
+    where torch keeps the Function's backward for them
+    (:func:`fdp._compat.traced_transform_keeps_backward`) nothing is refused.
     """
-    if compiling_a_transform():
-        raise NotImplementedError(
-            f"{call}: {doing} inside torch.compile of a torch.func transform would lose {lost} "
-            "(torch drops a custom autograd.Function's backward there, pytorch/pytorch#193279); "
-            "compile the loss and call .backward() or torch.autograd.grad on its result "
-            "instead, or run the transform without torch.compile"
-        )
+    if not compiling_a_transform():
+        return
+    if inputs is not None and _compat.traced_transform_keeps_backward(inputs):
+        return
+    raise NotImplementedError(
+        f"{call}: {doing} inside torch.compile of a torch.func transform would lose {lost} "
+        "(torch drops a custom autograd.Function's backward there, pytorch/pytorch#193279); "
+        "compile the loss and call .backward() or torch.autograd.grad on its result "
+        "instead, or run the transform without torch.compile"
+    )

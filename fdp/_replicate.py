@@ -276,10 +276,10 @@ def _copy_to(
         copies = _plan(tensors, targets)
         if not copies:
             continue
-        # Measured on torch 2.13: compiling a transform loses _Broadcast's
-        # backward, so the replicas' gradients would never reach the leaves.
+        # Up to torch 2.14, compiling a transform loses _Broadcast's backward,
+        # so the replicas' gradients would never reach the leaves.
         _mode.refuse_compiled_transform(
-            call, "copying params to other devices", lost="their gradients"
+            call, "copying params to other devices", lost="their gradients", inputs=tensors
         )
         if use_autograd:
             fn = _function(tensors)

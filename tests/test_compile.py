@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import optree
 import pytest
@@ -174,6 +175,7 @@ def forced_copies(monkeypatch: pytest.MonkeyPatch) -> None:
         return tuple((bucket, target) for target in targets for bucket in buckets)
 
     monkeypatch.setattr(_replicate, "_plan", plan)
+    monkeypatch.setattr(_replicate, "_shared_as_is", lambda leaves, targets: False)
 
 
 def replica_sum_loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -182,20 +184,63 @@ def replica_sum_loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
     return total
 
 
+class _Doubled(torch.autograd.Function):
+    """The identity whose backward doubles: shows whether compiling keeps a custom backward."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return 2 * grad
+
+
+def _compiled_grad_keeps_custom_backward() -> bool:
+    """Whether this torch keeps a Function's backward in a compiled torch.func.grad (#193279)."""
+    torch._dynamo.reset()
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _Doubled.apply(x)  # type: ignore[no-untyped-call]
+        return out.sum()
+
+    got = torch.compile(torch.func.grad(loss), backend="aot_eager", fullgraph=True)(torch.ones(2))
+    torch._dynamo.reset()
+    return bool((got == 2).all())
+
+
 @pytest.mark.usefixtures("forced_copies")
 def test_copies_under_compiled_func_grad_are_correct_or_raise() -> None:
-    # Without fdp's guard the compiled gradients here are silently zero: the
-    # traced copies carry no backward. With it, dynamo gives up on the
-    # transform: it runs eagerly (correct), or fullgraph=True raises fdp's error.
+    # Where torch drops the copies' custom backward (up to 2.14), the compiled
+    # gradients would be silently wrong: dynamo then gives up on the transform
+    # (it runs eagerly, correct), or fullgraph=True raises fdp's error. Where
+    # torch keeps it (2.15), the fullgraph compile is right.
     params = {"w": torch.ones(3), "v": torch.full((3,), 2.0)}
-    eager = torch.func.grad(replica_sum_loss)(params)  # copies exist and are correct
+    copies = 0
+    copy_group = _replicate._copy_group
+
+    def counted(*args: Any) -> list[torch.Tensor]:
+        nonlocal copies
+        copies += 1
+        return copy_group(*args)
+
+    with mock.patch.object(_replicate, "_copy_group", counted):
+        eager = torch.func.grad(replica_sum_loss)(params)
+    assert copies > 0  # the copies exist, and are correct
     torch.testing.assert_close(eager["w"], torch.full((3,), 6.0))
     compiled = torch.compile(torch.func.grad(replica_sum_loss), backend="aot_eager")(params)
     tree_allclose(compiled, eager)
-    torch._dynamo.reset()
+    keeps = _compiled_grad_keeps_custom_backward()
     strict = torch.compile(torch.func.grad(replica_sum_loss), backend="aot_eager", fullgraph=True)
-    with pytest.raises(Exception, match=r"(?s)pytorch/pytorch#193279.*\.backward\(\)"):
-        strict(params)
+    if keeps:
+        tree_allclose(strict(params), eager)
+    else:
+        with pytest.raises(Exception, match=r"(?s)pytorch/pytorch#193279.*\.backward\(\)"):
+            strict(params)
 
 
 @pytest.mark.usefixtures("forced_copies")

@@ -790,11 +790,13 @@ def test_inside_one_compiled_graph_the_gradients_are_the_eager_ones(backend: str
 _VIEWS = {"view", "_unsafe_view", "t", "permute", "split_with_sizes", "slice", "alias", "reshape"}
 
 
-def _gathered_memory(node: Any) -> bool:
-    """Whether ``node`` of a graph is an all-gather's result or a view of one."""
+def _gathered_root(node: Any) -> Any:
+    """The all-gather whose result ``node`` of a graph is, or is a view of; else None."""
     while node.target is operator.getitem or _name(node) in _VIEWS:
         node = node.args[0]
-    return "all_gather" in str(node.target) or "wait_tensor" in str(node.target)
+    if "wait_tensor" in str(node.target):
+        node = node.args[0]
+    return node if "all_gather" in str(node.target) else None
 
 
 def _name(node: Any) -> str:
@@ -831,9 +833,14 @@ def _saved_in_graph(rank: int, size: int, reshard: bool) -> Any:
     gathers = [
         sum("all_gather_into_tensor" in str(n.target) for n in g.graph.nodes) for g in graphs
     ]
-    saved_gathered = sum(_gathered_memory(n) for n in outputs if isinstance(n, torch.fx.Node))
+    # The distinct gathers (units) whose results forward saves for backward.
+    roots = {_gathered_root(n) for n in outputs if isinstance(n, torch.fx.Node)}
+    saved_gathered = len(roots - {None})
     grads = fsdp.full({k: tuple(_zero_if_none(t) for t in ts) for k, ts in shards.items()})
-    return grads, saved_gathered, gathers
+    # One all-gather per bucket of a unit: of every unit, and of the trained ones.
+    buckets = {u.name: len(u.buckets) for u in fsdp.units}
+    every, trained = sum(buckets.values()), sum(buckets.values()) - buckets["frozen"]
+    return grads, saved_gathered, gathers, (every, trained, buckets["conv"])
 
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
@@ -842,12 +849,17 @@ def test_a_compiled_loss_saves_shards_and_gathers_again_in_backward(reshard: boo
     backward, which gathers each unit again; without, the gathered ones are saved."""
     expected = reference_grad(2, local_loss)
     expected = {**expected, "frozen": torch.zeros_like(expected["frozen"])}
-    for grads, saved_gathered, (forward, backward) in ranks.world(2).run(_saved_in_graph, reshard):
+    results = ranks.world(2).run(_saved_in_graph, reshard)
+    for grads, saved_gathered, (forward, backward), (every, trained, conv) in results:
         tree_allclose(grads, expected, **TOL)
-        assert forward >= 5  # embed, three blocks, conv, head, ... each gathered once
+        # Every unit gathered in forward; fsdp.apply(s, "conv") gathers conv again,
+        # which torch up to 2.14 merges with fsdp(s)'s identical gather and 2.15 keeps.
+        assert forward in (every, every + conv)
         if reshard:
-            assert saved_gathered == 0
-            assert backward == forward - 1  # all but the frozen unit, gathered again
+            assert saved_gathered == 0  # no unit's gathered parameters kept for backward
+            # Every trained unit's backward needs its parameters (embed's through the
+            # tied unembed), so each is gathered again, once; frozen's never.
+            assert backward == trained
         else:
             assert saved_gathered > 0
             assert backward == 0

@@ -210,12 +210,26 @@ class Flat(NamedTuple):
     explain: Callable[[str], AbstractContextManager[None]] = _no_explanation
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: ``t`` itself when it has it already.
+
+    Note [no-op casts in traced forwards]: on torch 2.11, a compiled
+    ``autograd.Function`` whose forward returns the result of an op that
+    hands back its own input (``.to`` to the same dtype or device,
+    ``.contiguous()`` of a contiguous tensor, ``.type_as``) made from a
+    tensor computed inside that forward gets a zero gradient, silently
+    (2.12 and later are right). Never calling the op keeps every version right.
+    """
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _gather_now(x: torch.Tensor, flat: Flat) -> torch.Tensor:
-    return _groups.all_gather(x.to(flat.gather_dtype), group=flat.group)
+    return _groups.all_gather(_cast(x, flat.gather_dtype), group=flat.group)
 
 
 def _scatter_now(y: torch.Tensor, flat: Flat) -> torch.Tensor:
-    return _groups.reduce_scatter(y.to(flat.reduce_dtype), group=flat.group).to(flat.out_dtype)
+    out = _groups.reduce_scatter(_cast(y, flat.reduce_dtype), group=flat.group)
+    return _cast(out, flat.out_dtype)  # Note [no-op casts in traced forwards]
 
 
 class _AllGather(torch.autograd.Function):
