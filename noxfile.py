@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -85,6 +86,42 @@ def torch_range(session: nox.Session, torch: str) -> None:
     tests_deps = nox.project.dependency_groups(PYPROJECT, "test")
     session.install(f"torch=={torch}", "-e", ".", *tests_deps, env=env)
     session.run("pytest", *session.posargs, env=COMPILE_CACHE)
+
+
+# The Python versions pyproject.toml declares (its classifiers), each run with
+# the pinned torch: ``nox -s python_range``. Checked against the classifiers by
+# tests/test_packaging.py, so a declared version is one that ran.
+PYTHON_RANGE = ["3.10", "3.11", "3.12"]
+
+
+def interpreter(version: str) -> str | None:
+    """A working ``python<version>``: on PATH, else one of pyenv's installs; None if none."""
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    found = [shutil.which(f"python{version}")]
+    found += [str(p) for p in sorted(root.glob(f"versions/{version}.*/bin/python{version}"))]
+    for candidate in found:
+        # A pyenv shim of a version that is not active is on PATH and fails.
+        if candidate and subprocess.run([candidate, "-c", ""], check=False).returncode == 0:
+            return candidate
+    return None
+
+
+@nox.session(venv_backend="none")
+@nox.parametrize("python_version", PYTHON_RANGE)
+def python_range(session: nox.Session, python_version: str) -> None:
+    """The whole suite on each declared Python, torch as pinned (not run by default)."""
+    found = interpreter(python_version)
+    if found is None:
+        session.skip(f"no Python {python_version} on PATH or in pyenv")
+    venv = Path(session.cache_dir).parent / f"python_range-{python_version}"
+    if not (venv / "bin" / "python").exists():
+        session.run(found, "-m", "venv", str(venv), external=True)
+    python = str(venv / "bin" / "python")
+    tests_deps = nox.project.dependency_groups(PYPROJECT, "test")
+    # torch==2.13.0 for another Python is the registry's build (CUDA, runs on the CPU).
+    session.run(python, "-m", "pip", "install", "-q", *CONSTRAINTS, "-e", ".", *tests_deps,
+                external=True)  # fmt: skip
+    session.run(python, "-m", "pytest", *session.posargs, env=COMPILE_CACHE, external=True)
 
 
 @shared

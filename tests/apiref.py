@@ -12,6 +12,7 @@ import itertools
 import pathlib
 import re
 import sys
+import typing
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -60,6 +61,18 @@ def _signature(obj: Any) -> str:
 def _alias(obj: Any) -> str:
     text = repr(obj).replace("typing.", "").replace("collections.abc.", "")
     return re.sub(r"fdp\.(?:_\w+\.)+", "fdp.", text)
+
+
+def _is_alias(obj: Any) -> bool:
+    """Whether a public name is a type alias (``CommHook = Callable[...]``).
+
+    A subscripted generic has an origin; Python 3.10's ``inspect.isclass``
+    also says True for one (its ``__class__`` is the origin's), so that
+    question alone would render the alias as a class on 3.10 only.
+    """
+    return typing.get_origin(obj) is not None or not (
+        inspect.isclass(obj) or inspect.isfunction(obj)
+    )
 
 
 def _attribute_doc(name: str) -> str:
@@ -114,7 +127,7 @@ def render() -> str:
             if inspect.ismodule(obj):
                 lines += [f"### `{prefix}.{name}`", "", f"A module: see `## {obj.__name__}`.", ""]
                 continue
-            if not (inspect.isclass(obj) or inspect.isfunction(obj)):  # a type alias
+            if _is_alias(obj):
                 alias = f"{prefix}.{name} = {_alias(obj)}"
                 lines += [f"### `{prefix}.{name}`", "", "```text", alias, "```", ""]
                 lines += [_attribute_doc(name), ""]

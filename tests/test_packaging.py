@@ -1,0 +1,61 @@
+"""The declared ranges are the tested ones: pyproject.toml, the nox range sessions, the README.
+
+A Python classifier is a version ``nox -s python_range`` runs, the torch
+floor is the first release ``nox -s torch_range`` runs, and the README's
+"Tested" line names exactly those.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _nox_list(name: str) -> list[str]:
+    """A module-level list of strings in noxfile.py (read, not imported: nox is a dev tool)."""
+    for node in ast.parse((ROOT / "noxfile.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
+            value = ast.literal_eval(node.value)
+            assert isinstance(value, list)
+            return [str(v) for v in value]
+    raise AssertionError(f"noxfile.py has no {name}")
+
+
+def _pyproject(key: str) -> str:
+    """The text of ``key = ...`` in pyproject.toml (a regex: tomllib is not in Python 3.10)."""
+    found = re.search(rf"^{re.escape(key)} = (.*?)$(?=\n\S)", PYPROJECT, re.M | re.S)
+    assert found is not None, f"pyproject.toml has no {key}"
+    return found.group(1)
+
+
+PYPROJECT = (ROOT / "pyproject.toml").read_text()
+
+
+def test_declared_pythons_are_the_ones_python_range_runs() -> None:
+    declared = re.findall(r'"Programming Language :: Python :: (3\.\d+)"', PYPROJECT)
+    assert declared == _nox_list("PYTHON_RANGE")
+    assert _pyproject("requires-python") == f'">={declared[0]}"'
+
+
+def test_the_torch_floor_is_the_first_release_torch_range_runs() -> None:
+    dependencies = ast.literal_eval(_pyproject("dependencies"))
+    (torch,) = [d for d in dependencies if d.startswith("torch")]
+    floor = _nox_list("TORCH_RANGE")[0]
+    assert torch == f"torch>={floor.removesuffix('.0')}"
+
+
+@pytest.mark.parametrize("name", ["TORCH_RANGE", "PYTHON_RANGE"])
+def test_the_readme_names_every_tested_version(name: str) -> None:
+    readme = (ROOT / "README.md").read_text()
+    tested = re.search(r"^Tested: .*?\n\n", readme, re.M | re.S)
+    assert tested is not None, "README.md has no 'Tested:' paragraph"
+    text = " ".join(tested.group(0).split())
+    for version in _nox_list(name):
+        assert version in text, f"README's Tested paragraph lacks {version}"
