@@ -256,6 +256,8 @@ def _refused(rank: int, size: int, case: str) -> Any:
     calls: dict[str, Callable[[], Any]] = {
         "an unknown op on one rank": lambda: fdp.all_reduce(x, "prod" if rank == 1 else "sum"),
         "an unknown op everywhere": lambda: fdp.all_reduce(x, "prod"),
+        "ops differ": lambda: fdp.all_reduce(x, "max" if rank == 1 else "sum"),
+        "dims differ": lambda: fdp.all_gather(x, dim=rank),
         "dtypes differ": lambda: fdp.all_gather(x.double() if rank == 1 else x),
         "a non-gathered dim differs": lambda: fdp.all_gather(torch.ones(4, 3 + rank)),
         "a size not divisible on one rank": lambda: fdp.reduce_scatter(torch.ones(4 + rank, 3)),
@@ -273,14 +275,17 @@ def _refused(rank: int, size: int, case: str) -> Any:
     return error, after
 
 
+# Per case, what rank 0's and rank 1's errors say: the argument that differs, by name.
 REFUSALS = {
-    "an unknown op on one rank": ("differs across ranks", "`op` expected one of"),
+    "an unknown op on one rank": ("`op` differs across ranks", "`op` expected one of"),
     "an unknown op everywhere": ("`op` expected one of", "`op` expected one of"),
-    "dtypes differ": ("differs across ranks", "differs across ranks"),
-    "a non-gathered dim differs": ("differs across ranks", "differs across ranks"),
-    "a size not divisible on one rank": ("differs across ranks", "the group's size 2 divides"),
+    "ops differ": ("`op` differs across ranks: rank 0 has 'sum', rank 1 has 'max'",) * 2,
+    "dims differ": ("`dim` differs across ranks: rank 0 has 0, rank 1 has 1",) * 2,
+    "dtypes differ": ("`x` differs across ranks", "`x` differs across ranks"),
+    "a non-gathered dim differs": ("`x` differs across ranks", "`x` differs across ranks"),
+    "a size not divisible on one rank": ("`x` differs across ranks", "the group's size 2 divides"),
     "split_dim not divisible": ("the group's size 2 divides", "the group's size 2 divides"),
-    "src outside the group on one rank": ("`src` expected a rank of the group", "differs"),
+    "src outside the group on one rank": ("`src` expected a rank of the group", "`src` differs"),
     "a dim out of range": ("`dim` expected a dimension of x", "`dim` expected a dimension"),
     "not a tensor": ("`x` expected a torch.Tensor", "`x` expected a torch.Tensor"),
 }

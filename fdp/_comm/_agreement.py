@@ -76,8 +76,20 @@ def signature(
     return described
 
 
-def check(mine: list[tuple[str, str]], *, group: ProcessGroup | None, call: str, arg: str) -> None:
-    """Raises the same ValueError on every rank unless all ranks gave the same signature."""
+def check(
+    mine: list[tuple[str, str]],
+    *,
+    group: ProcessGroup | None,
+    call: str,
+    arg: str,
+    named: bool = False,
+) -> None:
+    """Raises the same ValueError on every rank unless all ranks gave the same signature.
+
+    ``mine``: (leaf path, description) pairs of the tree ``arg``; with
+    ``named``, (argument name, value) pairs of a call, and the error names
+    the argument that differs.
+    """
     gathered: list[Any] = [None] * dist.get_world_size(group)
     with _compat.functorch_disabled():  # plain tensors, also under a torch.func transform
         dist.all_gather_object(gathered, mine, group=group)
@@ -86,11 +98,27 @@ def check(mine: list[tuple[str, str]], *, group: ProcessGroup | None, call: str,
         for j in range(max(len(reference), len(theirs))):
             a = reference[j] if j < len(reference) else ("<no leaf>", "no leaf")
             b = theirs[j] if j < len(theirs) else ("<no leaf>", "no leaf")
-            if a != b:
-                raise ValueError(
-                    f"{call}: `{arg}` differs across ranks at leaf {j}: rank 0 has "
-                    f"{a[0]} = {a[1]}, rank {rank} has {b[0]} = {b[1]}"
-                )
+            if a == b:
+                continue
+            if named:
+                raise ValueError(_named_difference(call, a, b, rank))
+            raise ValueError(
+                f"{call}: `{arg}` differs across ranks at leaf {j}: rank 0 has "
+                f"{a[0]} = {a[1]}, rank {rank} has {b[0]} = {b[1]}"
+            )
+
+
+def _named_difference(call: str, a: tuple[str, str], b: tuple[str, str], rank: int) -> str:
+    """The error for the first argument of a call that differs between rank 0 and ``rank``."""
+    name = b[0] if a[0] == "<no leaf>" else a[0]
+    if name == ERROR:  # a rank whose own checks raised; the others did not
+        faulty, said = (0, a[1]) if a[0] == ERROR else (rank, b[1])
+        return f"{call}: the arguments differ across ranks: rank {faulty} raised {said}"
+    return f"{call}: `{name}` differs across ranks: rank 0 has {a[1]}, rank {rank} has {b[1]}"
+
+
+# The entry a rank adds to a call's arguments when its own checks raised.
+ERROR = "<this rank's error>"
 
 
 def _device_for(group: ProcessGroup | None) -> torch.device:
@@ -115,14 +143,20 @@ class Fingerprint:
             return mine, dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
     def finish(
-        self, started: tuple[torch.Tensor, Any], *, group: ProcessGroup | None, call: str, arg: str
+        self,
+        started: tuple[torch.Tensor, Any],
+        *,
+        group: ProcessGroup | None,
+        call: str,
+        arg: str,
+        named: bool = False,
     ) -> None:
         """Waits; if any rank's hash differs, every rank raises the same detailed error."""
         values, work = started
         work.wait()
         high, neg_low = values.tolist()
         if high != -neg_low:
-            check(self.described, group=group, call=call, arg=arg)
+            check(self.described, group=group, call=call, arg=arg, named=named)
             raise ValueError(f"{call}: `{arg}` differs across ranks (the tree signatures differ)")
 
 

@@ -203,11 +203,12 @@ def _agree_eager(
         error = e
     described = [("x", _describe(x)), *((k, repr(v)) for k, v in options.items())]
     if error is not None:
-        described.append(("<this rank's error>", f"{type(error).__name__}: {error}"))
+        described.append((_agreement.ERROR, f"{type(error).__name__}: {error}"))
     if dist.get_world_size(group) > 1:
         fingerprint = _agreement.Fingerprint(described)
+        started = fingerprint.start(group)
         try:
-            fingerprint.finish(fingerprint.start(group), group=group, call=call, arg="x")
+            fingerprint.finish(started, group=group, call=call, arg="x", named=True)
         except ValueError as differs:
             if error is not None:
                 raise error from differs

@@ -412,7 +412,7 @@ class ZeroRedundancy:
             described = _agreement.signature(grads, leaves, "grads", requires_grad=False)
         except (ValueError, TypeError):
             described = []
-        described.append(("<this rank's error>", f"{type(error).__name__}: {error}"))
+        described.append((_agreement.ERROR, f"{type(error).__name__}: {error}"))
         fingerprint = _agreement.Fingerprint(described)
         fingerprint.finish(fingerprint.start(self.group), group=self.group, call=call, arg="grads")
 
