@@ -31,7 +31,8 @@ def data_parallel(
 
     The batch (every tensor leaf of ``inputs`` and ``kwargs``) is split along
     ``dim``, ``params`` is replicated to each device, ``fn`` runs once per
-    device (concurrently; see :func:`fdp.parallel_apply`), and the outputs are
+    device (concurrently on distinct devices, in a loop on the CPU; see
+    :func:`fdp.parallel_apply`), and the outputs are
     gathered on ``output_device``.
     The result equals one call on the whole batch when ``fn`` treats examples
     independently; gradients of every ``params`` leaf that requires grad are
