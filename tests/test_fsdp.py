@@ -1125,6 +1125,36 @@ def _train_grouped(rank: int, size: int, steps: int, donate: bool) -> list[Any]:
     return out
 
 
+def _grouped_directly(rank: int, size: int) -> list[str]:
+    """param_groups with a label function stepping shards directly: refused, every time."""
+    params = make_params()
+    fsdp = fdp.FullyShardedDataParallel(params)
+    shards = fsdp.shard(params)
+    grouped = make_optimizer("grouped")
+    x, y = data(size)
+    grads = _by_func_grad(fsdp, _detached(shards), mine(x, rank), mine(y, rank))
+    errors = []
+    for tree in (shards, _detached(shards)):  # as shard() gives them, and detached
+        try:
+            grouped.update(grads, grouped.init(tree), tree)
+        except ValueError as e:
+            errors.append(str(e))
+    # A tree that is not these shards is labelled as before.
+    plain = {"w": torch.ones(2, 2), "b": torch.ones(2)}
+    grouped.update(plain, grouped.init(plain), plain)
+    return errors
+
+
+def test_param_groups_refuse_shards_and_name_fsdp_optimizer() -> None:
+    # Each shard is a 1-D slice of several leaves: t.ndim <= 1 would label every one
+    # no-decay (parameters off by 2.9e-2 after one step), so the direct use is refused.
+    for errors in ranks.world(2).run(_grouped_directly):
+        assert len(errors) == 2, errors
+        for error in errors:
+            assert error.startswith("fdp.optim.param_groups: `params` are the shards of"), error
+            assert "fsdp.optimizer(fdp.optim.param_groups(...))" in error
+
+
 # --------------------------------------------------------------- a unit one rank leaves unused
 
 

@@ -164,6 +164,11 @@ class FullyShardedDataParallel:
         buckets = [b for u in self.units for b in u.buckets]
         self._layout = _zero_shards.from_buckets(params, buckets, sharded, group=group)
         self._bucket_units = [(u.name, b) for u in self.units for b in range(len(u.buckets))]
+        _param_groups.register_sharded(self)  # param_groups refuses the shards, naming optimizer()
+
+    def holds_shards(self, tree: Any) -> bool:
+        """Whether ``tree`` has the format of this instance's shards (``shard``'s result)."""
+        return _fsdp_optim.holds_shards(self.units, tree)
 
     def __repr__(self) -> str:
         return (

@@ -117,3 +117,17 @@ def _joined(old: torch.Tensor, part: Part, pieces: Sequence[torch.Tensor]) -> to
         out.append(old.detach()[at:])
     joined = torch.cat(out)
     return joined.requires_grad_(old.requires_grad) if joined.grad_fn is None else joined
+
+
+def holds_shards(units: Sequence[Any], tree: Any) -> bool:
+    """Whether ``tree`` is a shards dict of these units (``fsdp.shard``'s format)."""
+    if not isinstance(tree, dict) or list(tree) != [u.name for u in units]:
+        return False
+    for unit in units:
+        shards = tree[unit.name]
+        if not isinstance(shards, tuple) or len(shards) != len(unit.sizes):
+            return False
+        for t, size in zip(shards, unit.sizes, strict=True):
+            if not isinstance(t, torch.Tensor) or t.shape != (size,):
+                return False
+    return True

@@ -13,8 +13,9 @@ unchanged; ZeroRedundancy labels its slices by the leaves they come from.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -22,6 +23,35 @@ from fdp import _tree
 
 T = TypeVar("T")
 Label = Callable[[str, torch.Tensor], str]
+
+
+class Sharded(Protocol):
+    """What holds trees whose leaves are pieces of several parameters (fully sharded)."""
+
+    def holds_shards(self, tree: Any) -> bool: ...
+
+
+# Every live holder of shards (FullyShardedDataParallel registers itself),
+# weakly: nothing is kept alive. A label function would see each shard as
+# one 1-D tensor, so labels() refuses a tree of shards and names the wrapper
+# that labels each piece by its leaf.
+_SHARDED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def register_sharded(owner: Sharded) -> None:
+    """Makes :meth:`ParamGroups.labels` refuse ``owner``'s shards (see ``_SHARDED``)."""
+    _SHARDED.add(owner)
+
+
+def _refuse_shards(call: str, params: Any) -> None:
+    for owner in list(_SHARDED):
+        if owner.holds_shards(params):
+            raise ValueError(
+                f"{call}: `params` are the shards of {owner!r}: each shard holds pieces of "
+                "several leaves in one 1-D tensor, so `label` would see every shard as a 1-D "
+                "tensor (t.ndim <= 1 everywhere) and name no leaf; use "
+                "fsdp.optimizer(fdp.optim.param_groups(...)), which labels each piece by its leaf"
+            )
 
 
 class ParamGroups:
@@ -62,6 +92,7 @@ class ParamGroups:
         call = "fdp.optim.param_groups"
         leaves, spec = _tree.flatten(params)
         if callable(self.label):
+            _refuse_shards(call, params)
             names = _tree.names(params)
             got = [None if t is None else self.label(names[i], t) for i, t in enumerate(leaves)]
         else:
