@@ -311,3 +311,33 @@ def test_a_zero_state_in_another_memory_format_is_refused(
         else:
             assert "the checkpoint saved its pieces in memory order" in message
             assert "like['opt'] (a ZeroState) holds parameter ['conv']" in message
+
+
+def _save_ddp_batch_norm(rank: int, size: int, path: str) -> Any:
+    """A DDP step with BatchNorm on each rank's own batch, then a save and a load."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(4, 6),
+        torch.nn.BatchNorm1d(6),
+        torch.nn.Linear(6, 3),
+        torch.nn.BatchNorm1d(3),
+    )
+    fn, state = fdp.make_functional(net)
+    ddp = fdp.DistributedDataParallel(state)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))
+    torch.autograd.backward(fn(ddp(state), x).square().sum())
+    held = detached_copy(state)  # the running statistics of this rank's batch
+    fdp.save_checkpoint(path, {"state": state, "step": 1})
+    return held, fdp.load_checkpoint(path, {"state": state, "step": 0})
+
+
+def test_a_ddp_checkpoint_holds_rank_0s_buffers(tmp_path: Path) -> None:
+    # Buffers differ across ranks after a step (each rank's batch statistics,
+    # broadcast from rank 0 only at the next ddp(state) call); DCP spreads
+    # entries every rank holds over the ranks, so a resume took some of rank
+    # 1's. What torch's DDP users save is rank 0's state_dict.
+    (held0, loaded0), (held1, loaded1) = ranks.world(2).run(_save_ddp_batch_norm, str(tmp_path))
+    assert not torch.equal(held0["1.running_mean"], held1["1.running_mean"])
+    for loaded in (loaded0, loaded1):
+        tree_allclose(loaded["state"], held0, rtol=0, atol=0)
+        assert loaded["step"] == 1

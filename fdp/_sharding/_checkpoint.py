@@ -4,7 +4,8 @@ A state is any pytree (optree's rules, ``None`` a leaf) of tensors,
 :class:`fdp.ZeroState` shards and plain Python values. Each leaf is one DCP
 entry named by its path (``['params']['w']``), so the checkpoint is DCP's
 own format, written by every rank in parallel: a tensor is held by every
-rank and written once; a ``ZeroState`` slot becomes, per parameter leaf, a
+rank and written once, by rank 0 (its values where ranks differ); a
+``ZeroState`` slot becomes, per parameter leaf, a
 1-D sharded entry of the leaf's elements (in the layout's element order)
 that each rank writes its pieces of, under the key the same slot of an
 unsharded ``fdp.optim`` state would have (``['opt']['exp_avg']['w']``);
@@ -30,6 +31,7 @@ import optree
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -52,8 +54,9 @@ def save_checkpoint(
 ) -> None:
     """Saves a training state with ``torch.distributed.checkpoint``; every rank calls it.
 
-    Tensor leaves must hold the same values on every rank (parameters, an
-    unsharded optimizer state): one copy is written. A ``ZeroState`` is
+    Tensor leaves are replicated (parameters, buffers, an unsharded
+    optimizer state): the group's rank 0 writes its values, as torch's DDP
+    users save rank 0's ``state_dict``. A ``ZeroState`` is
     written in pieces by the ranks that hold them. The directory is
     complete once ``path/.metadata`` exists (DCP writes it last); saving
     over a checkpoint first removes its ``.metadata``, so a save that dies
@@ -77,8 +80,19 @@ def save_checkpoint(
     if rng:
         entries[_RNG + str(_rank(group))] = _rng_state()
     _retire_metadata(path, group)
+    # An entry every rank holds is written by the group's rank 0, not by the
+    # rank DCP's load balancing picks: buffers that differ across ranks
+    # (BatchNorm statistics after a DDP step) are saved as rank 0 holds them,
+    # what torch's DDP users save from rank 0's state_dict.
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     with _quietly():
-        dcp_save(entries, checkpoint_id=path, process_group=group, no_dist=not _distributed())
+        dcp_save(
+            entries,
+            checkpoint_id=path,
+            process_group=group,
+            planner=planner,
+            no_dist=not _distributed(),
+        )
 
 
 def _retire_metadata(path: str | os.PathLike[str], group: ProcessGroup | None) -> None:
