@@ -217,6 +217,28 @@ def names(tree: Any) -> list[str]:
     return [".".join(str(getattr(e, "field", e.entry)) for e in accessor) for accessor in accessors]
 
 
+def segments(tree: Any) -> list[list[tuple[str, bool]]]:
+    """Each leaf's name as segments, each with whether it indexes a sequence.
+
+    A key holding dots (``make_functional``'s flat ``"h.0.attn.weight"``) is
+    split as ``named_parameters`` wrote it, and a segment of digits there, or
+    a dict key of digits, counts as an index, as a ``ModuleList``'s does: a
+    flat state and its nested form give the same segments.
+    """
+    out = []
+    for accessor in optree.tree_accessors(tree, none_is_leaf=NONE_IS_LEAF):
+        parts: list[tuple[str, bool]] = []
+        for e in accessor:
+            if isinstance(e, optree.SequenceEntry) and not hasattr(e, "field"):
+                parts.append((str(e.entry), True))
+            elif isinstance(e.entry, str) and not hasattr(e, "field"):
+                parts += [(piece, piece.isdigit()) for piece in e.entry.split(".")]
+            else:
+                parts.append((str(getattr(e, "field", e.entry)), False))
+        out.append(parts)
+    return out
+
+
 def path(tree: Any, index: int, root: str) -> str:
     """The path of leaf ``index``; computed only when an error needs it."""
     return paths(tree, root)[index]

@@ -1,7 +1,8 @@
 """``fdp.FullyShardedDataParallel``: parameters, gradients and optimizer state sharded by unit.
 
 A params tree is cut into units (subtrees: a block, a layer; by default
-each top-level entry, and each element of a top-level list or tuple). Each
+each top-level entry, and each block of a list, a ``ModuleList``'s, in a
+nested tree or in ``make_functional``'s flat dotted names). Each
 unit's floating-point leaves are packed as DDP packs a bucket (one flat
 buffer per dtype, every leaf in its memory order, ``fdp/_bucket.py``),
 padded to a multiple of the world size and cut into one equal shard per
@@ -77,7 +78,8 @@ class FullyShardedDataParallel:
         units: dotted names of the subtrees that are gathered together
             (``"blocks.0"``, as ``named_parameters`` writes them); leaves
             under no name form one more unit, ``""``. ``None``: each
-            top-level entry, and each element of a top-level list or tuple.
+            top-level entry, each element of a top-level list, and each
+            block of a deeper list (``"transformer.h.0"``), nested or flat.
         group: the process group the shards are cut across (default: the
             world).
         param_dtype: the dtype parameters are gathered and computed in

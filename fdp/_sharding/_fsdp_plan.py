@@ -96,7 +96,7 @@ def _kind(t: torch.Tensor | None) -> tuple[bool, bool]:
 def _owners(call: str, params: Any, names: list[str], units: Sequence[str] | None) -> list[str]:
     """Each leaf's unit name."""
     if units is None:
-        return [_default_unit(params, name) for name in names]
+        return [_default_unit(parts) for parts in _tree.segments(params)]
     if isinstance(units, str):
         raise TypeError(f"{call}: `units` expected a sequence of dotted names; got {units!r}")
     for u in units:
@@ -113,23 +113,44 @@ def _owners(call: str, params: Any, names: list[str], units: Sequence[str] | Non
     return [next((u for u in units if n == u or n.startswith(u + ".")), "") for n in names]
 
 
-def _default_unit(params: Any, name: str) -> str:
-    """The top-level entry, or the element of a top-level list or tuple, holding ``name``."""
-    parts = name.split(".")
-    if not parts[0] or isinstance(params, (list, tuple)):
-        return parts[0]
-    entry = params[parts[0]] if isinstance(params, dict) else getattr(params, parts[0], None)
-    if isinstance(entry, (list, tuple)) and not hasattr(entry, "_fields") and len(parts) > 1:
-        return ".".join(parts[:2])
-    return parts[0]
+def _default_unit(parts: list[tuple[str, bool]]) -> str:
+    """A leaf's default unit, from its name's segments (:func:`fdp._tree.segments`).
+
+    The top-level entry, or the element of a top-level list; within it, the
+    first list element (a ``ModuleList``'s block) that holds more than one
+    leaf's worth of path, so every transformer block is a unit, whether the
+    state is nested or flat with dotted names (``transformer.h.0``).
+    """
+    if not parts:
+        return ""
+    end = 2 if len(parts) > 1 and parts[1][1] and not parts[0][1] else 1
+    for i in range(end, len(parts) - 1):
+        if parts[i][1]:
+            end = i + 1
+            break
+    return ".".join(name for name, _ in parts[:end])
 
 
 def subtree(tree: Any, name: str) -> Any:
-    """The subtree of ``tree`` at the dotted ``name`` (``""``: the tree)."""
-    for part in name.split(".") if name else ():
+    """The subtree of ``tree`` at the dotted ``name`` (``""``: the tree).
+
+    In a dict whose keys hold dots (a flat state), the entries under
+    ``name`` with the rest of their key, as the block's own
+    ``named_parameters`` names them.
+    """
+    rest = name
+    while rest:
         if isinstance(tree, dict):
-            tree = tree[part]
-        elif isinstance(tree, (list, tuple)) and part.isdigit() and not hasattr(tree, "_fields"):
+            if rest in tree:
+                return tree[rest]
+            key = next((k for k in tree if isinstance(k, str) and rest.startswith(k + ".")), None)
+            if key is None:
+                prefix = rest + "."
+                return {k[len(prefix) :]: v for k, v in tree.items() if k.startswith(prefix)}
+            tree, rest = tree[key], rest[len(key) + 1 :]
+            continue
+        part, _, rest = rest.partition(".")
+        if isinstance(tree, (list, tuple)) and part.isdigit() and not hasattr(tree, "_fields"):
             tree = tree[int(part)]
         else:
             tree = getattr(tree, part)
