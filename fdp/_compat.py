@@ -238,6 +238,22 @@ def is_transformed(t: torch.Tensor) -> bool:
     return bool(functorch.is_functorch_wrapped_tensor(t))
 
 
+def innermost_is_grad() -> bool:
+    """Whether the innermost running ``torch.func`` transform is reverse mode (grad, vjp).
+
+    There a wrapped tensor that does not require grad is not differentiated
+    at that level (an argument outside ``argnums``). If
+    ``retrieve_current_functorch_interpreter`` goes, False (the safe answer).
+    """
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+    try:
+        top = retrieve_current_functorch_interpreter()
+    except (RuntimeError, AssertionError):  # no transform running
+        return False
+    return bool(top.key() == torch._C._functorch.TransformType.Grad)
+
+
 def traced_transform_keeps_backward(inputs: Sequence[torch.Tensor]) -> bool:
     """Whether dynamo, tracing inside a ``torch.func`` transform, keeps a custom Function's
     backward for these inputs (call only while it traces one).

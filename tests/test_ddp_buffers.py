@@ -308,3 +308,37 @@ def test_func_grad_through_ddp_of_params_and_buffers() -> None:
         assert grads.keys() == expected.keys()
         for k, g in grads.items():
             torch.testing.assert_close(g, expected[k], **TOL, msg=k)
+
+
+def _func_grad_batch_norm_train(rank: int, size: int) -> tuple[Any, Any]:
+    """Train mode: the buffers are an argument of the transformed loss, not differentiated."""
+    net = bn_module()
+    fn, state = fdp.make_functional(net)
+    params = {k: v.detach() for k, v in state.items() if v.requires_grad}
+    buffers = {k: v.clone() for k, v in state.items() if not v.requires_grad}
+    ddp = fdp.DistributedDataParallel({**params, **buffers})
+    x, y = (shard(t, rank) for t in batch(size * PER_RANK))
+
+    def loss(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.mse_loss(fn(ddp({**p, **b}), x), y)
+
+    grads = torch.func.grad(loss)(params, buffers)  # updates the buffers in place
+    return grads, buffers
+
+
+def test_func_grad_through_ddp_of_params_and_buffers_in_train_mode() -> None:
+    # Before: "native_batch_norm is not differentiable with respect to argument
+    # running_mean" (the buffers came out of ddp(...) requiring grad at the
+    # transform's level). One process: the average of each rank's gradient,
+    # each rank's running statistics from its own batch (torch's DDP).
+    size = 2
+    x, y = batch(size * PER_RANK)
+    nets = [bn_module() for _ in range(size)]
+    losses = [F.mse_loss(n(shard(x, r)), shard(y, r)) for r, n in enumerate(nets)]
+    torch.autograd.backward(torch.stack(losses).mean())
+    for rank, (grads, buffers) in enumerate(ranks.world(size).run(_func_grad_batch_norm_train)):
+        for k, _ in nets[0].named_parameters():
+            want = sum(n.get_parameter(k).grad for n in nets)
+            torch.testing.assert_close(grads[k], want, **TOL, msg=k)
+        for k, b in nets[rank].named_buffers():
+            torch.testing.assert_close(buffers[k], b, **TOL, msg=k)

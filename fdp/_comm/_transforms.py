@@ -109,11 +109,13 @@ def replicated(
 ) -> list[Any]:
     """``leaves`` through :class:`_Replicated`: the bucketed leaves only, the rest as they are.
 
-    ``buckets`` index ``leaves``. A leaf that does not require grad and that
-    no transform wraps (a buffer the function closes over) comes back as it
-    went in: as an output of the Function it would require grad, and ops
-    that refuse a differentiable buffer (``batch_norm``'s running
-    statistics) would raise.
+    ``buckets`` index ``leaves``. A leaf that does not require grad comes
+    back as it went in where no transform wraps it (a buffer the function
+    closes over) or where the innermost transform is a ``grad`` that does not
+    differentiate it (a buffer passed outside ``argnums``): as an output of
+    the Function it would require grad, and ops that refuse a differentiable
+    buffer (``batch_norm``'s running statistics, in train and eval mode)
+    would raise.
     """
     order = [i for b in buckets for i in b.indices]
     slot = {i: s for s, i in enumerate(order)}
@@ -123,9 +125,11 @@ def replicated(
     how = (scale, group, dtype)
     outputs = _Replicated.apply(local, how, *(leaves[i] for i in order))  # type: ignore[no-untyped-call]
     result = list(leaves)
+    plain_at_grad = _compat.innermost_is_grad()
     for s, i in enumerate(order):
         t = leaves[i]
-        if t.requires_grad or _compat.is_transformed(t) or _compat.has_tangent(t):
+        wrapped = _compat.is_transformed(t) and not plain_at_grad
+        if t.requires_grad or wrapped or _compat.has_tangent(t):
             result[i] = outputs[s]
     return result
 
