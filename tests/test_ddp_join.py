@@ -7,11 +7,13 @@ still had data, divided by the initial world size or by their number.
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import optree
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 import fdp
@@ -126,8 +128,13 @@ def test_ranks_that_left_mirror_the_reduction_of_late_gradients() -> None:
 
 
 def _raises(rank: int, size: int) -> None:
+    # A group with a short timeout, made once every rank is here: the
+    # process group's own (30 s) covers start-up, which a loaded machine
+    # can stretch past 5 s (a rank then failed joining, not inside join).
+    dist.barrier()
+    group = dist.new_group(timeout=datetime.timedelta(seconds=5))
     params = mlp_params(depth=2)
-    ddp = fdp.DistributedDataParallel(params)
+    ddp = fdp.DistributedDataParallel(params, group=group)
     with ddp.join():
         for step in range(BATCHES[rank]):
             if rank == 1 and step == 1:
@@ -136,7 +143,7 @@ def _raises(rank: int, size: int) -> None:
 
 
 def test_an_exception_inside_join_reaches_the_other_ranks_as_an_error() -> None:
-    world = ranks.World(3, pg_timeout_s=5.0)
+    world = ranks.World(3)
     try:
         with pytest.raises(ranks.RankError) as info:
             world.run(_raises, timeout_s=60)
