@@ -310,6 +310,11 @@ def test_func_grad_through_ddp_of_params_and_buffers() -> None:
             torch.testing.assert_close(g, expected[k], **TOL, msg=k)
 
 
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None
+    return p.grad
+
+
 def _func_grad_batch_norm_train(rank: int, size: int) -> tuple[Any, Any]:
     """Train mode: the buffers are an argument of the transformed loss, not differentiated."""
     net = bn_module()
@@ -338,7 +343,7 @@ def test_func_grad_through_ddp_of_params_and_buffers_in_train_mode() -> None:
     torch.autograd.backward(torch.stack(losses).mean())
     for rank, (grads, buffers) in enumerate(ranks.world(size).run(_func_grad_batch_norm_train)):
         for k, _ in nets[0].named_parameters():
-            want = sum(n.get_parameter(k).grad for n in nets)
+            want = torch.stack([_grad(n.get_parameter(k)) for n in nets]).sum(0)
             torch.testing.assert_close(grads[k], want, **TOL, msg=k)
         for k, b in nets[rank].named_buffers():
             torch.testing.assert_close(buffers[k], b, **TOL, msg=k)
