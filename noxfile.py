@@ -99,9 +99,10 @@ def interpreter(version: str) -> str | None:
     root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
     found = [shutil.which(f"python{version}")]
     found += [str(p) for p in sorted(root.glob(f"versions/{version}.*/bin/python{version}"))]
-    for candidate in found:
+    for candidate in filter(None, found):
         # A pyenv shim of a version that is not active is on PATH and fails.
-        if candidate and subprocess.run([candidate, "-c", ""], check=False).returncode == 0:
+        probe = subprocess.run([candidate, "-c", ""], check=False, capture_output=True)
+        if probe.returncode == 0:
             return candidate
     return None
 
