@@ -18,6 +18,7 @@ every replica has finished (see :mod:`fdp._replica`).
 from __future__ import annotations
 
 import operator
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -69,6 +70,9 @@ def _shells(
     for m in modules:
         shell = shells[id(m)]
         attrs = shell.__dict__
+        for key in _CONTAINERS:  # hooks a forward registers stay in its shell
+            if key in attrs:
+                attrs[key] = attrs[key].copy()
         attrs["_parameters"] = dict(m._parameters)
         attrs["_buffers"] = dict(m._buffers)
         attrs["_modules"] = {
@@ -79,6 +83,20 @@ def _shells(
                 key: _KeepAlive(hook, shell) for key, hook in m._backward_hooks.items()
             }
     return [(m, shells[id(m)]) for m in modules]
+
+
+# Copied apart, with the call's tensors and child shells.
+_OWN = frozenset(("_parameters", "_buffers", "_modules"))
+# Every other dict and set torch gives a module (hooks, non-persistent buffer
+# names), read off a new module once. A forward may add to them in place (a
+# Hugging Face model installs output-recording hooks on its first call):
+# each shell adds to its own copy, and replica 0's is written back when the
+# call succeeds, as one direct call would leave the module.
+_CONTAINERS = tuple(
+    k
+    for k, v in nn.Module().__dict__.items()
+    if k not in _OWN and type(v) in (dict, set, OrderedDict)
+)
 
 
 _Slot = tuple[dict[str, Any], str, Any]
@@ -142,6 +160,12 @@ def _writer(
     def write() -> None:
         for (m, shell), old in zip(pairs, before, strict=True):
             now = shell.__dict__
+            for key in _CONTAINERS:
+                # Added to in place (a hook registered): the shell's copy, which
+                # the registration's handle removes from, becomes the module's.
+                mine = now.get(key)
+                if mine is not None and mine is old.get(key) and mine != m.__dict__.get(key):
+                    m.__dict__[key] = mine
             if _changed(old, now) or now.keys() != old.keys():
                 for key in old.keys() - now.keys():
                     m.__dict__.pop(key, None)
@@ -172,7 +196,7 @@ def _eager_call(
         out = pairs[0][1](*args, **kwargs)
     finally:
         for (m, shell), old in zip(pairs, before, strict=True):
-            if shell.__dict__["_backward_hooks"] is not m._backward_hooks:
+            if m._backward_hooks and m._is_full_backward_hook is False:
                 # A _KeepAlive refers to its shell; the shell must not refer back (no cycle).
                 shell.__dict__["_backward_hooks"] = old["_backward_hooks"] = m._backward_hooks
     _replica.defer(_writer(pairs, before))

@@ -448,3 +448,56 @@ def test_a_non_full_backward_hook_keeps_its_shell_only_as_long_as_the_graph() ->
     assert shells[0]() is not None  # the graph still holds it
     del out
     assert shells[0]() is None  # freed by reference counting: no cycle is left
+
+
+class Recording(nn.Module):
+    """Installs an output-recording hook on its first call, as Hugging Face models do
+    for ``output_hidden_states`` (a flag, then a hook appending to a list)."""
+
+    def __init__(self, *, fail_above: float | None = None) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+        self.installed = False
+        self.fail_above = fail_above
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self.installed:
+            self.a.register_forward_hook(lambda m, i, o: m.outputs.append(o))
+            self.installed = True
+        if self.fail_above is not None and float(x.max()) > self.fail_above:
+            raise ValueError("this chunk fails")
+        recorded: list[torch.Tensor] = []
+        self.a.outputs = recorded  # type: ignore[assignment]  # a plain attribute, as HF's
+        out = self.b(torch.relu(self.a(x)))
+        return (out, *recorded)
+
+
+def test_data_parallel_changes_a_module_as_one_direct_call_does() -> None:
+    # Before: the replicas shared the module's hook dicts, so each installed the
+    # hook ("replicas returned different structures") and the module kept two.
+    torch.manual_seed(0)
+    net = Recording()
+    reference = copy.deepcopy(net)
+    fn, state = fdp.make_functional(net)
+    x = torch.randn(6, 4)
+    out = fdp.data_parallel(fn, state, x, devices=["cpu", "cpu"])
+    want = reference(x)
+    assert len(out) == len(want) == 2
+    for got, expected in zip(out, want, strict=True):
+        torch.testing.assert_close(got, expected)
+    assert len(net.a._forward_hooks) == 1
+    assert net.installed
+    for got, expected in zip(net(x), reference(x), strict=True):  # later direct calls agree
+        torch.testing.assert_close(got, expected)
+
+
+def test_a_data_parallel_call_that_raises_changes_nothing() -> None:
+    torch.manual_seed(0)
+    net = Recording(fail_above=0.0)
+    fn, state = fdp.make_functional(net)
+    x = torch.cat([torch.full((3, 4), -1.0), torch.full((3, 4), 1.0)])  # replica 1 raises
+    with pytest.raises(ValueError, match="this chunk fails"):
+        fdp.data_parallel(fn, state, x, devices=["cpu", "cpu"])
+    assert len(net.a._forward_hooks) == 0
+    assert not net.installed
