@@ -115,3 +115,106 @@ def test_a_flat_state_is_sharded_by_blocks_and_applied_block_by_block() -> None:
         assert names == UNITS
         assert head_keys == ["bias", "weight"]
         tree_allclose({k: grads[k] for k in expected}, expected, rtol=1e-5, atol=1e-6)
+
+
+class BatchNormNet(nn.Module):
+    """A convolution and BatchNorm, as a ResNet's stem: buffers updated in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.conv(x))).mean(dim=(2, 3))
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def _images(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + rank)
+    return torch.randn(4, 2, 5, 5, generator=g) * (1 + rank), torch.randn(4, 3, generator=g)
+
+
+def _bn_steps(rank: int, size: int, how: str) -> Any:
+    torch.manual_seed(0)
+    net = BatchNormNet()
+    fn, state = fdp.make_functional(net)
+    fsdp = fdp.FullyShardedDataParallel(state)
+    shards = fsdp.shard(state)
+    buffers = {k: v for k, v in state.items() if not isinstance(v, nn.Parameter)}
+    opt = fdp.optim.sgd(0.1)
+    opt_state = opt.init(shards)
+    x, y = _images(rank)
+
+    def loss(s: Any, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        out: torch.Tensor = (fn({**fsdp(s), **b}, x) - y).square().mean()
+        return out
+
+    for _ in range(2):
+        if how == "backward":
+            torch.autograd.backward(loss(shards, buffers))
+            grads = {k: tuple(t.grad for t in ts) for k, ts in shards.items()}
+        else:  # torch.func mutates only its inputs' buffers: pass them as one
+            grads = torch.func.grad(loss)(shards, buffers)
+        with torch.no_grad():
+            new, opt_state = opt.update(grads, opt_state, shards)
+        shards = {k: tuple(t.requires_grad_() for t in ts) for k, ts in new.items()}
+    full = fsdp.full(shards)
+    return fsdp.unit_names, {k: v.detach().clone() for k, v in full.items()}
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    if p.grad is None:
+        raise AssertionError("a parameter without a gradient")
+    return p.grad
+
+
+def _bn_reference(size: int) -> list[dict[str, torch.Tensor]]:
+    """One process: a copy per rank, each normalising (and tracking) its own batch."""
+    nets = []
+    for _ in range(size):
+        torch.manual_seed(0)
+        nets.append(BatchNormNet())
+    for _ in range(2):
+        grads: list[dict[str, torch.Tensor]] = []
+        for rank, net in enumerate(nets):
+            x, y = _images(rank)
+            net.zero_grad()
+            torch.autograd.backward((net(x) - y).square().mean())
+            grads.append({k: _grad(p) for k, p in net.named_parameters()})
+        with torch.no_grad():
+            for net in nets:
+                for k, p in net.named_parameters():
+                    p.sub_(0.1 * torch.stack([g[k] for g in grads]).mean(0))
+    return [dict(net.state_dict()) for net in nets]
+
+
+@pytest.mark.parametrize("how", ["backward", "func_grad"])
+def test_buffers_stay_whole_and_track_each_ranks_batch_as_fully_shard(how: str) -> None:
+    # The running statistics were sharded like frozen parameters and never moved.
+    expected = _bn_reference(2)
+    assert not torch.equal(expected[0]["bn.running_mean"], torch.zeros(4))
+    for rank, (names, full) in enumerate(ranks.world(2).run(_bn_steps, how)):
+        assert names == ["bn", "conv", "head"]
+        tree_allclose(full, expected[rank], rtol=1e-5, atol=1e-6)
+
+
+def _named_buffers(rank: int, size: int) -> Any:
+    params: dict[str, Any] = {"w": torch.ones(3), "stats": {"mean": torch.zeros(3)}}
+    try:
+        fdp.FullyShardedDataParallel(params, buffers=["stat"])
+    except ValueError as e:
+        error = str(e)
+    fsdp = fdp.FullyShardedDataParallel(params, buffers=["stats"])
+    tree = fsdp(fsdp.shard(params))
+    tree["stats"]["mean"].add_(rank + 1)  # lands on this rank's own tensor
+    return fsdp.unit_names, params["stats"]["mean"].tolist(), error
+
+
+def test_named_buffers_stay_whole_and_a_wrong_name_is_refused() -> None:
+    for rank, (names, mean, error) in enumerate(ranks.world(2).run(_named_buffers)):
+        assert names == ["w"]
+        assert mean == [rank + 1.0] * 3
+        assert "`buffers` names 'stat', which holds no leaf of `params`" in error

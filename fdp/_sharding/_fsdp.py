@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -29,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from fdp import _tree
-from fdp._comm import _groups, _parallel, _transforms
 from fdp._comm._groups import ProcessGroup
 from fdp._sharding import (
     _fsdp_accumulate,
     _fsdp_chain,
+    _fsdp_clip,
     _fsdp_gather,
     _fsdp_optim,
     _fsdp_plan,
@@ -43,7 +42,7 @@ from fdp._sharding import (
     _zero_shards,
 )
 from fdp._sharding._zero_shards import ZeroState
-from fdp.optim import _clip, _param_groups
+from fdp.optim import _param_groups
 
 T = TypeVar("T")
 
@@ -104,6 +103,11 @@ class FullyShardedDataParallel:
             it last time (first time: the next in ``unit_names``), and in
             backward the unit backward reaches next. Eager only (compiled,
             the compiler orders the gathers); never changes a result.
+        buffers: dotted names of subtrees kept whole on every rank, never
+            sharded: each rank's own, updated in place (BatchNorm's running
+            statistics). ``None``: in a tree holding ``nn.Parameter``
+            leaves (``make_functional``'s state), the leaves that are not
+            (its buffers), as ``fully_shard`` leaves a module's buffers.
 
     Example::
 
@@ -127,10 +131,12 @@ class FullyShardedDataParallel:
         reshard_after_forward: bool = True,
         prefetch: bool = True,
         mesh: Any = None,
+        buffers: Sequence[str] | None = None,
     ) -> None:
         call = "fdp.FullyShardedDataParallel"
         group, self.replicas = _fsdp_plan.mesh_groups(call, group, mesh)
         leaves, _spec, tensors = _fsdp_plan.checked_params(call, params, group, self.replicas)
+        tensors = _fsdp_plan.without_buffers(call, params, leaves, tensors, buffers)
         self.replicas_world = 1 if self.replicas is None else dist.get_world_size(self.replicas)
         for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and not (
@@ -143,7 +149,7 @@ class FullyShardedDataParallel:
         self._planned = _tree.Planned(params, owner="this FullyShardedDataParallel")
         self._ties = _tree.ties(tensors)  # a tied tensor is sharded once, at its first leaf
         sharded = [None if i in self._ties else t for i, t in enumerate(tensors)]
-        # Leaves that are not sharded (None, integer tensors) are kept as given.
+        # Leaves not sharded (None, integer tensors, buffers) are kept as given.
         self._kept = {i: leaf for i, leaf in enumerate(leaves) if tensors[i] is None}
         self.units = _fsdp_plan.plan(call, params, sharded, units, self.world)
         owner = _fsdp_plan.owners(call, params, units)
@@ -366,33 +372,7 @@ class FullyShardedDataParallel:
         """
         call = "fdp.FullyShardedDataParallel.clip_grad_norm"
         self._check_shards(call, grads)
-        p = _clip.check_norm_type(call, norm_type)
-        if p != 2.0 and any(any(b.complex_) for u in self.units for b in u.buckets):
-            raise NotImplementedError(
-                f"{call}: `norm_type` {norm_type!r} over complex leaves needs each element's "
-                "|z|, whose real and imaginary parts may sit in two ranks' shards; got a tree "
-                "with complex leaves (use norm_type=2, which needs no pairing)"
-            )
-        tensors = [t for unit in self.units for t in grads[unit.name]]
-        wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-        norms = torch.stack([torch.linalg.vector_norm(t, p, dtype=wide) for t in tensors])
-        if math.isinf(p):
-            if _transforms.needs_rule([norms]):
-                raise NotImplementedError(
-                    f"{call}: `norm_type=inf` takes a maximum over ranks, which fdp does not "
-                    "differentiate; got gradients that require grad or are under a torch.func "
-                    "transform (use a finite norm_type there)"
-                )
-            total = _groups.all_reduce(norms.max(), group=self.group, op="max")
-        else:
-            local = (norms**p).sum()
-            if _transforms.needs_rule([local]):
-                total = _parallel.psum(local, group=self.group) ** (1.0 / p)
-            else:
-                total = _groups.all_reduce(local, group=self.group) ** (1.0 / p)
-        scale = torch.clamp(max_norm / (total + _clip.EPS), max=1.0)
-        clipped = {k: tuple(t * scale.to(t.dtype) for t in ts) for k, ts in grads.items()}
-        return clipped, total
+        return _fsdp_clip.clip_grad_norm(call, self.units, self.group, grads, max_norm, norm_type)
 
     def to_checkpoint(self, value: Any) -> Any:
         """``value`` (the shards, or an ``fdp.optim`` state over them) for ``fdp.save_checkpoint``.

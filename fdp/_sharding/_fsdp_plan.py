@@ -31,6 +31,38 @@ def owners(call: str, params: Any, units: Sequence[str] | None) -> list[str]:
     return _owners(call, params, _tree.names(params), units)
 
 
+def without_buffers(
+    call: str,
+    params: Any,
+    leaves: list[Any],
+    tensors: list[torch.Tensor | None],
+    buffers: Sequence[str] | None,
+) -> list[torch.Tensor | None]:
+    """``tensors`` with ``None`` at the buffers: the leaves kept whole on every rank.
+
+    ``buffers`` names their subtrees (dotted prefixes). ``None``: in a tree
+    holding ``nn.Parameter`` leaves (``make_functional``'s state), every
+    leaf that is not one, as ``fully_shard`` leaves a module's buffers
+    unsharded so BatchNorm's in-place statistics land on each rank's own.
+    """
+    names = _tree.names(params)
+    if buffers is None:
+        if not any(isinstance(t, torch.nn.Parameter) for t in leaves):
+            return tensors
+        return [t if isinstance(leaves[i], torch.nn.Parameter) else None
+                for i, t in enumerate(tensors)]  # fmt: skip
+    if isinstance(buffers, str):
+        raise TypeError(f"{call}: `buffers` expected a sequence of dotted names; got {buffers!r}")
+    for b in buffers:
+        if not any(n == b or n.startswith(b + ".") for n in names):
+            raise ValueError(
+                f"{call}: `buffers` names {b!r}, which holds no leaf of `params`; expected "
+                f"a dotted prefix of the leaf names, e.g. {names[:3]}"
+            )
+    mine = [any(n == b or n.startswith(b + ".") for b in buffers) for n in names]
+    return [None if buffer else t for t, buffer in zip(tensors, mine, strict=True)]
+
+
 def borrowed(owner: Sequence[str], ties: dict[int, int]) -> dict[str, tuple[str, ...]]:
     """Per unit, the other units holding the tensors tied into it.
 

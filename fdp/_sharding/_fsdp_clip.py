@@ -1,0 +1,55 @@
+"""A fully sharded gradient's global norm and clipping (``fsdp.clip_grad_norm``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fdp._comm import _groups, _parallel, _transforms
+from fdp.optim import _clip
+
+
+def clip_grad_norm(
+    call: str,
+    units: Sequence[Any],
+    group: Any,
+    grads: dict[str, tuple[torch.Tensor, ...]],
+    max_norm: float | torch.Tensor,
+    norm_type: float,
+) -> tuple[dict[str, tuple[torch.Tensor, ...]], torch.Tensor]:
+    """``grads`` (checked shards' gradients) clipped to ``max_norm``, and their norm before.
+
+    Each rank's shards hold disjoint elements (a tied tensor is sharded
+    once), so the p-th powers of the local norms sum over ranks to the
+    unsharded tree's: one all-reduce of one number.
+    """
+    p = _clip.check_norm_type(call, norm_type)
+    if p != 2.0 and any(any(b.complex_) for u in units for b in u.buckets):
+        raise NotImplementedError(
+            f"{call}: `norm_type` {norm_type!r} over complex leaves needs each element's "
+            "|z|, whose real and imaginary parts may sit in two ranks' shards; got a tree "
+            "with complex leaves (use norm_type=2, which needs no pairing)"
+        )
+    tensors = [t for unit in units for t in grads[unit.name]]
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    norms = torch.stack([torch.linalg.vector_norm(t, p, dtype=wide) for t in tensors])
+    if math.isinf(p):
+        if _transforms.needs_rule([norms]):
+            raise NotImplementedError(
+                f"{call}: `norm_type=inf` takes a maximum over ranks, which fdp does not "
+                "differentiate; got gradients that require grad or are under a torch.func "
+                "transform (use a finite norm_type there)"
+            )
+        total = _groups.all_reduce(norms.max(), group=group, op="max")
+    else:
+        local = (norms**p).sum()
+        if _transforms.needs_rule([local]):
+            total = _parallel.psum(local, group=group) ** (1.0 / p)
+        else:
+            total = _groups.all_reduce(local, group=group) ** (1.0 / p)
+    scale = torch.clamp(max_norm / (total + _clip.EPS), max=1.0)
+    clipped = {k: tuple(t * scale.to(t.dtype) for t in ts) for k, ts in grads.items()}
+    return clipped, total
