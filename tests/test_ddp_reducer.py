@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.checkpoint import checkpoint
 
 import fdp
@@ -361,6 +363,53 @@ def test_sparse_gradients_are_reduced(how: str) -> None:
         losses += [sparse_loss(params, r, 1, how) for r in range(size)]
     torch.autograd.backward(torch.stack(losses).sum() / size)
     for got in ranks.world(size).run(_sparse, how)[: len(active)]:
+        for name, p in params.items():
+            assert p.grad is not None
+            expected = p.grad.to_dense() if p.grad.is_sparse else p.grad
+            torch.testing.assert_close(got[name], expected, **TOL, msg=name)
+
+
+def _gloo_allreduce_hook(
+    state: object, bucket: fdp.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """torch's test_ddp_comm_hook_sparse_gradients hook: the raw collective, then divide."""
+    world = dist.group.WORLD
+    assert world is not None
+    SEEN.append(bucket.buffer().is_sparse)
+    fut = world.allreduce([bucket.buffer()]).get_future()
+    return fut.then(lambda f: f.wait()[0] / dist.get_world_size())
+
+
+SEEN: list[bool] = []  # per rank process: which buckets the hook saw sparse
+
+
+def _sparse_hooked(rank: int, size: int, how: str, hook: str) -> Any:
+    params = sparse_params()
+    comm_hook = {
+        "torch_test": _gloo_allreduce_hook,
+        "fdp": fdp.allreduce_hook,
+        "torch_default": default_hooks.allreduce_hook,
+    }[hook]
+    ddp = fdp.DistributedDataParallel(params, comm_hook=comm_hook, **TINY)
+    SEEN.clear()
+    torch.autograd.backward(sparse_loss(ddp(params), rank, 0, how))
+    embed = params["embed"].grad
+    assert embed is not None
+    assert embed.is_sparse
+    return {"embed": embed.to_dense(), "w": params["w"].grad}, list(SEEN)
+
+
+@pytest.mark.parametrize("hook", ["torch_test", "fdp", "torch_default"])
+@pytest.mark.parametrize("how", ["both_ranks", "one_rank"])
+def test_a_comm_hook_reduces_a_sparse_bucket(how: str, hook: str) -> None:
+    # torch's test_ddp_comm_hook_sparse_gradients: before, fdp refused any hook but its own.
+    size = 2
+    params = sparse_params()
+    losses = [sparse_loss(params, r, 0, how) for r in range(size)]
+    torch.autograd.backward(torch.stack(losses).sum() / size)
+    for got, seen in ranks.world(size).run(_sparse_hooked, how, hook):
+        if hook == "torch_test":
+            assert seen == [False, False, True]  # two dense buckets, then the sparse one
         for name, p in params.items():
             assert p.grad is not None
             expected = p.grad.to_dense() if p.grad.is_sparse else p.grad

@@ -111,7 +111,8 @@ class DistributedDataParallel:
         penalty on it differentiates the global batch's gradient.
 
     Sparse gradients (``nn.Embedding(sparse=True)``, of 2-D leaves) are
-        all-reduced on their own after the buckets; ``.grad`` stays sparse.
+        all-reduced on their own after the buckets (with a comm hook, each
+        one is a bucket of its own for the hook); ``.grad`` stays sparse.
 
     Refused, with a clear error:
         ``torch.autograd.grad(..., create_graph=True)`` and sparse gradients

@@ -157,13 +157,6 @@ class Step:
                 f"{grad.layout}; fdp reduces dense (strided) and sparse COO gradients: "
                 "convert it in a hook on the parameter"
             )
-        hook = self.reduction.hook
-        if grad is not None and grad.is_sparse and hook not in (None, _comm_hooks.allreduce_hook):
-            raise RuntimeError(
-                f"fdp.DistributedDataParallel: {where} got a sparse gradient with a comm "
-                "hook, which reduces dense buckets; use the default reduction with "
-                "nn.Embedding(sparse=True)"
-            )
 
     def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         self._refuse(i, grad)
@@ -478,11 +471,15 @@ class Step:
         if late > 0:
             self._reduce_late()
         sparse_count = dist.get_world_size(self.reduction.group) + 1
+        sparse = [i for i, count in zip(self.hooked, used, strict=True) if count >= sparse_count]
         for i, count in zip(self.hooked, used, strict=True):
             if count >= sparse_count:
-                leaf = self.leaves[i]
+                leaf, r = self.leaves[i], self.reduction
+                # With a hook: a bucket of its own, after the dense ones, as in torch.
+                k = len(self.buckets) + sparse.index(i)
+                bucket = (r.state, k, i == sparse[-1], r.paths[i])
                 leaf.grad = reduce_sparse(
-                    leaf, self.sparse.get(i), self.prescale, self.reduction.group
+                    leaf, self.sparse.get(i), self.prescale, r.group, hook=r.hook, bucket=bucket
                 )
             elif count > 0:
                 self.leaves[i].grad = self._view(i)
