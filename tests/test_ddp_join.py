@@ -7,6 +7,7 @@ still had data, divided by the initial world size or by their number.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from typing import Any
 
@@ -14,6 +15,7 @@ import optree
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join
 from torch.utils.checkpoint import checkpoint
 
 import fdp
@@ -40,7 +42,7 @@ def data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _join(rank: int, size: int, by_initial: bool, micro: int) -> list[torch.Tensor]:
     """Per step: ``micro - 1`` micro-batches under no_sync, then a synchronised one."""
     params = mlp_params(depth=2)
-    params["count"] = torch.tensor(rank)  # a buffer: the first rank training wins
+    params["count"] = torch.tensor(rank)  # a buffer: the highest rank training wins
     ddp = fdp.DistributedDataParallel(params)
     out = []
     with ddp.join(divide_by_initial_world_size=by_initial):
@@ -53,8 +55,9 @@ def _join(rank: int, size: int, by_initial: bool, micro: int) -> list[torch.Tens
                         torch.autograd.backward(loss(ddp(params), x, y))
                 else:
                     torch.autograd.backward(loss(ddp(params), x, y))
-            # Buffers come from the first rank still training: rank 0, then rank 1.
-            assert int(params["count"]) == (0 if step < BATCHES[0] else 1)
+                # As torch's Join: the first micro-batch's call broadcasts from the
+                # highest rank still training (rank 1 throughout), the others none.
+                assert int(params["count"]) == (1 if m == 0 else rank)
             out.append(flat(params))
             for t in optree.tree_leaves(params):  # type: ignore[var-annotated,arg-type]
                 if t is not None:
@@ -80,6 +83,49 @@ def test_uneven_batches_average_over_the_ranks_that_have_data(by_initial: bool, 
         assert len(steps) == BATCHES[rank]
         for step, got in enumerate(steps):
             torch.testing.assert_close(got, expected(step, by_initial, micro), **TOL)
+
+
+class Counted(torch.nn.Module):
+    """A weight and a buffer the forward reads: which rank's buffer it used shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+        self.register_buffer("count", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w + self.get_buffer("count")
+
+
+def _join_buffers(rank: int, size: int) -> tuple[list[float], list[float]]:
+    """The buffer each forward used, two micro-batches a step: fdp's join, then torch's Join."""
+    module = Counted()
+    fn, state = fdp.make_functional(module)
+    ddp = fdp.DistributedDataParallel(state)
+    torch_ddp = torch.nn.parallel.DistributedDataParallel(Counted())
+    runs: list[tuple[torch.nn.Module, Any, Any, Any]] = [
+        (module, lambda x: fn(ddp(state), x), ddp.no_sync, ddp.join),
+        (torch_ddp.module, torch_ddp, torch_ddp.no_sync, lambda: Join([torch_ddp])),
+    ]
+    seen: tuple[list[float], list[float]] = ([], [])
+    for k, (held, forward, no_sync, join) in enumerate(runs):
+        with join():
+            for _ in range(BATCHES[rank]):
+                for m in range(2):
+                    held.get_buffer("count").fill_(rank)
+                    with no_sync() if m == 0 else contextlib.nullcontext():
+                        out = forward(torch.ones(3))
+                        seen[k].append(float(out[0] - 1.0))
+                        out.sum().backward()
+    return seen
+
+
+def test_buffers_inside_join_come_from_where_torchs_do() -> None:
+    # torch's DDP inside Join broadcasts from the highest rank still training
+    # (before, fdp took the lowest, and broadcast on synchronised calls only).
+    for rank, (fdp_seen, torch_seen) in enumerate(ranks.world(3).run(_join_buffers)):
+        assert fdp_seen == torch_seen
+        assert fdp_seen == [1.0 if m == 0 else rank for _ in range(BATCHES[rank]) for m in (0, 1)]
 
 
 def twice(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -181,7 +181,9 @@ def test_no_sync_accumulation_inside_the_compiled_loss() -> None:
     for results, frames in ranks.world(2).run(_accumulate, 3):
         for got in results:
             check(got, expected)
-        assert frames == 2  # one graph without the reduction, one with it
+        # Without the reduction: the first micro-batch's graph broadcasts the
+        # buffers (torch's rule), the second's does not; with it: the third.
+        assert frames == 3
 
 
 def _new_tensors_every_step(rank: int, size: int, steps: int) -> tuple[list[Any], int]:

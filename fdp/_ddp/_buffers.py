@@ -4,9 +4,10 @@ Buffers (BatchNorm's running statistics, step counters: every tensor leaf of
 the tree that does not require grad and is not an ``nn.Parameter``) are
 updated by each rank's own forward, so without care ranks drift apart and a
 checkpoint from rank 0 evaluates differently from rank 1. torch's DDP
-broadcasts them from rank 0 before forwards; :class:`Buffers` does it
-whenever ``ddp(state)`` is called, in place, coalesced by device and dtype
-into few broadcasts, like :func:`fdp.broadcast_params`.
+broadcasts them from rank 0 before forwards; :class:`Buffers` does it when
+``ddp(state)`` decides to (``DistributedDataParallel._buffers_due``: torch's
+rule), in place, coalesced by device and dtype into few broadcasts, like
+:func:`fdp.broadcast_params`.
 
 Eagerly (``loss.backward()``, ``torch.func.grad``) it uses async broadcasts
 of packed buffers; under ``torch.func`` the leaves are functorch wrappers, so
@@ -36,19 +37,10 @@ def is_buffer(t: torch.Tensor) -> bool:
 
 
 class Buffers:
-    """The buffer leaves of a DDP's tree, broadcast from rank 0 on every call.
+    """The buffer leaves of a DDP's tree and their coalesced broadcast.
 
     ``indices`` are the tree's buffers (:func:`is_buffer`, decided once, at
     construction, where ranks agree on the tree).
-
-    torch's DDP broadcasts before a forward that follows a synchronised
-    training forward. Broadcasting on every call gives rank 0 the same
-    buffers as that rule (its own updates, never another rank's), gives
-    every rank rank 0's buffers at the start of every forward (under
-    ``no_sync`` and in evaluation too), and keeps no state: inside
-    ``torch.compile`` a flag would be one more guard, and toggling
-    ``no_sync`` would compile three graphs instead of two. It costs a
-    broadcast of the buffers on the calls torch would skip.
     """
 
     def __init__(

@@ -97,13 +97,15 @@ class DistributedDataParallel:
         integer counters; a frozen parameter in ``make_functional``'s state
         is an ``nn.Parameter`` and is synced at construction only, as torch
         does; in a plain tree, wrap a frozen weight in
-        ``nn.Parameter(w, requires_grad=False)`` to say the same). They get
-        rank 0's values in place on every synchronised call (grad enabled,
-        not under ``no_sync``) when ``broadcast_buffers`` is true, coalesced
-        into one broadcast per device and dtype, eagerly, under
-        ``torch.func`` and while compiling. As in torch's DDP, a call under
-        ``torch.no_grad`` or ``no_sync``, or of a tree with no buffer,
-        communicates nothing, so one rank may evaluate alone.
+        ``nn.Parameter(w, requires_grad=False)`` to say the same). With
+        ``broadcast_buffers``, they get rank 0's values in place when
+        torch's DDP broadcasts them: on a training call whose previous
+        training call was synchronised (the first micro-batch under
+        ``no_sync``); inside ``join`` from the highest rank still training;
+        coalesced into one broadcast per device and dtype, eagerly, under
+        ``torch.func`` and while compiling. A call under ``torch.no_grad``,
+        or of a tree with no buffer, communicates nothing, so one rank may
+        evaluate alone.
 
     Double backward:
         ``loss.backward(create_graph=True)`` leaves in ``.grad`` the average
@@ -189,6 +191,7 @@ class DistributedDataParallel:
         self._traced_hook = _traced.traced_hook(comm_hook, group, group)
         self._ties = _tree.ties(leaves, sorted(self._layout.where))
         self._sync = True
+        self._due = True  # the first training call broadcasts, as torch's first forward
         self._called = False
         self._joiner: Joiner | None = None
         self._join_plan = self._plan_join(leaves, group, final)
@@ -253,7 +256,7 @@ class DistributedDataParallel:
         (contributing zeros) until every rank has left. Gradients are divided
         by the initial world size, or with
         ``divide_by_initial_world_size=False`` by the number of ranks still
-        training. Buffers come from the first rank still training. An
+        training. Buffers come from the highest rank still training, as in torch. An
         exception inside the block propagates without mirroring; the other
         ranks then fail at the process group's timeout instead of hanging.
         On leaving the block every rank takes the parameters and buffers of
@@ -312,11 +315,13 @@ class DistributedDataParallel:
         self._called = True
         leaves = self._checked_leaves(params)
         synchronised = self._sync and torch.is_grad_enabled()
-        src, prescale = 0, None
+        broadcast, src, prescale = self._buffers_due(), 0, None
         if self._joiner is not None:
             refused = synchronised and self._under_transform(leaves)
-            src, prescale = self._joiner.step(leaves, synchronised=synchronised, refused=refused)
-        if self._buffers is not None and synchronised:  # as torch: one rank may evaluate
+            src, prescale, broadcast = self._joiner.step(
+                leaves, synchronised=synchronised, refused=refused, broadcast=broadcast
+            )
+        if self._buffers is not None and broadcast:
             self._buffers.sync(leaves, src=src)
         if not synchronised:
             return params
@@ -335,7 +340,7 @@ class DistributedDataParallel:
         ):
             return cast(T, _UNDER_TRANSFORM(self, params))
         synchronised = self._sync and torch.is_grad_enabled()
-        if self._buffers is not None and synchronised:
+        if self._buffers_due() and self._buffers is not None:
             self._buffers.sync(leaves, src=0)
         if not synchronised:
             return params
@@ -346,6 +351,21 @@ class DistributedDataParallel:
         return cast(T, _tree.unflatten(self._traced_spec or (), synced))
 
     _call = _mode.by_mode(_call_eager, _call_traced)
+
+    def _buffers_due(self) -> bool:
+        """Whether this call broadcasts the buffers: torch's ``require_forward_param_sync``.
+
+        A training call (grad enabled) broadcasts when the previous training
+        call was synchronised (not under ``no_sync``), so under gradient
+        accumulation the first micro-batch's forward does, as in torch's
+        DDP. A call under ``no_grad`` never does and leaves the rule as it
+        was (torch broadcasts there too, which hangs a rank evaluating
+        alone; the next training call broadcasts what torch's eval did).
+        """
+        if not torch.is_grad_enabled() or self._buffers is None or not self._buffers.buckets:
+            return False  # no flag to read: nothing for torch.compile to guard on
+        due, self._due = self._due, self._sync
+        return due
 
     def _under_transform(self, leaves: list[Any]) -> bool:
         """Whether a leaf is a ``torch.func`` wrapper or a forward-mode dual tensor.

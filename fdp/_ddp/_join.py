@@ -6,9 +6,9 @@ the timeout. Inside ``join`` every call of ``ddp(params)`` first all-reduces
 a small vector: one flag per rank (1 while it trains) and whether the step
 reduces gradients (not under ``no_sync``, grad enabled). A rank that leaves
 the block keeps answering that all-reduce with zeros and mirrors each step
-of the others (torch's ``Join`` semantics): the buffers' broadcast (received
-from the first rank still training), one all-reduce of zeros per bucket, and
-the all-reduce of usage counts. When every flag is 0, all ranks have left
+of the others (torch's ``Join`` semantics): the buffers' broadcast (from the
+highest rank still training, as torch's), one all-reduce of zeros per bucket,
+and the all-reduce of usage counts. When every flag is 0, all ranks have left
 and the block ends everywhere.
 
 Only the default reduction is mirrored (a comm hook's collectives are its
@@ -129,19 +129,20 @@ class Joiner:
         self.training.ranks, self.training.sub = ranks, sub
 
     def _exchange(
-        self, *, training: bool, synchronised: bool, refused: bool = False
-    ) -> tuple[int, int, bool]:
-        """(ranks still training, the first of them, whether this step reduces).
+        self, *, training: bool, synchronised: bool, refused: bool = False, broadcast: bool = False
+    ) -> tuple[int, int, tuple[bool, bool]]:
+        """(ranks still training, the last of them, (whether it reduces, broadcasts buffers)).
 
-        The last flag says a training rank refuses its step: then every rank
-        raises the same error, the ranks that have left too, instead of
+        The refusal flag says a training rank refuses its step: then every
+        rank raises the same error, the ranks that have left too, instead of
         waiting for collectives that will not come.
         """
-        flags = torch.zeros(self.world + 2)
+        flags = torch.zeros(self.world + 3)
         if training:
             flags[self.rank] = 1.0
             flags[self.world] = 1.0 if synchronised else 0.0
             flags[self.world + 1] = 1.0 if refused else 0.0
+            flags[self.world + 2] = 1.0 if broadcast else 0.0
         with _compat.functorch_disabled():  # plain flags, also under a torch.func transform
             dist.all_reduce(flags, group=self.group)
         if flags[self.world + 1] > 0:
@@ -151,27 +152,35 @@ class Joiner:
             self._regroup(active)
         if active:
             self.last = active
-        first = active[0] if active else 0
-        return len(active), first, bool(flags[self.world] > 0)
+        last = active[-1] if active else 0
+        return len(active), last, (bool(flags[self.world] > 0), bool(flags[self.world + 2] > 0))
 
     def step(
-        self, leaves: Sequence[Any], *, synchronised: bool, refused: bool = False
-    ) -> tuple[int, float | None]:
-        """A training rank's call: (the source rank for buffers, the gradient scale or None)."""
+        self, leaves: Sequence[Any], *, synchronised: bool, refused: bool, broadcast: bool
+    ) -> tuple[int, float | None, bool]:
+        """A training rank's call: (the buffers' source, the gradient scale or None, broadcast?).
+
+        The source is the highest rank still training, as torch's DDP picks
+        it inside ``Join`` (``_find_common_rank``).
+        """
         self.remember(leaves)
-        active, first, _ = self._exchange(training=True, synchronised=synchronised, refused=refused)
-        return first, None if self.by_initial else 1.0 / active
+        active, last, flags = self._exchange(
+            training=True, synchronised=synchronised, refused=refused, broadcast=broadcast
+        )
+        return last, None if self.by_initial else 1.0 / active, flags[1]
 
     def shadow(self) -> None:
         """Mirrors the steps of the ranks still training until every rank has left."""
         with torch.no_grad():
             while True:
-                active, first, reduces = self._exchange(training=False, synchronised=False)
+                active, last, (reduces, broadcast) = self._exchange(
+                    training=False, synchronised=False
+                )
                 if active == 0:
                     self._sync_final()
                     return
-                if self.buffers is not None and reduces:  # training ranks sync buffers then
-                    self.buffers.shadow(src=first)
+                if self.buffers is not None and broadcast:
+                    self.buffers.shadow(src=last)
                 if reduces:
                     for bucket in self.buckets:
                         dist.all_reduce(torch.zeros_like(bucket.empty()), group=self.group)
