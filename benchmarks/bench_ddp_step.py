@@ -6,8 +6,9 @@
 
 A training step (forward, backward, SGD) of an 8-layer 1024-wide tanh MLP
 plus a 10-way head, batch 64 per rank on 2 gloo ranks (1 intra-op thread
-each): fdp.DistributedDataParallel eager; with ``--compiled`` also
-``ddp(params)`` inside a ``fullgraph=True`` inductor-compiled loss, with and
+each): fdp.DistributedDataParallel eager (its parameters' check across
+ranks at the default every 100 steps, off, and at every step); with
+``--compiled`` also ``ddp(params)`` inside a ``fullgraph=True`` inductor-compiled loss, with and
 without ``fdp.overlap_options()``, and torch's DDP compiled (DDPOptimizer, its
 graph count printed); torch's DDP eager; and the machine's bounds: the local
 step without communication, followed by one flat all-reduce of all gradient
@@ -63,6 +64,8 @@ BOUNDS = (
     "bound: one flat all-reduce started with the step",
 )
 TORCH, FDP = "torch DDP (eager)", "fdp DDP (eager)"
+# The replicas' check (issue 45): the default is every 100 reduced backwards.
+CHECKS = {"fdp DDP (eager), check_replicas_every=0": 0, "fdp DDP (eager), every=1": 1}
 COMPILED = (
     "fdp DDP compiled",
     "fdp DDP compiled, overlap_options()",
@@ -164,13 +167,14 @@ def variant(name: str, rank: int, cap_mb: float) -> tuple[Any, dict[str, Any]]:
             work.wait()
 
         return dict(zip(BOUNDS, (local, then_comm, comm_from_start), strict=True))[name], facts
-    ddp = fdp.DistributedDataParallel(params, bucket_cap_mb=cap_mb)
+    every = CHECKS.get(name, 100)
+    ddp = fdp.DistributedDataParallel(params, bucket_cap_mb=cap_mb, check_replicas_every=every)
     facts["buckets"] = len(ddp.buckets)
 
     def ddp_loss(p: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         return F.cross_entropy(mlp(ddp(p), x), y)
 
-    if name == FDP:
+    if name == FDP or name in CHECKS:
         return sgd(params, ddp_loss), facts
     options = fdp.overlap_options() if name == COMPILED[1] else None
     return sgd(params, torch.compile(ddp_loss, fullgraph=True, options=options)), facts
@@ -280,7 +284,7 @@ def main() -> None:
     else:  # read by glibc when each rank process starts
         os.environ.update(STEADY_ALLOCATOR)
         allocator = ", ".join(f"{k}={v}" for k, v in STEADY_ALLOCATOR.items())
-    names = [*BOUNDS, TORCH, FDP, *(COMPILED if args.compiled else ())]
+    names = [*BOUNDS, TORCH, FDP, *CHECKS, *(COMPILED if args.compiled else ())]
     running: dict[str, Ranks] = {}
     facts: dict[str, Any] = {}
     try:

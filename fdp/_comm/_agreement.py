@@ -184,6 +184,7 @@ def check_values(
     call: str,
     arg: str,
     fix: str = SAME_START,
+    when: str = "at construction",
 ) -> None:
     """Raises the same ValueError on every rank unless every rank holds the same values.
 
@@ -203,8 +204,8 @@ def check_values(
     for (i, _), bad in zip(held, differs, strict=True):
         if bad:
             raise ValueError(
-                f"{call}: `{arg}` leaf {paths[i]} expected the same values on every rank at "
-                f"construction; got different values on different ranks (checksums from "
+                f"{call}: `{arg}` leaf {paths[i]} expected the same values on every rank "
+                f"{when}; got different values on different ranks (checksums from "
                 f"{-float(neg_low[differs.index(True)][0]):.6g} to "
                 f"{float(high[differs.index(True)][0]):.6g}). {fix}"
             )

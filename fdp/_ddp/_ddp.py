@@ -27,6 +27,7 @@ from fdp._ddp import _buffers, _join, _traced
 from fdp._ddp._arming import Reducer, hooked_leaves
 from fdp._ddp._join import Joiner
 from fdp._ddp._reducer import Reduction
+from fdp._ddp._replicas import Replicas
 
 __all__ = ["DistributedDataParallel"]
 
@@ -137,6 +138,14 @@ class DistributedDataParallel:
             False leaves each rank's buffers as its own forward left them.
         init_sync: give every rank rank 0's parameters and buffers at
             construction (torch's ``init_sync``).
+        check_replicas_every: after every that many reduced backwards
+            (eager), check that every rank holds the same parameters (a
+            fingerprint per leaf, one all-reduce) and raise on every rank,
+            naming the first leaf that differs: a loss that reads ``params``
+            instead of ``ddp(params)`` trains each rank on its own
+            gradients. ``0``: never (not inside ``join``, nor under a
+            ``torch.func`` transform or ``torch.compile``, which reduce
+            without the backward hooks).
 
     Example::
 
@@ -158,6 +167,7 @@ class DistributedDataParallel:
         comm_hook: CommHook | None = None,
         broadcast_buffers: bool = True,
         init_sync: bool = True,
+        check_replicas_every: int = 100,
     ) -> None:
         call = "fdp.DistributedDataParallel"
         cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
@@ -180,8 +190,14 @@ class DistributedDataParallel:
         paths = _tree.paths(params, "params")
         # Without a hook the division by the world size is folded into
         # packing the bucket (one pass over the gradients instead of two).
+        if not isinstance(check_replicas_every, int) or check_replicas_every < 0:
+            raise ValueError(
+                f"{call}: `check_replicas_every` expected an int >= 0 (0: never); "
+                f"got {check_replicas_every!r}"
+            )
+        replicas = Replicas(check_replicas_every, group, paths)
         self._reducer = Reducer(
-            Reduction(layout=self._layout, hook=comm_hook, state=group, group=group, paths=paths)
+            Reduction(self._layout, comm_hook, group, group, paths, replicas=replicas)
         )
         self.buckets: list[tuple[str, ...]] = [
             tuple(paths[i] for i in b.indices) for b in self._layout.buckets

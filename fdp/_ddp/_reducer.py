@@ -39,6 +39,7 @@ from fdp import _compat
 from fdp._bucket import Layout
 from fdp._comm import _comm_hooks, _transforms
 from fdp._comm._comm_hooks import CommHook, GradBucket
+from fdp._ddp._replicas import Replicas
 from fdp._ddp._sparse import empty_sparse, reduce_sparse
 
 
@@ -56,6 +57,7 @@ class Reduction:
     state: Any
     group: dist.ProcessGroup | None
     paths: list[str]
+    replicas: Replicas | None = None  # the parameters' check after reduced backwards
 
     @property
     def serial(self) -> bool:
@@ -414,6 +416,8 @@ class Step:
                     usage[1].wait()  # counted for join's shadowing ranks only
                 elif usage is not None:
                     self._hand_out(usage)
+                if self.reduction.replicas is not None and not self.always_count:  # not in join
+                    self.reduction.replicas.after_reduction(self.leaves, self.hooked)
             finally:
                 for state in self.buckets:  # the buffers may be reused now
                     state.flat, state.views = None, []

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fdp import _bucket, _compat, _tree
+from fdp._comm import _agreement
 from fdp._comm._groups import ProcessGroup
 from fdp._sharding._zero_shards import Shards, ZeroState
 
@@ -77,6 +78,8 @@ def save_checkpoint(
     with _quietly():
         _, leaves = _leaves(call, "state", state, fresh=False)
     entries = {k: v for leaf in leaves for k, v in leaf.entries.items()}
+    if _distributed():
+        _check_parameters(call, state, group)
     if rng:
         entries[_RNG + str(_rank(group))] = _rng_state()
     _retire_metadata(path, group)
@@ -93,6 +96,35 @@ def save_checkpoint(
             planner=planner,
             no_dist=not _distributed(),
         )
+
+
+def _check_parameters(call: str, state: Any, group: ProcessGroup | None) -> None:
+    """Raises on every rank if the parameters every rank saves differ across ranks.
+
+    Only rank 0's are written: ranks that trained apart (a loss that read
+    ``params`` instead of ``ddp(params)``) would save silently. Parameters
+    are the tensors that require grad or are ``nn.Parameter``s (buffers may
+    differ, as BatchNorm's statistics without a broadcast do).
+    """
+    leaves = _tree.flatten(state)[0]
+    paths = _tree.paths(state, "state")
+    params = [
+        t
+        if isinstance(t, torch.Tensor)
+        and type(t) in (torch.Tensor, torch.nn.Parameter)
+        and (t.requires_grad or isinstance(t, torch.nn.Parameter))
+        else None
+        for t in leaves
+    ]
+    held = [(p, t) for p, t in zip(paths, params, strict=True) if t is not None]
+    described = [(p, f"a tensor of shape {tuple(t.shape)}, dtype {t.dtype}") for p, t in held]
+    _agreement.check(described, group=group, call=call, arg="state")  # the same leaves first
+    fix = (
+        "The ranks trained apart: compute the loss from ddp(params), not params, and "
+        "step every rank's optimizer alike"
+    )
+    _agreement.check_values(params, paths, group=group, call=call, arg="state", fix=fix,
+                            when="when saved")  # fmt: skip
 
 
 def _retire_metadata(path: str | os.PathLike[str], group: ProcessGroup | None) -> None:

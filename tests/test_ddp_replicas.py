@@ -1,0 +1,121 @@
+"""DDP's check that the ranks still hold the same parameters (fdp._ddp._replicas).
+
+Ranks that step apart (here: each rank scales its step by its own loss, a
+rank-local quantity where the global one was meant) train different models.
+The check after every ``check_replicas_every``-th reduced backward raises on
+every rank; ``fdp.save_checkpoint`` refuses to save such
+parameters. Correct training is compared with one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fdp
+from tests import ranks
+from tests.helpers import PER_RANK, TOL, batch, mlp, mlp_params, shard
+
+STEPS = 4
+
+
+def _loss(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(mlp(p, x), y)
+
+
+def _train(rank: int, size: int, every: int, apart: bool) -> Any:
+    """SGD steps; ``apart``: each rank's step scaled by its own loss."""
+    params = mlp_params()
+    ddp = fdp.DistributedDataParallel(params, check_replicas_every=every)
+    try:
+        for step in range(STEPS):
+            x, y = (shard(t, rank) for t in batch(size * PER_RANK, seed=step))
+            loss = _loss(ddp(params), x, y)
+            torch.autograd.backward(loss)
+            lr = 0.1 / (1 + loss.item()) if apart else 0.1
+            with torch.no_grad():
+                _sgd(params, lr)
+    except ValueError as e:
+        return step, str(e)
+    return None, {k: t.detach() for k, t in enumerate(_leaves(params))}
+
+
+def _sgd(params: Any, lr: float) -> None:
+    for t in _leaves(params):
+        if t.grad is not None:
+            t -= lr * t.grad
+            t.grad = None
+
+
+def _leaves(params: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(params) if t is not None]
+
+
+def _reference(size: int) -> dict[int, torch.Tensor]:
+    """One process: the average of the ranks' losses, on the whole batch."""
+    params = mlp_params()
+    for step in range(STEPS):
+        x, y = batch(size * PER_RANK, seed=step)
+        losses = [_loss(params, shard(x, r), shard(y, r)) for r in range(size)]
+        torch.autograd.backward(torch.stack(losses).mean())
+        with torch.no_grad():
+            _sgd(params, 0.1)
+    return {k: t.detach() for k, t in enumerate(_leaves(params))}
+
+
+def test_ranks_trained_apart_raise_on_every_rank_at_the_check() -> None:
+    # Before: no error; the ranks' parameters silently differed.
+    for step, message in ranks.world(2).run(_train, 3, True):
+        assert step == 2  # the third reduced backward
+        assert message.startswith(
+            "fdp.DistributedDataParallel: `params` leaf params['head'].first expected the "
+            "same values on every rank after 3 reduced backwards; got different values"
+        )
+        assert "compute the loss from ddp(params) (not params)" in message
+
+
+def test_without_the_check_the_ranks_diverge_silently() -> None:
+    results: list[Any] = ranks.world(2).run(_train, 0, True)
+    (step0, got0), (step1, got1) = results
+    assert step0 is None
+    assert step1 is None
+    assert not torch.equal(got0[0], got1[0])
+
+
+@pytest.mark.parametrize("every", [1, 100])
+def test_ranks_that_train_together_pass_the_check(every: int) -> None:
+    expected = _reference(2)
+    for step, got in ranks.world(2).run(_train, every, False):
+        assert step is None
+        for k, t in expected.items():
+            torch.testing.assert_close(got[k], t, **TOL)
+
+
+def _save(rank: int, size: int, path: str, apart: bool) -> str | None:
+    params = mlp_params()
+    if apart:
+        with torch.no_grad():
+            params["layers"][1]["b"].add_(rank)
+    try:
+        fdp.save_checkpoint(path, {"params": params, "steps": torch.tensor(rank)})
+    except ValueError as e:
+        return str(e)
+    like: dict[str, Any] = {"params": mlp_params(seed=1), "steps": torch.tensor(0)}
+    loaded = fdp.load_checkpoint(path, like)
+    assert torch.equal(loaded["params"]["layers"][1]["b"], params["layers"][1]["b"])
+    return None
+
+
+def test_save_checkpoint_refuses_parameters_that_differ_across_ranks(tmp_path: Path) -> None:
+    # Before, rank 0's parameters were written and the other ranks' lost silently.
+    for message in ranks.world(2).run(_save, str(tmp_path / "apart"), True):
+        assert message is not None
+        assert message.startswith(
+            "fdp.save_checkpoint: `state` leaf state['params']['layers'][1]['b'] expected the "
+            "same values on every rank when saved"
+        )
+    # A buffer (no grad) may differ, as BatchNorm's statistics do; parameters agree.
+    assert ranks.world(2).run(_save, str(tmp_path / "together"), False) == [None, None]
