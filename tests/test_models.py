@@ -1,0 +1,257 @@
+"""Hugging Face models through every fdp tool, against torch's own tools and one process.
+
+Tiny random configs of GPT-2 (tied input and output embeddings), BERT,
+Llama, T5 (one embedding under several names) and a ResNet (BatchNorm),
+built identically on every rank from one seed, with dropout off so the
+references are exact. Each is run through ``fdp.make_functional`` and:
+
+- ``fdp.data_parallel`` on two CPU replicas, against one process calling
+  the module on each half (a BatchNorm normalises each replica's half);
+- ``fdp.DistributedDataParallel`` on 2 ranks, against torch's
+  ``DistributedDataParallel`` on the same rank and one process averaging
+  the ranks' losses: gradients and buffers;
+- ``fdp.ZeroRedundancy`` (AdamW), against torch's
+  ``ZeroRedundancyOptimizer`` and one process: parameters after a step;
+- ``fdp.FullyShardedDataParallel`` with its default units (one per block of
+  the model's ``ModuleList``s), against torch's ``fully_shard`` on each
+  block and one process: gradients, and each rank's buffers.
+
+transformers is a test-only dependency (the ``test`` group).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+import fdp
+from tests import ranks
+
+with warnings.catch_warnings():  # both imports warn (optional packages; TorchScript)
+    warnings.simplefilter("ignore")
+    import transformers
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+PER = 2  # examples per rank or replica
+TOL: dict[str, Any] = {"rtol": 1e-4, "atol": 1e-5}
+MODELS = ["gpt2", "bert", "llama", "t5", "resnet"]
+# The ModuleList blocks of each model: fdp's default units and torch's fully_shard calls.
+BLOCKS = {
+    "gpt2": ["transformer.h.0", "transformer.h.1"],
+    "bert": ["bert.encoder.layer.0", "bert.encoder.layer.1"],
+    "llama": ["model.layers.0", "model.layers.1"],
+    "t5": ["decoder.block.0", "decoder.block.1", "encoder.block.0", "encoder.block.1"],
+    "resnet": ["resnet.encoder.stages.0", "resnet.encoder.stages.1"],
+}
+
+
+def build(name: str) -> nn.Module:
+    """The model, the same on every rank and process (one seed, no dropout)."""
+    torch.manual_seed(0)
+    t: Any = transformers  # configs take their options as **kwargs
+    tiny: dict[str, Any] = {"vocab_size": 64, "bos_token_id": 0, "eos_token_id": 1}
+    model: nn.Module
+    if name == "gpt2":
+        config: Any = t.GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=16,
+                                   use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                                   attn_pdrop=0.0, **tiny)  # fmt: skip
+        model = t.GPT2LMHeadModel(config)
+    elif name == "bert":
+        config = t.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                              intermediate_size=32, max_position_embeddings=16, num_labels=3,
+                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                              vocab_size=64)  # fmt: skip
+        model = t.BertForSequenceClassification(config)
+    elif name == "llama":
+        config = t.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, use_cache=False,
+                               max_position_embeddings=16, **tiny)  # fmt: skip
+        model = t.LlamaForCausalLM(config)
+    elif name == "t5":
+        config = t.T5Config(d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+                            num_heads=2, dropout_rate=0.0, decoder_start_token_id=0,
+                            pad_token_id=0, use_cache=False, **tiny)  # fmt: skip
+        model = t.T5ForConditionalGeneration(config)
+    else:
+        config = t.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
+                                depths=[1, 1], layer_type="basic", num_labels=3)  # fmt: skip
+        model = t.ResNetForImageClassification(config)
+    out: nn.Module = model.train()
+    return out
+
+
+def inputs(name: str, part: int) -> dict[str, torch.Tensor]:
+    """The keyword inputs (labels included) of batch part ``part`` (a rank or a replica)."""
+    g = torch.Generator().manual_seed(100 + part)
+    if name == "resnet":
+        pixels = torch.randn(PER, 3, 16, 16, generator=g) * (1 + part)
+        return {"pixel_values": pixels, "labels": torch.randint(0, 3, (PER,), generator=g)}
+    ids = torch.randint(2, 64, (PER, 8), generator=g)
+    if name == "bert":
+        return {"input_ids": ids, "labels": torch.randint(0, 3, (PER,), generator=g)}
+    if name == "t5":
+        return {"input_ids": ids, "labels": torch.randint(2, 64, (PER, 5), generator=g)}
+    return {"input_ids": ids, "labels": ids}
+
+
+def whole(name: str, parts: int) -> dict[str, torch.Tensor]:
+    """Parts ``0..parts-1`` as one batch."""
+    each = [inputs(name, p) for p in range(parts)]
+    return {k: torch.cat([e[k] for e in each]) for k in each[0]}
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters())
+
+
+def buffers_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_buffers()}
+
+
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def reference(name: str, size: int) -> tuple[nn.Module, list[nn.Module]]:
+    """One process: the mean of the ranks' losses; and each rank's copy, for its buffers."""
+    model = build(name)
+    own = [build(name) for _ in range(size)]
+    losses = [model(**inputs(name, r)).loss for r in range(size)]
+    torch.autograd.backward(torch.stack(losses).mean())
+    for r, m in enumerate(own):
+        with torch.no_grad():
+            m(**inputs(name, r))  # BatchNorm statistics from this rank's batch alone
+    return model, own
+
+
+def check(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == expected.keys(), what
+    for k, v in expected.items():
+        torch.testing.assert_close(got[k], v, **TOL, msg=f"{what}: {k}")
+
+
+# --------------------------------------------------------------- data_parallel
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_data_parallel_matches_one_process_on_each_half(name: str) -> None:
+    model = build(name)
+    fn, state = fdp.make_functional(model)
+    with pytest.warns(UserWarning, match="some outputs are scalars"):  # DataParallel's too
+        out = fdp.data_parallel(fn, state, (), devices=["cpu", "cpu"], kwargs=whole(name, 2))
+    torch.autograd.backward(out.loss.mean())  # one loss per replica
+    got, got_buffers = grads_of(model), buffers_of(model)
+    ref = build(name)
+    halves = [ref(**inputs(name, r)) for r in range(2)]
+    first = build(name)
+    with torch.no_grad():
+        first(**inputs(name, 0))  # replica 0's in-place updates are kept, once
+    torch.autograd.backward(torch.stack([h.loss for h in halves]).mean())
+    torch.testing.assert_close(out.logits, torch.cat([h.logits for h in halves]), **TOL)
+    check(got, grads_of(ref), f"{name} gradients")
+    check(got_buffers, buffers_of(first), f"{name} buffers")
+
+
+# --------------------------------------------------------------- DDP
+
+
+def _ddp(rank: int, size: int, name: str) -> Any:
+    model, torch_model = build(name), build(name)
+    fn, state = fdp.make_functional(model)
+    ddp = fdp.DistributedDataParallel(state)
+    torch.autograd.backward(fn(ddp(state), **inputs(name, rank)).loss)
+    torch_ddp = torch.nn.parallel.DistributedDataParallel(torch_model)
+    torch.autograd.backward(torch_ddp(**inputs(name, rank)).loss)
+    return grads_of(model), buffers_of(model), grads_of(torch_model), buffers_of(torch_model)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_ddp_matches_torch_ddp_and_one_process(name: str) -> None:
+    ref, own = reference(name, 2)
+    for rank, (grads, buffers, torch_grads, torch_buffers) in enumerate(
+        ranks.world(2).run(_ddp, name)
+    ):
+        check(grads, torch_grads, f"{name} rank {rank}: fdp against torch's DDP")
+        check(grads, grads_of(ref), f"{name} rank {rank}: fdp against one process")
+        # Buffers: rank 0's broadcast before the forward, then this rank's update.
+        check(buffers, torch_buffers, f"{name} rank {rank}: buffers against torch's DDP")
+        check(buffers, buffers_of(own[rank]), f"{name} rank {rank}: buffers")
+
+
+# --------------------------------------------------------------- ZeRO
+
+
+def _adamw_step(rank: int, size: int, name: str) -> Any:
+    model, torch_model = build(name), build(name)
+    fn, state = fdp.make_functional(model)
+    params = {k: v.detach().requires_grad_() for k, v in state.items() if v.requires_grad}
+    buffers = {k: v for k, v in state.items() if not v.requires_grad}
+    zero = fdp.ZeroRedundancy(fdp.optim.adamw(1e-2, weight_decay=0.1), params)
+    opt_state = zero.init(params)
+    torch.autograd.backward(fn({**params, **buffers}, **inputs(name, rank)).loss)
+    grads = {k: v.grad for k, v in params.items()}
+    new, _ = zero.step(grads, opt_state, params)
+    torch_ddp = torch.nn.parallel.DistributedDataParallel(torch_model)
+    torch_opt = ZeroRedundancyOptimizer(
+        torch_model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2, weight_decay=0.1
+    )
+    torch.autograd.backward(torch_ddp(**inputs(name, rank)).loss)
+    torch_opt.step()
+    stepped = {k: v.detach() for k, v in new.items()}
+    return stepped, {k: v.detach() for k, v in torch_model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_zero_matches_torch_zero_and_one_process(name: str) -> None:
+    ref, _ = reference(name, 2)
+    torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1).step()
+    expected = {k: v.detach() for k, v in ref.named_parameters()}
+    for rank, (got, torch_got) in enumerate(ranks.world(2).run(_adamw_step, name)):
+        check(got, torch_got, f"{name} rank {rank}: fdp ZeRO against torch's")
+        check(got, expected, f"{name} rank {rank}: fdp ZeRO against one process")
+
+
+# --------------------------------------------------------------- FSDP
+
+
+def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """torch's fully_shard gradients (DTensors) as whole tensors."""
+    out = {}
+    for k, p in model.named_parameters():
+        if p.grad is not None:
+            g: Any = p.grad
+            out[k] = g.full_tensor() if hasattr(g, "full_tensor") else g
+    return out
+
+
+def _fsdp(rank: int, size: int, name: str) -> Any:
+    model, torch_model = build(name), build(name)
+    fn, state = fdp.make_functional(model)
+    fsdp = fdp.FullyShardedDataParallel(state)
+    shards = fsdp.shard(state)
+    torch.autograd.backward(fn(fsdp(shards), **inputs(name, rank)).loss)
+    zero: Callable[[torch.Tensor], torch.Tensor] = torch.zeros_like
+    grads = fsdp.full({u: tuple(zero(t) if t.grad is None else t.grad for t in ts)
+                       for u, ts in shards.items()})  # fmt: skip
+    trained = {k: grads[k] for k, v in state.items() if v.requires_grad}
+    for block in BLOCKS[name]:
+        fully_shard(torch_model.get_submodule(block))
+    fully_shard(torch_model)
+    torch.autograd.backward(torch_model(**inputs(name, rank)).loss)
+    return fsdp.unit_names, trained, buffers_of(model), _full_grads(torch_model)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fsdp_with_default_units_matches_fully_shard_and_one_process(name: str) -> None:
+    ref, own = reference(name, 2)
+    for rank, (units, grads, buffers, torch_grads) in enumerate(ranks.world(2).run(_fsdp, name)):
+        assert set(BLOCKS[name]) <= set(units), units
+        check(grads, torch_grads, f"{name} rank {rank}: fdp against torch's fully_shard")
+        check(grads, grads_of(ref), f"{name} rank {rank}: fdp against one process")
+        check(buffers, buffers_of(own[rank]), f"{name} rank {rank}: buffers (each rank's own)")
