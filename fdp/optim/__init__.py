@@ -4,7 +4,9 @@ Each returns an optimizer with ``init(params) -> state`` and
 ``update(grads, state, params) -> (params, state)``, pure and traceable
 (``fdp/_base.py``, ``fdp/_rules.py``). Around them, what a training loop needs:
 ``param_groups`` (per-leaf hyperparameters), ``clip_by_global_norm`` and
-``GradScaler`` (float16 loss scaling).
+``GradScaler`` (float16 loss scaling), and learning-rate schedules
+(``linear_schedule``, ``cosine_decay_schedule``, ``join_schedules``, ...)
+to pass as ``lr``.
 """
 
 from fdp.optim._base import Optimizer as Optimizer
@@ -18,6 +20,11 @@ from fdp.optim._rules import Adam as Adam
 from fdp.optim._rules import adam as adam
 from fdp.optim._rules import adamw as adamw
 from fdp.optim._rules import sgd as sgd
+from fdp.optim._schedules import constant_schedule as constant_schedule
+from fdp.optim._schedules import cosine_decay_schedule as cosine_decay_schedule
+from fdp.optim._schedules import join_schedules as join_schedules
+from fdp.optim._schedules import linear_schedule as linear_schedule
+from fdp.optim._schedules import warmup_cosine_decay_schedule as warmup_cosine_decay_schedule
 
 __all__ = [
     "SGD",
@@ -29,6 +36,11 @@ __all__ = [
     "adam",
     "adamw",
     "clip_by_global_norm",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "join_schedules",
+    "linear_schedule",
     "param_groups",
     "sgd",
+    "warmup_cosine_decay_schedule",
 ]

@@ -34,6 +34,8 @@ from fdp.optim import _lists
 from fdp.optim._lists import Lists
 
 T = TypeVar("T")
+# A learning rate: a number, a 0-d tensor, or a schedule of the step count.
+Rate = float | torch.Tensor | Callable[[torch.Tensor], float | torch.Tensor]
 
 
 @runtime_checkable
@@ -82,8 +84,9 @@ class Optimizer:
     name = "optimizer"
     slots: tuple[str, ...] = ()
 
-    def __init__(self, lr: float | torch.Tensor, *, maximize: bool = False) -> None:
-        check_hyper(self.name, "lr", lr, lambda v: v >= 0, ">= 0")
+    def __init__(self, lr: Rate, *, maximize: bool = False) -> None:
+        if not callable(lr):  # a schedule: a function of the step count (fdp/optim/_schedules.py)
+            check_hyper(self.name, "lr", lr, lambda v: v >= 0, ">= 0")
         if not isinstance(maximize, bool):
             raise TypeError(f"fdp.optim.{self.name}: `maximize` expected a bool; got {maximize!r}")
         self.lr = lr
@@ -142,7 +145,8 @@ class Optimizer:
         if not live:  # nothing to step (foreach ops refuse empty lists)
             return params, {k: state[k] for k in self._keys()}
         ops: _lists.Ops = _lists.Foreach()
-        if differentiable(self.lr, p, g, s):
+        lr = self._rate(s["step"][live[0]], differentiable(self.lr, p, g, s))
+        if differentiable(lr, p, g, s):
             if donate:
                 raise ValueError(
                     f"{call}: `donate=True` writes in place, which cannot carry a derivative; "
@@ -150,7 +154,21 @@ class Optimizer:
                     "(drop donate=True to differentiate through the step)"
                 )
             ops = _lists.Plain()
-        return self._update_lists(ops, call, params, (p, g, s), live, spec, donate)
+        return self._update_lists(ops, call, params, (p, g, s), live, spec, donate, lr)
+
+    def _rate(self, count: torch.Tensor, keep_tensor: bool) -> float | torch.Tensor:
+        """This update's learning rate: ``lr``, or the schedule at the updates done so far.
+
+        Eagerly a schedule's rate becomes a Python float, the number torch's
+        schedulers put in ``group["lr"]``, so the step is torch's op for op;
+        compiled (or differentiated) it stays a tensor: no recompile per step.
+        """
+        if not callable(self.lr):
+            return self.lr
+        rate = self.lr(count.detach())
+        if keep_tensor or _mode.traced() or not isinstance(rate, torch.Tensor):
+            return rate
+        return float(rate)
 
     def _update_lists(
         self,
@@ -161,6 +179,7 @@ class Optimizer:
         live: list[int],
         spec: Any,
         donate: bool,
+        lr: float | torch.Tensor,
     ) -> tuple[Any, dict[str, Any]]:
         """The step over the live leaves, in ``ops`` (see ``fdp/optim/_lists.py``).
 
@@ -182,7 +201,7 @@ class Optimizer:
                 if self.maximize:
                     live_g = list(ops("neg", live_g))
                 new_p, new_slots = self._apply(
-                    ops, [_real(p[i]) for i in live], live_g, slots, steps, donate
+                    ops, [_real(p[i]) for i in live], live_g, slots, steps, donate, lr
                 )
         except (RuntimeError, TypeError):
             _explain_state(call, params, p, s, live)  # a corrupt state, named; else torch's
@@ -210,6 +229,7 @@ class Optimizer:
         slots: Mapping[str, Lists],
         steps: Lists,
         donate: bool,
+        lr: float | torch.Tensor,
     ) -> tuple[Lists, Mapping[str, Lists]]:
         """The rule: new params and slots of the live leaves (``own=donate`` on inputs)."""
         raise NotImplementedError

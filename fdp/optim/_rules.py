@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fdp.optim._base import Optimizer, check_hyper, float_betas, torch_options
+from fdp.optim._base import Optimizer, Rate, check_hyper, float_betas, torch_options
 from fdp.optim._lists import Lists, Ops, one_minus
 
 
@@ -26,7 +26,7 @@ class SGD(Optimizer):
 
     def __init__(
         self,
-        lr: float | torch.Tensor,
+        lr: Rate,
         *,
         momentum: float = 0.0,
         dampening: float = 0.0,
@@ -54,6 +54,7 @@ class SGD(Optimizer):
         slots: Mapping[str, Lists],
         steps: Lists,
         donate: bool,
+        lr: float | torch.Tensor,
     ) -> tuple[Lists, Mapping[str, Lists]]:
         if self.weight_decay:
             grads = ops("add", grads, params, alpha=self.weight_decay)
@@ -69,7 +70,7 @@ class SGD(Optimizer):
                 bufs = ops("add", bufs, grads, own=True)
             new_slots["momentum_buffer"] = bufs
             grads = ops("add", grads, bufs, alpha=self.momentum) if self.nesterov else bufs
-        return self._scaled_add(ops, params, grads, -self.lr, donate), new_slots
+        return self._scaled_add(ops, params, grads, -lr, donate), new_slots
 
 
 class Adam(Optimizer):
@@ -79,7 +80,7 @@ class Adam(Optimizer):
 
     def __init__(
         self,
-        lr: float | torch.Tensor,
+        lr: Rate,
         *,
         betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -108,10 +109,11 @@ class Adam(Optimizer):
         slots: Mapping[str, Lists],
         steps: Lists,
         donate: bool,
+        lr: float | torch.Tensor,
     ) -> tuple[Lists, Mapping[str, Lists]]:
         beta1, beta2 = self.betas
         if self.weight_decay and self.decoupled:
-            params = ops("mul", params, 1 - self.lr * self.weight_decay, own=donate)
+            params = ops("mul", params, 1 - lr * self.weight_decay, own=donate)
         elif self.weight_decay:
             grads = ops("add", grads, params, alpha=self.weight_decay)
         exp_avg = ops("lerp", slots["exp_avg"], grads, 1 - beta1, own=donate)
@@ -131,6 +133,7 @@ class Adam(Optimizer):
                 (params[run], exp_avg[run], second[run], steps[run]),
                 None if counts is None else counts[run],
                 donate,
+                lr,
             )
         return new_params, new_slots
 
@@ -140,6 +143,7 @@ class Adam(Optimizer):
         lists: tuple[Lists, Lists, Lists, Lists],
         counts: list[float] | None,
         donate: bool,
+        lr: float | torch.Tensor,
     ) -> Lists:
         """The new parameters from the moments (``counts``: the steps as Python floats)."""
         params, exp_avg, second, steps = lists
@@ -147,7 +151,7 @@ class Adam(Optimizer):
         if counts is not None:
             # Python floats as torch's eager foreach Adam uses: the
             # scalar-list kernels, and one addcdiv for the update.
-            lr = float(self.lr)
+            lr = float(lr)
             denom = ops("sqrt", second)
             denom = ops("div", denom, [(1 - beta2**c) ** 0.5 for c in counts], own=True)
             denom = ops("add", denom, self.eps, own=True)
@@ -158,13 +162,13 @@ class Adam(Optimizer):
         correction2 = one_minus(ops, ops.powers(beta2, steps))
         denom = ops("div", ops("sqrt", second), ops("sqrt", correction2), own=True)
         denom = ops("add", denom, self.eps, own=True)
-        step_size = ops("mul", ops("reciprocal", correction1), -self.lr, own=True)
+        step_size = ops("mul", ops("reciprocal", correction1), -lr, own=True)
         direction = ops("mul", ops("div", exp_avg, denom), step_size, own=True)
         return ops("add", params, direction, own=donate)
 
 
 def sgd(
-    lr: float | torch.Tensor = 1e-3,
+    lr: Rate = 1e-3,
     *,
     momentum: float = 0.0,
     dampening: float = 0.0,
@@ -201,7 +205,7 @@ def sgd(
 
 
 def adam(
-    lr: float | torch.Tensor = 1e-3,
+    lr: Rate = 1e-3,
     *,
     betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -232,7 +236,7 @@ def adam(
 
 
 def adamw(
-    lr: float | torch.Tensor = 1e-3,
+    lr: Rate = 1e-3,
     *,
     betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -260,7 +264,7 @@ def _adam(
     name: str,
     own: tuple[str, ...],
     torch_only: dict[str, Any],
-    lr: float | torch.Tensor,
+    lr: Rate,
     betas: tuple[float | torch.Tensor, float | torch.Tensor],
     eps: float,
     weight_decay: float,
