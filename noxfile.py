@@ -228,6 +228,7 @@ def examples(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks (ratios measured side by side in one run); not run by default."""
     run(session, "python", "benchmarks/structure.py")  # modules, sizes, imports, one step's path
+    run(session, "python", "benchmarks/bench_import.py", *session.posargs)
     run(session, "python", "benchmarks/bench_data_parallel.py", *session.posargs)
     run(session, "python", "benchmarks/bench_train.py", *session.posargs)
     if shutil.which("valgrind"):  # instruction counts: steady where timings are noisy

@@ -11,6 +11,7 @@ torch upgrade is checked here and by that session.
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -219,13 +220,29 @@ def plain_checkpoint_recomputes() -> bool:
 def compiler_disable(fn: F, *, reason: str) -> F:
     """``torch.compiler.disable(fn, reason=reason)``: dynamo runs ``fn`` eagerly.
 
-    ``reason`` (shown by ``fullgraph=True``'s error) is new in torch 2.7;
-    older versions disable without it.
+    Made at the first call, not here: ``torch.compiler.disable`` imports
+    ``torch._dynamo`` (seconds), and fdp's entry points are decorated at
+    import. Until then the wrapper carries the marks ``torch.compiler.disable``
+    puts on its own (``_torchdynamo_disable`` and its message), which is
+    what dynamo reads when it meets a call: it never inlines the wrapper
+    (a graph break, or ``fullgraph=True``'s error with ``reason``), and
+    the wrapper runs eagerly. ``reason`` is new in torch 2.7.
     """
-    try:
-        return cast(F, torch.compiler.disable(fn, reason=reason))  # type: ignore[no-untyped-call]
-    except TypeError:
-        return cast(F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
+    made: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not made:
+            try:
+                disabled = torch.compiler.disable(fn, reason=reason)  # type: ignore[no-untyped-call]
+            except TypeError:
+                disabled = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
+            made.append(disabled)
+        return made[0](*args, **kwargs)
+
+    call._torchdynamo_disable = True  # type: ignore[attr-defined]
+    call._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
+    return cast(F, call)
 
 
 def is_transformed(t: torch.Tensor) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -59,3 +61,18 @@ def test_the_readme_names_every_tested_version(name: str) -> None:
     text = " ".join(tested.group(0).split())
     for version in _nox_list(name):
         assert version in text, f"README's Tested paragraph lacks {version}"
+
+
+def test_import_fdp_leaves_the_compiler_and_checkpoints_unloaded() -> None:
+    # Both cost seconds (issue 46: import fdp took 3.7 s against torch's 1.5 s);
+    # fdp loads them when it first compiles or checkpoints.
+    code = (
+        "import sys, torch, fdp\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.checkpoint') "
+        "if m in sys.modules))\n"
+        "opt = fdp.optim.sgd(0.5)\n"
+        "f = torch.compile(lambda p: opt.update(p, opt.init(p), p)[0], backend='eager')\n"
+        "print(f({'x': torch.ones(2)})['x'].tolist())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines() == ["[]", "[0.5, 0.5]"]

@@ -25,22 +25,20 @@ import json
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import optree
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fdp import _bucket, _compat, _tree
 from fdp._comm import _agreement
 from fdp._comm._groups import ProcessGroup
 from fdp._sharding._zero_shards import Shards, ZeroState
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 T = TypeVar("T")
 _RNG = "_fdp/rng/"
@@ -87,6 +85,11 @@ def save_checkpoint(
     # rank DCP's load balancing picks: buffers that differ across ranks
     # (BatchNorm statistics after a DDP step) are saved as rank 0 holds them,
     # what torch's DDP users save from rank 0's state_dict.
+    # torch.distributed.checkpoint is imported here, not with fdp: it takes
+    # seconds (DTensor, sympy) that a run which never saves should not pay.
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
     planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     with _quietly():
         dcp_save(
@@ -172,6 +175,8 @@ def load_checkpoint(
     """
     call = "fdp.load_checkpoint"
     try:
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+
         metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     except FileNotFoundError as e:
         raise ValueError(
@@ -194,8 +199,10 @@ def load_checkpoint(
         entries[key] = None
     try:
         with _quietly():
-            dcp_load(entries, checkpoint_id=path, process_group=group, no_dist=not _distributed())
-    except CheckpointException as e:  # a BaseException: `except Exception` would miss it
+            _dcp().load(
+                entries, checkpoint_id=path, process_group=group, no_dist=not _distributed()
+            )
+    except _dcp().CheckpointException as e:  # a BaseException: `except Exception` would miss it
         raise ValueError(f"{call}: could not read `path` {os.fspath(path)!r}: {_cause(e)}") from e
     for zero in zeros:
         if zero.orders_key in entries:
@@ -388,7 +395,9 @@ def _match(
         del entries[key]  # a None leaf: nothing to read (a ZeroState saves none)
     for key, value in list(entries.items()):
         saved = metadata.get(key)
-        if not (isinstance(value, torch.Tensor) and isinstance(saved, TensorStorageMetadata)):
+        if not (
+            isinstance(value, torch.Tensor) and isinstance(saved, _dcp().TensorStorageMetadata)
+        ):
             continue
         reshaped = None
         if tuple(saved.size) != tuple(value.size()):
@@ -418,13 +427,13 @@ def _check_present(call: str, entries: dict[str, Any], metadata: dict[str, Any])
                 f"{call}: `like` leaf like{key} is not in the checkpoint; it holds "
                 f"{sorted(k for k in metadata if not k.startswith(_RNG))[:20]}"
             )
-        if not isinstance(value, torch.Tensor) and isinstance(saved, TensorStorageMetadata):
+        if not isinstance(value, torch.Tensor) and isinstance(saved, _dcp().TensorStorageMetadata):
             raise ValueError(
                 f"{call}: `like` leaf like{key} holds {type(value).__name__} {value!r:.40}; the "
                 f"checkpoint holds a tensor of shape {tuple(saved.size)} there (pass a tensor)"
             )
         if isinstance(value, torch.Tensor):
-            if not isinstance(saved, TensorStorageMetadata):
+            if not isinstance(saved, _dcp().TensorStorageMetadata):
                 raise ValueError(
                     f"{call}: `like` leaf like{key} expected a tensor; the checkpoint holds "
                     "a Python value there"
@@ -478,3 +487,10 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
     torch.set_rng_state(cpu)
     if cuda is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(cuda)
+
+
+def _dcp() -> Any:
+    """``torch.distributed.checkpoint``, imported on first use (seconds: DTensor, sympy)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp

@@ -1,0 +1,73 @@
+"""What ``import fdp`` costs on top of ``import torch``, in fresh interpreters.
+
+    python benchmarks/bench_import.py          # 11 rounds
+    python benchmarks/bench_import.py --quick  # 5 rounds
+
+Each round starts two fresh interpreters, in alternating order: one imports
+torch alone, the other torch and then fdp, timing each import inside the
+process. Reported: medians of torch's import, of fdp's on top of it, and
+of the two together against torch alone (a ratio, side by side in one
+run). Target: fdp adds at most 0.3 s. Also printed: whether ``import fdp``
+loaded ``torch._dynamo`` or ``torch.distributed.checkpoint`` (seconds each;
+fdp imports them when first compiling or checkpointing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+PROBE = """
+import json, sys, time
+start = time.perf_counter()
+import torch
+torch_s = time.perf_counter() - start
+fdp_s = None
+if {with_fdp}:
+    start = time.perf_counter()
+    import fdp
+    fdp_s = time.perf_counter() - start
+heavy = ["torch._dynamo", "torch.distributed.checkpoint"]
+loaded = [m for m in heavy if m in sys.modules]
+print(json.dumps({{"torch": torch_s, "fdp": fdp_s, "loaded": loaded}}))
+"""
+
+
+def probe(with_fdp: bool) -> dict[str, object]:
+    code = PROBE.format(with_fdp=with_fdp)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="5 rounds")
+    args = parser.parse_args()
+    alone, both, extra = [], [], []
+    loaded: list[object] = []
+    for r in range(5 if args.quick else 11):
+        order = [False, True] if r % 2 == 0 else [True, False]
+        for with_fdp in order:
+            got = probe(with_fdp)
+            torch_s = float(got["torch"])  # type: ignore[arg-type]
+            if with_fdp:
+                fdp_s = float(got["fdp"])  # type: ignore[arg-type]
+                both.append(torch_s + fdp_s)
+                extra.append(fdp_s)
+                loaded = list(got["loaded"])  # type: ignore[call-overload]
+            else:
+                alone.append(torch_s)
+    t, e, b = statistics.median(alone), statistics.median(extra), statistics.median(both)
+    print(f"python {sys.version.split()[0]}, medians of {len(alone)} fresh interpreters each")
+    print(f"  import torch:                 {t:6.2f} s")
+    print(f"  import fdp after it:          {e:6.2f} s   (target <= 0.30 s)")
+    print(f"  torch and fdp / torch alone:  {b / t:6.2f}x")
+    print(f"  heavy modules import fdp loaded: {loaded or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
