@@ -97,29 +97,16 @@ def log(message: str) -> None:
         sys.stdout.flush()
 
 
-def latest(directory: Path) -> Path | None:
-    """The newest complete checkpoint ``step_N``: DCP writes ``.metadata`` last."""
-    done = [p for p in directory.glob("step_*") if (p / ".metadata").exists()]
-    return max(done, key=lambda p: int(p.name.removeprefix("step_")), default=None)
-
-
 def resume_from(args: argparse.Namespace) -> Path | None:
-    """The checkpoint ``--resume`` continues from (rank 0's pick), said in the log either way.
-
-    Every rank takes rank 0's pick: ranks that see different files (a
-    checkpoint folder that is not shared between hosts) would otherwise load
-    different steps; this way they load the same one, or all fail to.
-    """
+    """The checkpoint ``--resume`` continues from (the same on every rank), said in the log."""
     if not args.resume:
         return None
-    found = [latest(args.checkpoint_dir) if is_main() else None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(found, src=0)
-    if found[0] is None:
+    found = fdp.latest_checkpoint(args.checkpoint_dir)  # rank 0's pick, on every rank
+    if found is None:
         log(f"--resume: no complete checkpoint in {args.checkpoint_dir}; starting fresh")
-    else:
-        log(f"--resume: continuing from {found[0]}")
-    return found[0]
+        return None
+    log(f"--resume: continuing from {found}")
+    return Path(found)
 
 
 class Progress:

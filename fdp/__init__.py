@@ -28,6 +28,7 @@ from fdp._scatter_gather import scatter_kwargs as scatter_kwargs
 from fdp._sharding._checkpoint import load_checkpoint as load_checkpoint
 from fdp._sharding._checkpoint import save_checkpoint as save_checkpoint
 from fdp._sharding._fsdp import FullyShardedDataParallel as FullyShardedDataParallel
+from fdp._sharding._latest import latest_checkpoint as latest_checkpoint
 from fdp._sharding._zero import ZeroRedundancy as ZeroRedundancy
 from fdp._sharding._zero_shards import ZeroState as ZeroState
 from fdp._version import __version__ as __version__
@@ -52,6 +53,7 @@ __all__ = [
     "fp16_compress_hook",
     "gather",
     "init_distributed",
+    "latest_checkpoint",
     "load_checkpoint",
     "make_functional",
     "optim",

@@ -39,12 +39,6 @@ def loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> t
     return torch.nn.functional.mse_loss(h @ params["w2"], y)
 
 
-def latest(directory: Path) -> Path | None:
-    """The newest checkpoint DCP finished (its ``.metadata`` is written last)."""
-    done = [p for p in directory.glob("step_*") if (p / ".metadata").exists()]
-    return max(done, key=lambda p: int(p.name.removeprefix("step_")), default=None)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", type=Path, required=True)
@@ -56,7 +50,7 @@ def main() -> None:
     params = tree()
     zero = fdp.ZeroRedundancy(fdp.optim.adamw(0.01), params)
     state: dict[str, Any] = {"params": params, "opt": zero.init(params), "step": 0}
-    found = latest(args.dir)
+    found = fdp.latest_checkpoint(args.dir)  # the newest complete one, rank 0's pick
     if found is not None:
         state = fdp.load_checkpoint(found, state)
         if rank == 0:
