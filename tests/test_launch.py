@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -135,3 +136,38 @@ def test_each_attempt_gets_keys_no_earlier_attempt_wrote() -> None:
     assert int(server.add(f"{_launch._KEYS}/generation", 0)) == 2
     old = PrefixStore(f"{_launch._KEYS}/attempt/1", server)
     assert old.get("address/1") == b"dead 1"
+
+
+def _plain_group_under_restarts(rank: int, size: int, fresh: bool) -> list[str]:
+    names = ("TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(TORCHELASTIC_MAX_RESTARTS="3", TORCHELASTIC_USE_AGENT_STORE="True")
+    _launch._WARNED.clear()
+    if fresh:  # as if fdp.init_distributed had made it
+        _launch._FRESH.add(dist.group.WORLD)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fdp.broadcast_params({"w": torch.ones(2)})
+            fdp.broadcast_params({"w": torch.ones(2)})  # warned once
+    finally:
+        _launch._FRESH.discard(dist.group.WORLD)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return [str(w.message) for w in caught]
+
+
+def test_a_group_torchrun_cannot_restart_is_named_once() -> None:
+    # dist.init_process_group under --max-restarts fails to connect after a
+    # restart (before fdp runs): fdp says so at its first collective.
+    for messages in ranks.world(2).run(_plain_group_under_restarts, False):
+        assert len(messages) == 1
+        assert messages[0].startswith(
+            "fdp.broadcast_params: this job runs under torchrun --max-restarts=3, and its "
+            "process group was made by torch.distributed.init_process_group"
+        )
+        assert "Call fdp.init_distributed() instead" in messages[0]
+    assert ranks.world(2).run(_plain_group_under_restarts, True) == [[], []]

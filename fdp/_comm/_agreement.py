@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fdp import _bucket, _compat, _tree
+from fdp._comm import _launch
 from fdp._comm._groups import ProcessGroup
 
 
@@ -27,9 +28,10 @@ def require_member(call: str, group: object) -> None:
     """Raises unless torch.distributed is initialized and this rank is in ``group``."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
-            f"{call}: torch.distributed is not initialized; call "
-            "torch.distributed.init_process_group first (torchrun sets up the environment)"
+            f"{call}: torch.distributed is not initialized; call fdp.init_distributed() "
+            "first, in a script launched by torchrun (docs/launch.md)"
         )
+    _launch.warn_if_restarts_fail(call)
     if group is None:
         return
     if not isinstance(group, ProcessGroup) or dist.get_rank(group) < 0:

@@ -45,7 +45,7 @@ def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None
 
     Example::
 
-        params = fdp.broadcast_params(params)  # after init_process_group
+        params = fdp.broadcast_params(params)  # after fdp.init_distributed()
     """
     call = "fdp.broadcast_params"
     _agreement.require_member(call, group)

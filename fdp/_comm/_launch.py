@@ -13,6 +13,8 @@ import math
 import os
 import time
 import uuid
+import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -22,6 +24,10 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 _CALL = "fdp.init_distributed"
 _NEEDED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _KEYS = "fdp/launch"
+# Default groups this process joined through init_distributed (a fresh key
+# space per restart attempt); read only to warn about the others, once.
+_FRESH: weakref.WeakSet[object] = weakref.WeakSet()
+_WARNED: list[bool] = []
 
 
 def init_distributed(
@@ -82,7 +88,36 @@ def init_distributed(
     dist.init_process_group(
         backend, store=fresh, rank=env["RANK"], world_size=env["WORLD_SIZE"], timeout=timeout
     )
+    _FRESH.add(dist.group.WORLD)
     return device
+
+
+def warn_if_restarts_fail(call: str) -> None:
+    """Warns once if torchrun will restart this job into a group that cannot connect.
+
+    Under ``torchrun --max-restarts`` torch keeps the agent's store across
+    restarts (pytorch/pytorch#135712): a group that
+    ``torch.distributed.init_process_group`` made reads the dead attempt's
+    addresses after a restart, and gloo fails (``connectFullMesh ...
+    Connection refused``) or waits out its timeout. fdp cannot repair such
+    a group: the restarted ``init_process_group`` fails before fdp runs.
+    """
+    if _WARNED:
+        return
+    _WARNED.append(True)
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if restarts <= 0 or not shared or dist.group.WORLD in _FRESH:
+        return
+    warnings.warn(
+        f"{call}: this job runs under torchrun --max-restarts={restarts}, and its process "
+        "group was made by torch.distributed.init_process_group: after a restart the new "
+        "ranks read the old attempt's addresses from torchrun's store and fail to connect "
+        "(pytorch/pytorch#135712), which fdp cannot repair from here. Call "
+        "fdp.init_distributed() instead (docs/launch.md)",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _launch_env() -> dict[str, int]:
