@@ -85,12 +85,33 @@ def data_parallel(
     used = devs[: len(chunks)]
     copied_state: list[tuple[torch.Tensor, torch.Tensor]] = []
     replicas = replicate_on(params, used, call=call, copied_state=copied_state)
-    outputs = parallel_apply_on(fn, replicas, chunks, kw_chunks, used)
+    try:
+        outputs = parallel_apply_on(fn, replicas, chunks, kw_chunks, used)
+    except TypeError as e:
+        hint = _habit(fn, inputs)
+        if hint is None:
+            raise
+        raise TypeError(f"{call}: {hint}; the call raised: {e}") from e
     if copied_state:  # the common case has none; entering no_grad costs more than the rest
         _write_back(copied_state)
     joined = cat_plain(outputs, target, dim)
     gathered: T = gather_to(outputs, target, dim=dim, call=call) if joined is None else joined
     return gathered
+
+
+def _habit(fn: Any, inputs: Any) -> str | None:
+    """A torch habit that may explain a TypeError from ``fn``, or None."""
+    if isinstance(fn, torch.nn.Module):
+        return (
+            "`fn` is a torch.nn.Module, which data_parallel calls as fn(params, *inputs): "
+            "use fn, state = fdp.make_functional(module) and pass fn and state"
+        )
+    if type(inputs) is list:
+        return (
+            "`inputs` is a list, passed to fn as one argument; several positional arguments "
+            "are a tuple: pass tuple(inputs)"
+        )
+    return None
 
 
 def _write_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -174,7 +174,7 @@ def _unique_leaves(
         if leaf is not None and not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"{call}: `params` leaf {_tree.path(params, i, 'params')} expected a tensor "
-                f"or None; got {_tree.describe(leaf)}"
+                f"or None; got {_tree.describe(leaf)}{_tree.torch_habit(leaf)}"
             )
     tied = _tree.ties(leaves)
     firsts = [i for i, leaf in enumerate(leaves) if leaf is not None and i not in tied]

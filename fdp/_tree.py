@@ -268,7 +268,7 @@ def tensor_leaves(
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"{call}: `{arg}` leaf {path(tree, i, arg)} expected a tensor or None; "
-                f"got {describe(leaf)}"
+                f"got {describe(leaf)}{torch_habit(leaf)}"
             )
         if leaf.layout != torch.strided:
             raise TypeError(
@@ -278,3 +278,18 @@ def tensor_leaves(
         floating = leaf.is_floating_point() or leaf.is_complex()
         selected.append(leaf if floating or not float_only else None)
     return leaves, spec, selected
+
+
+def torch_habit(leaf: Any) -> str:
+    """What to do instead, for a leaf a torch.nn user passes where fdp takes a tree of tensors."""
+    if isinstance(leaf, torch.nn.Module):
+        return (
+            ". fdp works on a module's state, not the module (torch's DDP wraps the "
+            "module): fn, state = fdp.make_functional(module), then pass state"
+        )
+    if isinstance(leaf, Iterator):
+        return (
+            ". An iterator (module.parameters()?) is read once and has no names: pass a "
+            "tree of tensors, such as the state of fn, state = fdp.make_functional(module)"
+        )
+    return ""

@@ -290,3 +290,22 @@ def test_cuda_replicate_across_devices() -> None:
     (a["w"].sum() + (b["w"] * 2).sum()).backward()
     assert w.grad is not None
     torch.testing.assert_close(w.grad, torch.full_like(w, 3.0))
+
+
+def test_torch_habits_get_errors_that_say_what_to_do() -> None:
+    # Before: the user's own TypeError (a list as one argument, a module as fn),
+    # or "expected a tensor" with no way forward.
+    net = torch.nn.Linear(3, 2)
+    fn, state = fdp.make_functional(net)
+    x = torch.randn(4, 3)
+    cpus = ["cpu", "cpu"]
+    with pytest.raises(TypeError, match=r"`inputs` is a list, passed to fn as one argument"):
+        fdp.data_parallel(fn, state, [x], devices=cpus)
+    with pytest.raises(TypeError, match=r"`fn` is a torch.nn.Module.*fdp.make_functional"):
+        fdp.data_parallel(net, state, x, devices=cpus)
+    with pytest.raises(TypeError, match=r"got Linear.*fn, state = fdp.make_functional\(module\)"):
+        fdp.data_parallel(fn, net, x, devices=cpus)
+    with pytest.raises(TypeError, match=r"An iterator \(module.parameters\(\)\?\)"):
+        fdp.data_parallel(fn, net.parameters(), x, devices=cpus)
+    # What the hints point to is right: the reference is the direct call.
+    torch.testing.assert_close(fdp.data_parallel(fn, state, (x,), devices=cpus), net(x))
