@@ -161,6 +161,12 @@ def train_cnn_ddp(session: nox.Session) -> None:
 
 
 @shared
+def train_cnn_ported(session: nox.Session) -> None:
+    """A torch DDP script ported to fdp: schedule, clipping, autocast, checkpoints; -- --resume."""
+    run(session, *TORCHRUN, "examples/train_cnn_ported.py", *session.posargs)
+
+
+@shared
 def train_zero(session: nox.Session) -> None:
     """AdamW sharded over 2 processes (fdp.ZeroRedundancy), checkpointed; -- --resume continues."""
     run(session, *TORCHRUN, "examples/train_digits_zero.py", *session.posargs)
@@ -194,6 +200,10 @@ def examples(session: nox.Session) -> None:
     run(session, *TORCHRUN, "examples/train_digits_ddp.py", "--powersgd", "--min-accuracy", "0.95")
     # BatchNorm over both ranks, buffers broadcast, shards of 70% and 30% inside join.
     run(session, *TORCHRUN, "examples/train_cnn_ddp.py", "--min-accuracy", "0.95")
+    # A torch DDP script ported to fdp (schedule, clipping, autocast, checkpoints).
+    directory = os.path.join(session.create_tmp(), "cnn_ported")
+    shutil.rmtree(directory, ignore_errors=True)
+    run(session, *TORCHRUN, "examples/train_cnn_ported.py", "--checkpoint-dir", directory)
     # ZeRO with checkpoints: 3 epochs (saved at step 30 and at the end, step 36),
     # then resumed from step 36 to epoch 40.
     directory = os.path.join(session.create_tmp(), "zero")

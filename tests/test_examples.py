@@ -78,6 +78,9 @@ ZERO = ("examples/train_digits_zero.py", "--epochs", "3", "--checkpoint-every", 
 ZERO_ARGS = (*ZERO, "--min-accuracy", "0", "--resume")
 LM = ("examples/train_lm_fsdp.py", "--steps", "12", "--checkpoint-every", "5", "--resume")
 LM_ARGS = (*LM, "--dim", "32", "--blocks", "2", "--loss-threshold", "100")
+# The ported torch script: 2 epochs of 23 steps, checkpoints at 10, 20, ... and 46.
+PORTED = ("examples/train_cnn_ported.py", "--epochs", "2", "--checkpoint-every", "10")
+PORTED_ARGS = (*PORTED, "--min-accuracy", "0", "--resume")
 
 
 def torchrun(
@@ -160,18 +163,23 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
     """The examples' final states from runs that nothing interrupted (one agent)."""
     tmp = tmp_path_factory.mktemp("whole")
     states = {}
-    for name, args in (("zero", ZERO_ARGS), ("lm", LM_ARGS)):
+    for name, args in (("zero", ZERO_ARGS), ("lm", LM_ARGS), ("ported", PORTED_ARGS)):
         log = torchrun(tmp / name, args)
         assert f"--resume: no complete checkpoint in {tmp / name}; starting fresh" in log
         states[name] = final_state(tmp / name, tmp)
     return states
 
 
-@pytest.mark.parametrize("name", ["zero", "lm"])
+@pytest.mark.parametrize("name", ["zero", "lm", "ported"])
 def test_a_killed_rank_restarts_and_ends_where_an_uninterrupted_run_does(
     tmp_path: Path, uninterrupted: dict[str, dict[str, Any]], name: str
 ) -> None:
-    args, first = {"zero": (ZERO_ARGS, "step_10"), "lm": (LM_ARGS, "step_5")}[name]
+    # "ported": a torch DDP script's features, the learning rate saved with the state.
+    args, first = {
+        "zero": (ZERO_ARGS, "step_10"),
+        "lm": (LM_ARGS, "step_5"),
+        "ported": (PORTED_ARGS, "step_10"),
+    }[name]
     log = torchrun(tmp_path / name, args, kill=True)
     assert f"--resume: continuing from {tmp_path / name / first}" in log
     final = final_state(tmp_path / name, tmp_path)
