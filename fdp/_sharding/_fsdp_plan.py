@@ -51,15 +51,8 @@ def without_buffers(
             return tensors
         return [t if isinstance(leaves[i], torch.nn.Parameter) else None
                 for i, t in enumerate(tensors)]  # fmt: skip
-    if isinstance(buffers, str):
-        raise TypeError(f"{call}: `buffers` expected a sequence of dotted names; got {buffers!r}")
-    for b in buffers:
-        if not any(n == b or n.startswith(b + ".") for n in names):
-            raise ValueError(
-                f"{call}: `buffers` names {b!r}, which holds no leaf of `params`; expected "
-                f"a dotted prefix of the leaf names, e.g. {names[:3]}"
-            )
-    mine = [any(n == b or n.startswith(b + ".") for b in buffers) for n in names]
+    _check_prefixes(call, "buffers", buffers, names)
+    mine = [any(_under(n, b) for b in buffers) for n in names]
     return [None if buffer else t for t, buffer in zip(tensors, mine, strict=True)]
 
 
@@ -129,20 +122,30 @@ def _owners(call: str, params: Any, names: list[str], units: Sequence[str] | Non
     """Each leaf's unit name."""
     if units is None:
         return [_default_unit(parts) for parts in _tree.segments(params)]
-    if isinstance(units, str):
-        raise TypeError(f"{call}: `units` expected a sequence of dotted names; got {units!r}")
+    _check_prefixes(call, "units", units, names)
     for u in units:
-        if not any(n == u or n.startswith(u + ".") for n in names):
-            raise ValueError(
-                f"{call}: `units` names {u!r}, which holds no leaf of `params`; expected "
-                f"a dotted prefix of the leaf names, e.g. {names[:3]}"
-            )
         nested = [v for v in units if v != u and v.startswith(u + ".")]
         if nested or list(units).count(u) > 1:
             raise ValueError(
                 f"{call}: `units` expected disjoint subtrees; got {u!r} and {nested or [u]}"
             )
-    return [next((u for u in units if n == u or n.startswith(u + ".")), "") for n in names]
+    return [next((u for u in units if _under(n, u)), "") for n in names]
+
+
+def _check_prefixes(call: str, arg: str, given: Sequence[str], names: list[str]) -> None:
+    """Raises unless ``given`` is a sequence of dotted names each holding a leaf."""
+    if isinstance(given, str):
+        raise TypeError(f"{call}: `{arg}` expected a sequence of dotted names; got {given!r}")
+    for g in given:
+        if not any(_under(n, g) for n in names):
+            raise ValueError(
+                f"{call}: `{arg}` names {g!r}, which holds no leaf of `params`; expected "
+                f"a dotted prefix of the leaf names, e.g. {names[:3]}"
+            )
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
 
 
 def _default_unit(parts: list[tuple[str, bool]]) -> str:
