@@ -192,6 +192,12 @@ def train_contrastive(session: nox.Session) -> None:
 
 
 @shared
+def figures(session: nox.Session) -> None:
+    """Redraws the docs' generated figures (docs/figures/) from a measured run."""
+    run(session, "python", "benchmarks/figures.py")
+
+
+@shared
 def examples(session: nox.Session) -> None:
     """Runs every example briefly."""
     run(session, "python", "examples/train_digits.py", "--epochs", "2", "--min-accuracy", "0")
