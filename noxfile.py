@@ -193,8 +193,10 @@ def train_contrastive(session: nox.Session) -> None:
 
 @shared
 def figures(session: nox.Session) -> None:
-    """Redraws the docs' generated figures (docs/figures/) from a measured run."""
+    """Redraws the docs' generated figures (docs/figures/) from measured runs."""
     run(session, "python", "benchmarks/figures.py")
+    plot = ("--plot", "docs/figures/memory_per_rank.png")
+    run(session, "python", "benchmarks/fsdp_memory.py", "--quick", *plot, env=COMPILE_CACHE)
 
 
 @shared

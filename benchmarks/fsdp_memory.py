@@ -377,12 +377,60 @@ def report(size: int, m: dict[str, Any]) -> None:
     print(f"step time (x DDP): {cells}\n")
 
 
+PLOTTED = ("fdp DDP", "fdp ZeRO-2", "fdp fully sharded", "torch fully_shard")
+
+
+def plot(measured: dict[int, dict[str, Any]], path: str) -> None:
+    """Peak memory per rank and step time of DDP, ZeRO-2, fully sharded and torch's, per world."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig: Any
+    fig, (mem, steps) = plt.subplots(1, 2, figsize=(9, 3.4))
+    width = 0.8 / len(PLOTTED)
+    for j, name in enumerate(PLOTTED):
+        xs = [i + j * width for i in range(len(measured))]
+        peaks = [_peak(m.get(name)) for m in measured.values()]
+        times = [
+            m["time"].get(name, float("nan")) / m["time"]["fdp DDP"] for m in measured.values()
+        ]
+        mem.bar(xs, peaks, width, label=name)
+        steps.bar(xs, times, width, label=name)
+    for ax, label in (
+        (mem, "peak memory per rank in a step (MiB)"),
+        (steps, "step time / fdp DDP"),
+    ):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(measured))])
+        ax.set_xticklabels([f"{size} ranks" for size in measured])
+        ax.set_ylabel(label, fontsize=8)
+    mem.legend(fontsize=7)
+    fig.suptitle("8x1024 MLP + head, AdamW, gloo on CPU (benchmarks/fsdp_memory.py)", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def _relative(times: dict[str, float], name: str) -> float:
+    return times.get(name, float("nan")) / times["fdp DDP"]
+
+
+def _peak(row: Any) -> float:
+    return row[1] / MB if isinstance(row, tuple) else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    rounds = 3 if parser.parse_args().quick else 5
+    parser.add_argument("--plot", default=None, metavar="PNG", help="also draw the figures here")
+    args = parser.parse_args()
+    rounds = 3 if args.quick else 5
     ctx = mp.get_context("spawn")
     print(f"torch {torch.__version__}, gloo on 127.0.0.1, 1 intra-op thread per rank\n")
+    measured: dict[int, dict[str, Any]] = {}
     for size in (2, 4):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -393,9 +441,12 @@ def main() -> None:
         ]
         for p in procs:
             p.start()
-        report(size, results.get(timeout=900))
+        measured[size] = results.get(timeout=900)
+        report(size, measured[size])
         for p in procs:
             p.join(60)
+    if args.plot:
+        plot(measured, args.plot)
 
 
 if __name__ == "__main__":
