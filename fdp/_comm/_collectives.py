@@ -2,7 +2,7 @@
 
 Both pack a tree's tensor leaves into flat buffers by device and dtype
 (``fdp/_bucket.py``) and check first that every rank holds the same tree
-(``fdp/_agreement.py``). ``all_reduce_grads`` caches its plans and buffers
+(``fdp/_comm/_agreement.py``). ``all_reduce_grads`` caches its plans and buffers
 per tree signature and process group; :func:`clear_plans` releases them.
 """
 

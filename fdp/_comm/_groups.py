@@ -87,7 +87,7 @@ def all_gather_start(
 
     Returns ``out`` and the work; ``out`` holds the result once the work's
     ``wait()`` returns. Outside autograd: prefetching, whose result enters
-    autograd later (``fdp/_fsdp_prefetch.py``).
+    autograd later (``fdp/_sharding/_fsdp_prefetch.py``).
     """
     with torch.no_grad(), _compat.functorch_disabled():
         part = _compat.unwrap_functorch(t).detach().contiguous()

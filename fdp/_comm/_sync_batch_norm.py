@@ -16,7 +16,7 @@ The collectives run eagerly under ``loss.backward()`` and ``torch.func.grad``
 (with functorch's dispatch disabled, on plain tensors: a collective is not
 differentiable), and as functional collectives while compiling. Inside
 ``DistributedDataParallel.join`` they run among the ranks still training
-(``fdp/_join.py``).
+(``fdp/_ddp/_join.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The ranks still training inside ``DistributedDataParallel.join``, for collectives that ask.
 
-``join`` (``fdp/_join.py``) sets the context variable while some rank has
+``join`` (``fdp/_ddp/_join.py``) sets the context variable while some rank has
 left; ``fdp.sync_batch_norm`` reads it to run among the ranks still
 training. A module of its own so that the batch-norm layer, which
 ``make_functional`` uses in a single process too, needs nothing of DDP.

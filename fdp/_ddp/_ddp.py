@@ -3,9 +3,9 @@
 It overlaps the gradient all-reduce with backward, as
 ``torch.nn.parallel.DistributedDataParallel`` does for modules. The bucket
 layout lives in ``fdp/_bucket.py``, the cross-rank agreement checks in
-``fdp/_agreement.py``, the per-step reduction (how DDP hooks into backward)
-in ``fdp/_reducer.py``, the compiled reduction in ``fdp/_traced.py``,
-buffers in ``fdp/_buffers.py`` and ``join`` in ``fdp/_join.py``;
+``fdp/_comm/_agreement.py``, the per-step reduction (how DDP hooks into backward)
+in ``fdp/_ddp/_reducer.py``, the compiled reduction in ``fdp/_ddp/_traced.py``,
+buffers in ``fdp/_ddp/_buffers.py`` and ``join`` in ``fdp/_ddp/_join.py``;
 ``docs/design.md`` draws the data flow.
 """
 
@@ -87,7 +87,7 @@ class DistributedDataParallel:
         leaves it did not use. Inside ``torch.compile`` (``fullgraph=True``
         included) ``ddp(params)`` is traced: the same buckets are
         all-reduced by functional collectives in the compiled backward
-        (``fdp/_traced.py``), with the default hook or the fp16/bf16 ones;
+        (``fdp/_ddp/_traced.py``), with the default hook or the fp16/bf16 ones;
         there a leaf that no rank used gets a zero ``.grad``.
 
     Buffers:
@@ -282,7 +282,7 @@ class DistributedDataParallel:
         agree. An optimizer's own state (Adam's moments) is not synchronised,
         as in torch. ``fdp.sync_batch_norm`` inside the block takes its
         statistics over the ranks still training. Eager only, with the default reduction
-        (``fdp/_join.py``).
+        (``fdp/_ddp/_join.py``).
 
         Example::
 

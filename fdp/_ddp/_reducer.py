@@ -2,7 +2,7 @@
 
 One :class:`Step` lives from the first hook of a backward that passes
 through a ``ddp(params)`` output to the end of that backward
-(``fdp/_arming.py`` says what arms it). Each hook copies its gradient
+(``fdp/_ddp/_arming.py`` says what arms it). Each hook copies its gradient
 into its bucket's flat buffer; a full bucket is launched once every earlier
 bucket has been, so every rank issues the same collectives in the same
 order. A callback queued on the engine runs when backward ends: it launches what is

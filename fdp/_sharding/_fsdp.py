@@ -12,7 +12,7 @@ element by element, exactly as it would update the averaged unsharded
 tree. ``fsdp(shards)`` (or ``fsdp.gather(shards, unit)``, one unit where
 the model uses it) all-gathers units back into leaves, differentiably: the
 backward reduce-scatters each unit's gradients as soon as backward produces
-them (``fdp/_fsdp_gather.py``), so no rank holds the gradient of more than
+them (``fdp/_sharding/_fsdp_gather.py``), so no rank holds the gradient of more than
 one unit at a time, and the shards' gradient is the mean over ranks.
 docs/fsdp.md has the data flow.
 """
@@ -168,7 +168,7 @@ class FullyShardedDataParallel:
         self._prefetch = _fsdp_prefetch.Prefetcher(self.unit_names, enabled=prefetch)
         self._chain = _fsdp_chain.Chain()  # every gathered unit's backward on every rank
         self._sync, self._pending = True, _fsdp_accumulate.Pending()
-        # The same slices as a ZeroRedundancy's, for checkpoints (fdp/_fsdp_state.py).
+        # The same slices as a ZeroRedundancy's, for checkpoints (fdp/_sharding/_fsdp_state.py).
         buckets = [b for u in self.units for b in u.buckets]
         self._layout = _zero_shards.from_buckets(params, buckets, sharded, group=group)
         self._bucket_units = [(u.name, b) for u in self.units for b in range(len(u.buckets))]
@@ -282,7 +282,7 @@ class FullyShardedDataParallel:
 
         With ``reshard_after_forward`` (the default) and eager autograd, the
         unit's gathered memory is freed when ``fn`` returns and gathered
-        again when backward reaches ``fn``'s outputs (``fdp/_fsdp_reshard.py``):
+        again when backward reaches ``fn``'s outputs (``fdp/_sharding/_fsdp_reshard.py``):
         between forward and backward a rank holds its shards only. Under a
         ``torch.func`` transform or ``torch.compile`` the unit stays gathered
         until backward. Keep no gathered tensor beyond ``fn``: its memory is

@@ -59,7 +59,7 @@ class _Link(torch.autograd.Function):
         # Note: the unit gathered before this one is refilled here, at the
         # same point of every rank's backward, also on a rank whose loss
         # never reaches that unit's outputs: its all-gathers then pair with
-        # those of the ranks that use it (see fdp/_fsdp_reshard.py).
+        # those of the ranks that use it (see fdp/_sharding/_fsdp_reshard.py).
         before: Entry | None = ctx.before
         if before is not None and before.held is not None:
             before.held.refill(ahead=False)

@@ -12,7 +12,7 @@ costs one gather, never a result, and at most one unit is held ahead.
 
 Backward: each unit resharded by ``apply`` links (weakly) to the unit
 applied before it in the same pass, and refilling a unit starts the
-asynchronous refill of that one (``fdp/_fsdp_reshard.py``).
+asynchronous refill of that one (``fdp/_sharding/_fsdp_reshard.py``).
 
 Every rank runs the same program, so the ranks start the same collectives
 in the same order. Eager only: under a ``torch.func`` transform or while

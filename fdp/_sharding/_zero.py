@@ -1,7 +1,7 @@
 """``fdp.ZeroRedundancy``: ZeRO stages 1 and 2 for a functional optimizer.
 
 The layout (buckets cut into one slice per rank, segments of leaves) is
-``fdp/_zero_shards.py``. A step packs each bucket's local gradients, starts
+``fdp/_sharding/_zero_shards.py``. A step packs each bucket's local gradients, starts
 every bucket's reduce-scatter (stage 1: all-reduce), then per bucket waits
 for it, updates this rank's segments with the wrapped optimizer and starts
 the all-gather of the new slice, so that bucket k's all-gather travels

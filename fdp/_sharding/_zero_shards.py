@@ -11,12 +11,12 @@ its slice touches, which the wrapped optimizer updates as if they were
 parameters. A step reduce-scatters the gradients (stage 1: all-reduces
 them and keeps its slice), updates its segments, and all-gathers the new
 parameters; bucket k's all-gather is in flight while bucket k+1 is updated
-(``fdp/_zero.py``).
+(``fdp/_sharding/_zero.py``).
 
 Eager and compiled steps use the bucket's one element order (each leaf in
 its memory order, :meth:`fdp._bucket.Bucket.pieces`) and segments, so a
 state built eagerly steps compiled and the other way round, and a
-checkpoint (``fdp/_checkpoint.py``) reshards it by element ranges.
+checkpoint (``fdp/_sharding/_checkpoint.py``) reshards it by element ranges.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each returns an optimizer with ``init(params) -> state`` and
 ``update(grads, state, params) -> (params, state)``, pure and traceable
-(``fdp/_base.py``, ``fdp/_rules.py``). Around them, what a training loop needs:
+(``fdp/optim/_base.py``, ``fdp/optim/_rules.py``). Around them, what a training loop needs:
 ``param_groups`` (per-leaf hyperparameters), ``clip_by_global_norm`` and
 ``GradScaler`` (float16 loss scaling), and learning-rate schedules
 (``linear_schedule``, ``cosine_decay_schedule``, ``join_schedules``, ...)
