@@ -119,3 +119,17 @@ def test_save_checkpoint_refuses_parameters_that_differ_across_ranks(tmp_path: P
         )
     # A buffer (no grad) may differ, as BatchNorm's statistics do; parameters agree.
     assert ranks.world(2).run(_save, str(tmp_path / "together"), False) == [None, None]
+
+
+def _bad_every(rank: int, size: int) -> str:
+    with pytest.raises(ValueError, match="check_replicas_every") as info:
+        fdp.DistributedDataParallel(mlp_params(), check_replicas_every=-1)
+    return str(info.value)
+
+
+def test_a_bad_check_interval_is_refused_by_name() -> None:
+    for message in ranks.world(2).run(_bad_every):
+        assert message == (
+            "fdp.DistributedDataParallel: `check_replicas_every` expected an int >= 0 "
+            "(0: never); got -1"
+        )

@@ -190,11 +190,6 @@ class DistributedDataParallel:
         paths = _tree.paths(params, "params")
         # Without a hook the division by the world size is folded into
         # packing the bucket (one pass over the gradients instead of two).
-        if not isinstance(check_replicas_every, int) or check_replicas_every < 0:
-            raise ValueError(
-                f"{call}: `check_replicas_every` expected an int >= 0 (0: never); "
-                f"got {check_replicas_every!r}"
-            )
         replicas = Replicas(check_replicas_every, group, paths)
         self._reducer = Reducer(
             Reduction(self._layout, comm_hook, group, group, paths, replicas=replicas)

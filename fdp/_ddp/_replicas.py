@@ -33,6 +33,11 @@ class Replicas:
     """Counts reduced backwards and checks the parameters after every ``every``-th."""
 
     def __init__(self, every: int, group: ProcessGroup | None, paths: Sequence[str]) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(
+                "fdp.DistributedDataParallel: `check_replicas_every` expected an int >= 0 "
+                f"(0: never); got {every!r}"
+            )
         self.every, self.group, self.paths = every, group, list(paths)
         self.count = 0
 
