@@ -11,6 +11,7 @@ call into (rank 0, ``sys.setprofile``), in the order first entered, and how
 often the call sequence moves from one module to another.
 
     python benchmarks/structure.py
+    python benchmarks/structure.py --write-design   # docs/design.md's figures
 """
 
 from __future__ import annotations
@@ -77,13 +78,11 @@ def code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef, source: list[str]) 
     )
 
 
-def static() -> None:
+def static_figures() -> dict[str, Any]:
+    """The static figures (from the source alone, no process group)."""
     mods = modules()
     known = set(mods)
     sizes = {n: len(p.read_text().splitlines()) for n, p in mods.items()}
-    print(f"modules: {len(mods)}, {sum(sizes.values())} lines; largest:")
-    for n in sorted(sizes, key=sizes.__getitem__, reverse=True)[:5]:
-        print(f"  {sizes[n]:5d}  {n}")
     long = []
     for n, p in mods.items():
         source = p.read_text().splitlines()
@@ -93,19 +92,62 @@ def static() -> None:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
         ]
         long += [(size, f"{n}:{f.name}") for f in functions if (size := code_lines(f, source)) > 50]
-    print(f"functions over 50 lines of code: {len(long)}")
-    for size, where in sorted(long, reverse=True):
-        print(f"  {size:5d}  {where}")
     graph = {n: imports(n, p, known) for n, p in mods.items()}
-    print(f"import edges among fdp's modules: {sum(len(v) for v in graph.values())}")
-    print(f"import depth (longest chain of modules): {depth(graph)}")
     text = {n: p.read_text() for n, p in mods.items()}
-    deciding = sorted(n for n, t in text.items() if any(q in t for q in ASKS))
-    print(f"modules asking whether dynamo traces: {len(deciding)}: {deciding}")
-    forms = sorted(n for n, t in text.items() if "_mode.by_mode(" in t)
-    print(f"modules giving an eager and a traced form to _mode.by_mode: {len(forms)}")
-    raw = sorted(n for n, t in text.items() if raw_collectives(t))
-    print(f"modules calling torch.distributed collectives directly: {len(raw)}: {raw}")
+    return {
+        "sizes": sizes,
+        "long": sorted(long, reverse=True),
+        "edges": sum(len(v) for v in graph.values()),
+        "depth": depth(graph),
+        "deciding": sorted(n for n, t in text.items() if any(q in t for q in ASKS)),
+        "forms": sorted(n for n, t in text.items() if "_mode.by_mode(" in t),
+        "raw": sorted(n for n, t in text.items() if raw_collectives(t)),
+    }
+
+
+def static() -> None:
+    f = static_figures()
+    sizes = f["sizes"]
+    print(f"modules: {len(sizes)}, {sum(sizes.values())} lines; largest:")
+    for n in sorted(sizes, key=sizes.__getitem__, reverse=True)[:5]:
+        print(f"  {sizes[n]:5d}  {n}")
+    print(f"functions over 50 lines of code: {len(f['long'])}")
+    for size, where in f["long"]:
+        print(f"  {size:5d}  {where}")
+    print(f"import edges among fdp's modules: {f['edges']}")
+    print(f"import depth (longest chain of modules): {f['depth']}")
+    print(f"modules asking whether dynamo traces: {len(f['deciding'])}: {f['deciding']}")
+    print(f"modules giving an eager and a traced form to _mode.by_mode: {len(f['forms'])}")
+    print(f"modules calling torch.distributed collectives directly: {len(f['raw'])}: {f['raw']}")
+
+
+BEGIN, END = "<!-- structure.py: begin -->", "<!-- structure.py: end -->"
+
+
+def design_block(f: dict[str, Any]) -> str:
+    """docs/design.md's figures, as ``structure.py --write-design`` writes them."""
+    sizes = f["sizes"]
+    over = [n for n in sorted(sizes) if sizes[n] > 500]
+    largest = max(sizes, key=sizes.__getitem__)
+    return "\n".join([
+        BEGIN,
+        f"- {len(sizes)} modules, {sum(sizes.values()):,} lines; the largest "
+        f"`{largest}` ({sizes[largest]}); over 500 lines: "
+        f"{', '.join(f'`{n}` ({sizes[n]})' for n in over) or 'none'}",
+        f"- functions over 50 lines of code: {len(f['long'])}",
+        f"- {f['edges']} import edges among fdp's modules, depth {f['depth']}",
+        f"- {len(f['deciding'])} modules ask whether dynamo traces; {len(f['forms'])} hand "
+        "two forms to `_mode.by_mode`",
+        f"- {len(f['raw'])} modules call `torch.distributed` collectives directly",
+        END,
+    ])  # fmt: skip
+
+
+def write_design(path: Path = ROOT / "docs" / "design.md") -> None:
+    text = path.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    path.write_text(text[:start] + design_block(static_figures()) + text[end:])
+    print(f"wrote the figures into {path}")
 
 
 def depth(graph: dict[str, set[str]]) -> int:
@@ -249,5 +291,8 @@ def runtime() -> None:
 
 
 if __name__ == "__main__":
-    static()
-    runtime()
+    if "--write-design" in sys.argv:
+        write_design()
+    else:
+        static()
+        runtime()

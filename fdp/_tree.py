@@ -121,7 +121,7 @@ def ties(leaves: Sequence[Any], indices: Iterable[int] | None = None) -> dict[in
         if not isinstance(leaf, torch.Tensor):
             continue
         if compiling:
-            # Note: a scan by ``is``, at trace time only: dynamo before torch
+            # Note [ties at trace time]: a scan by ``is``, at trace time only: dynamo before torch
             # 2.13 cannot take the id() of a tensor made inside the trace
             # (under a torch.func transform).
             j = next((f for f in firsts if leaves[f] is leaf), i)

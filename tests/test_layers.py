@@ -12,6 +12,8 @@ for by an option) is not.
 from __future__ import annotations
 
 import ast
+import importlib.util
+import re
 from pathlib import Path
 
 FDP = Path(__file__).resolve().parent.parent / "fdp"
@@ -117,3 +119,31 @@ def test_no_private_helper_is_used_across_modules() -> None:
             ):
                 crossings.append(f"{name}: {inner.value.id}.{inner.attr}")
     assert crossings == []
+
+
+def test_design_md_shows_the_structure_as_it_is() -> None:
+    # Its figures were written by hand and fell behind (55 modules, 186 edges
+    # when there were 61 and 210): now benchmarks/structure.py writes them.
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("structure", root / "benchmarks" / "structure.py")
+    assert spec is not None
+    assert spec.loader is not None
+    structure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(structure)
+    text = (root / "docs" / "design.md").read_text()
+    shown = text[text.index(structure.BEGIN) : text.index(structure.END) + len(structure.END)]
+    expected = structure.design_block(structure.static_figures())
+    assert shown == expected, "run: python benchmarks/structure.py --write-design"
+
+
+def test_every_note_referred_to_is_defined_once() -> None:
+    # Notes are named (``Note [late gradients]: ...``) so code can point at them.
+    root = Path(__file__).resolve().parent.parent
+    texts = [p.read_text() for p in (root / "fdp").rglob("*.py")]
+    named = [n for t in texts for n in re.findall(r"Note \[([^\]]+)\]:", t)]
+    referred = {n for t in texts for n in re.findall(r"Note \[([^\]]+)\]", t)}
+    assert len(named) >= 10
+    assert sorted(set(named)) == sorted(named), "a note defined twice"
+    assert referred <= set(named), referred - set(named)
+    unnamed = [t.count("Note: ") + t.count("# Note:") for t in texts]
+    assert sum(unnamed) == 0, "a Note without a [name]"

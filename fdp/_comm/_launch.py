@@ -175,7 +175,7 @@ def usable_cpus() -> int:
 def attempt_store(store: Store, rank: int, world: int, timeout: datetime.timedelta) -> Store:
     """A prefix of ``store`` that no earlier attempt of this job has written.
 
-    Note: torchrun's agents keep one TCPStore for the whole job, and
+    Note [a key space per attempt]: torchrun's agents keep one TCPStore for the whole job, and
     TORCHELASTIC_RESTART_COUNT is counted per agent (a node whose workers
     were restarted by another node's failure does not count it), so neither
     the store nor the count tells the ranks of a new attempt apart from the

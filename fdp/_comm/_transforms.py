@@ -156,7 +156,7 @@ def eager_under_transforms(call: str) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def entry(*args: Any, **kwargs: Any) -> Any:
-            # Note: the compiled fallback. Dynamo traces the call when it can
+            # Note [the compiled fallback]: Dynamo traces the call when it can
             # keep the derivatives (no transform, no dual tensor); otherwise
             # the disabled copy runs eagerly, a graph break, since a right
             # result outside the graph beats a wrong one inside it.

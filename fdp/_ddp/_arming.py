@@ -11,7 +11,7 @@ issues no collective. A call's output reused for several backwards
 (``retain_graph``, ``p = ddp(params)`` kept across steps, several forwards
 then several backwards) is reduced in each of them, as torch's DDP does.
 
-Note: why the alias's node is given the top priority. The engine runs the
+Note [alias priority]: why the alias's node is given the top priority. The engine runs the
 ready node created last first; an alias made before the model's forward
 would run only when backward ends, and every bucket would launch then. Given
 a sequence number just below the leaves' own (``_compat.run_early``), each

@@ -281,7 +281,7 @@ class Step:
 
     def _reduce_late(self) -> None:
         """Reduces the gradients that missed their bucket, on every rank (some had them)."""
-        # Note: why every bucket, on every rank. Whether a gradient came late
+        # Note [late gradients]: why every bucket, on every rank. Whether a gradient came late
         # depends on this rank's graph (a reentrant checkpoint, a leaf used
         # twice), so ranks differ; one more all-reduce per bucket, zeros where
         # nothing was late, keeps their collectives paired whatever happened.

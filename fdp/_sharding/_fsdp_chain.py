@@ -6,7 +6,7 @@ ignores a unit (a branch it skips, an ``apply`` whose output it discards)
 would skip that reduce-scatter while the others wait in it: a hang, or
 collectives paired with the wrong partners and a wrong gradient.
 
-Note: why a chain. Each gathered unit passes through :class:`_Link`, which
+Note [the chain of units]: why a chain. Each gathered unit passes through :class:`_Link`, which
 also takes the token of the unit gathered before it in this pass and gives
 a token of its own to the next. The backward of a unit's link therefore
 reaches the link (and the gather) of the unit before it, whatever the loss
@@ -56,7 +56,8 @@ class _Link(torch.autograd.Function):
     def backward(
         ctx: Any, grad: torch.Tensor, _token: torch.Tensor
     ) -> tuple[torch.Tensor, None, None]:
-        # Note: the unit gathered before this one is refilled here, at the
+        # Note [refilling the unit before]:
+        # the unit gathered before this one is refilled here, at the
         # same point of every rank's backward, also on a rank whose loss
         # never reaches that unit's outputs: its all-gathers then pair with
         # those of the ranks that use it (see fdp/_sharding/_fsdp_reshard.py).

@@ -160,7 +160,8 @@ def _unit_leaves_traced(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """With ``recompute``, the leaves gathered in a region the compiler recomputes in backward.
 
-    Note: resharding the compile-first way (SimpleFSDP, arXiv 2411.00284).
+    Note [compile-first resharding]: the compile-first way (SimpleFSDP,
+    arXiv 2411.00284).
     The eager path frees a unit after forward and gathers it again for
     backward (``_fsdp_reshard``), which no graph can do. Here the all-gather
     and the leaves' views of its result are one checkpointed region, whose

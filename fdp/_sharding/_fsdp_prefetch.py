@@ -112,7 +112,7 @@ class Prefetcher:
         if name in self._pass:  # a new pass (the next step, or a unit used twice)
             self._pass, self._held = [], None
         self._pass.append(name)
-        # Note: a guess, never a promise. The unit that followed this pair of
+        # Note [prefetch is a guess]: never a promise. The unit that followed this pair of
         # units last time (or the next in the plan, the first time) is
         # gathered ahead; ``take`` checks the shards are the ones it was
         # gathered from, and a wrong guess is waited for and dropped: a

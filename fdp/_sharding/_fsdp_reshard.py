@@ -69,7 +69,7 @@ class Resharded:
         self.shard, self.how = shard.detach(), how
         self.work: Any = None  # a refill under way
         flat.register_hook(self._after_backward)  # type: ignore[no-untyped-call]
-        # Note: freed once every leaf's gradient exists, before autograd
+        # Note [freed after the gradients]: freed once every leaf's gradient exists, before autograd
         # assembles the flat buffer's gradient from them, so the parameters
         # and that gradient are never held at once (torch's fully_shard too
         # reshards before it copies its reduce-scatter's input). Every op
