@@ -12,7 +12,7 @@ new tensor and leave their input alone. While ``torch.compile`` traces, they
 are torch's functional collectives (dynamo puts them in the graph, with a
 wait at first use); eagerly, ``torch.distributed``'s, on a copy, outside
 autograd and ``torch.func`` (the result is a constant to both; the
-collectives that carry derivatives are :mod:`fdp._comm._transforms`'). Ranks given
+collectives that carry derivatives are :mod:`fdp._comm._parallel`'s). Ranks given
 to these functions are ranks of ``group``, as the functional collectives
 take them. The in-place, asynchronous, bucketed fast paths of DDP and ZeRO
 keep ``torch.distributed`` calls of their own.
