@@ -213,3 +213,15 @@ def plain(x: torch.Tensor) -> torch.Tensor:
 def count_copies() -> Iterator[Callable[[], int]]:
     before = Labelled.copies
     yield lambda: Labelled.copies - before
+
+
+class BufferProbe(torch.nn.Module):
+    """A weight and a buffer ``value`` the forward adds: which rank's buffer it used shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+        self.register_buffer("value", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w + self.get_buffer("value")

@@ -18,7 +18,7 @@ from torch.func import functional_call
 
 import fdp
 from tests import ranks
-from tests.helpers import PER_RANK, TOL, batch, shard
+from tests.helpers import PER_RANK, TOL, BufferProbe, batch, shard
 
 STEPS = 5
 
@@ -143,18 +143,6 @@ def test_buffers_broadcast_under_func_grad_and_compile(how: str) -> None:
         torch.testing.assert_close(grad, ref["params"]["w"].grad, **TOL)
 
 
-class Scaled(torch.nn.Module):
-    """A weight and a buffer the forward reads: which rank's buffer it used shows."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.ones(3))
-        self.register_buffer("scale", torch.ones(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.w * self.get_buffer("scale")
-
-
 SEQUENCES = {
     # Gradient accumulation: torch broadcasts in the first micro-batch's forward
     # (the previous forward was synchronised), not in the last one's.
@@ -166,10 +154,10 @@ SEQUENCES = {
 
 def _broadcasts(rank: int, size: int, sequence: str) -> tuple[list[bool], list[bool]]:
     """Which calls of a sequence gave this rank rank 0's buffers: fdp's and torch's DDP."""
-    module = Scaled()
+    module = BufferProbe()
     fn, state = fdp.make_functional(module)
     ddp = fdp.DistributedDataParallel(state)
-    torch_ddp = torch.nn.parallel.DistributedDataParallel(Scaled())
+    torch_ddp = torch.nn.parallel.DistributedDataParallel(BufferProbe())
     runs: list[tuple[torch.nn.Module, Any, Any]] = [
         (module, lambda x: fn(ddp(state), x), ddp.no_sync),
         (torch_ddp.module, torch_ddp, torch_ddp.no_sync),
@@ -177,14 +165,14 @@ def _broadcasts(rank: int, size: int, sequence: str) -> tuple[list[bool], list[b
     seen: tuple[list[bool], list[bool]] = ([], [])
     for mode in SEQUENCES[sequence]:
         for k, (held, forward, no_sync) in enumerate(runs):
-            held.get_buffer("scale").fill_(1.0 + rank)
+            held.get_buffer("value").fill_(1.0 + rank)
             if mode == "no_grad":
                 with torch.no_grad():
                     forward(torch.ones(3))
             else:
                 with no_sync() if mode == "no_sync" else contextlib.nullcontext():
                     forward(torch.ones(3)).sum().backward()
-            seen[k].append(bool(held.get_buffer("scale")[0] == 1.0))
+            seen[k].append(bool(held.get_buffer("value")[0] == 1.0))
     return seen
 
 

@@ -20,7 +20,17 @@ from torch.utils.checkpoint import checkpoint
 
 import fdp
 from tests import ranks
-from tests.helpers import PER_RANK, TINY, TOL, batch, mlp, mlp_params, shard, tensor_leaves
+from tests.helpers import (
+    PER_RANK,
+    TINY,
+    TOL,
+    BufferProbe,
+    batch,
+    mlp,
+    mlp_params,
+    shard,
+    tensor_leaves,
+)
 
 BATCHES = [3, 5, 0]
 
@@ -85,24 +95,12 @@ def test_uneven_batches_average_over_the_ranks_that_have_data(by_initial: bool, 
             torch.testing.assert_close(got, expected(step, by_initial, micro), **TOL)
 
 
-class Counted(torch.nn.Module):
-    """A weight and a buffer the forward reads: which rank's buffer it used shows."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.ones(3))
-        self.register_buffer("count", torch.zeros(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.w + self.get_buffer("count")
-
-
 def _join_buffers(rank: int, size: int) -> tuple[list[float], list[float]]:
     """The buffer each forward used, two micro-batches a step: fdp's join, then torch's Join."""
-    module = Counted()
+    module = BufferProbe()
     fn, state = fdp.make_functional(module)
     ddp = fdp.DistributedDataParallel(state)
-    torch_ddp = torch.nn.parallel.DistributedDataParallel(Counted())
+    torch_ddp = torch.nn.parallel.DistributedDataParallel(BufferProbe())
     runs: list[tuple[torch.nn.Module, Any, Any, Any]] = [
         (module, lambda x: fn(ddp(state), x), ddp.no_sync, ddp.join),
         (torch_ddp.module, torch_ddp, torch_ddp.no_sync, lambda: Join([torch_ddp])),
@@ -112,7 +110,7 @@ def _join_buffers(rank: int, size: int) -> tuple[list[float], list[float]]:
         with join():
             for _ in range(BATCHES[rank]):
                 for m in range(2):
-                    held.get_buffer("count").fill_(rank)
+                    held.get_buffer("value").fill_(rank)
                     with no_sync() if m == 0 else contextlib.nullcontext():
                         out = forward(torch.ones(3))
                         seen[k].append(float(out[0] - 1.0))
