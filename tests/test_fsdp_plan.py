@@ -209,6 +209,9 @@ def _named_buffers(rank: int, size: int) -> Any:
         error = str(e)
     fsdp = fdp.FullyShardedDataParallel(params, buffers=["stats"])
     tree = fsdp(fsdp.shard(params))
+    # Beside nn.Parameters, a plain tensor that requires grad is trained, so sharded.
+    mixed = {"p": torch.nn.Parameter(torch.ones(2)), "t": torch.ones(3, requires_grad=True)}
+    assert fdp.FullyShardedDataParallel(mixed).unit_names == ["p", "t"]
     tree["stats"]["mean"].add_(rank + 1)  # lands on this rank's own tensor
     return fsdp.unit_names, params["stats"]["mean"].tolist(), error
 

@@ -107,7 +107,8 @@ class FullyShardedDataParallel:
             sharded: each rank's own, updated in place (BatchNorm's running
             statistics). ``None``: in a tree holding ``nn.Parameter``
             leaves (``make_functional``'s state), the leaves that are not
-            (its buffers), as ``fully_shard`` leaves a module's buffers.
+            and require no grad (its buffers), as ``fully_shard`` leaves a
+            module's buffers.
 
     Example::
 

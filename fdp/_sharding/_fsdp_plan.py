@@ -42,15 +42,16 @@ def without_buffers(
 
     ``buffers`` names their subtrees (dotted prefixes). ``None``: in a tree
     holding ``nn.Parameter`` leaves (``make_functional``'s state), every
-    leaf that is not one, as ``fully_shard`` leaves a module's buffers
+    leaf that is not one and does not require grad, as ``fully_shard`` leaves a module's buffers
     unsharded so BatchNorm's in-place statistics land on each rank's own.
     """
     names = _tree.names(params)
     if buffers is None:
         if not any(isinstance(t, torch.nn.Parameter) for t in leaves):
             return tensors
-        return [t if isinstance(leaves[i], torch.nn.Parameter) else None
-                for i, t in enumerate(tensors)]  # fmt: skip
+        # A plain tensor that requires grad is trained: sharded, never a buffer.
+        return [t if isinstance(leaves[i], torch.nn.Parameter) or leaves[i].requires_grad
+                else None for i, t in enumerate(tensors)]  # fmt: skip
     _check_prefixes(call, "buffers", buffers, names)
     mine = [any(_under(n, b) for b in buffers) for n in names]
     return [None if buffer else t for t, buffer in zip(tensors, mine, strict=True)]
