@@ -31,7 +31,7 @@ from bench_ddp_step import BATCH, data, make_params, mlp
 from timing import interleaved, run_ranks
 
 import fdp
-from fdp._comm import _groups
+from fdp._comm import _raw
 
 MICRO = 4
 
@@ -65,13 +65,13 @@ def run(rank: int, size: int, port: int, quick: bool) -> None:
         timeout=datetime.timedelta(seconds=300),
     )  # fmt: skip
     counted: list[int] = []
-    real = _groups.reduce_scatter
+    real = _raw.reduce_scatter
 
     def counting(t: torch.Tensor, **kw: Any) -> torch.Tensor:
         counted.append(t.numel() * t.element_size())
         return real(t, **kw)
 
-    _groups.reduce_scatter = counting
+    _raw.reduce_scatter = counting
     fns = steps(rank)
     sent = {}
     for name, fn in fns.items():

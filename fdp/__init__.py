@@ -2,8 +2,6 @@
 
 from fdp import optim as optim
 from fdp._caches import clear_caches as clear_caches
-from fdp._comm._collectives import all_reduce_grads as all_reduce_grads
-from fdp._comm._collectives import broadcast_params as broadcast_params
 from fdp._comm._comm_hooks import CommHook as CommHook
 from fdp._comm._comm_hooks import GradBucket as GradBucket
 from fdp._comm._comm_hooks import allreduce_hook as allreduce_hook
@@ -16,6 +14,8 @@ from fdp._comm._tensor_collectives import all_reduce as all_reduce
 from fdp._comm._tensor_collectives import all_to_all as all_to_all
 from fdp._comm._tensor_collectives import broadcast as broadcast
 from fdp._comm._tensor_collectives import reduce_scatter as reduce_scatter
+from fdp._comm._tree_collectives import all_reduce_grads as all_reduce_grads
+from fdp._comm._tree_collectives import broadcast_params as broadcast_params
 from fdp._data_parallel import data_parallel as data_parallel
 from fdp._ddp._ddp import DistributedDataParallel as DistributedDataParallel
 from fdp._ddp._ddp import overlap_options as overlap_options

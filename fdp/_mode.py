@@ -7,7 +7,7 @@ transform whose custom backward compiling would drop), the module writes
 both forms side by side and :func:`by_mode` picks one at each call. The
 question itself is asked here and in the few modules that docs/design.md
 lists: how trees are flattened (``_tree``), how a collective is issued
-(``_comm/_groups``) and the compiled fallback (``_comm/_transforms``).
+(``_comm/_raw``) and the compiled fallback (``_comm/_transforms``).
 """
 
 from __future__ import annotations

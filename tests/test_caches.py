@@ -9,15 +9,17 @@ from typing import Any
 import torch
 
 import fdp
-from fdp._comm import _collectives
+from fdp._comm import _tree_collectives
 from tests import ranks
 
 
 def _plans_released(rank: int, size: int) -> Any:
     grads = {"w": torch.full((1000,), float(rank))}
     first = fdp.all_reduce_grads(grads)["w"].clone()
-    planned = len(_collectives._plans)
-    kept = [b for p in _collectives._plans.values() for b in p.layout._buffers if b is not None]
+    planned = len(_tree_collectives._plans)
+    kept = [
+        b for p in _tree_collectives._plans.values() for b in p.layout._buffers if b is not None
+    ]
     buffers = [weakref.ref(b) for b in kept]
     del kept
     fdp.clear_caches()

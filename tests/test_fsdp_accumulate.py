@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fdp
-from fdp._comm import _groups
+from fdp._comm import _raw
 from tests import ranks
 from tests.helpers import tree_allclose
 from tests.test_fsdp import (
@@ -48,7 +48,7 @@ def _accumulate(rank: int, size: int, accumulate: bool, path: str) -> Any:
     shards = fsdp.shard(params)
     x, y = mine(data(size)[0], rank), mine(data(size)[1], rank)
     scattered = []
-    real = _groups.reduce_scatter
+    real = _raw.reduce_scatter
 
     def counting(t: torch.Tensor, **kw: Any) -> torch.Tensor:
         scattered.append(t.numel() * t.element_size())
@@ -68,7 +68,7 @@ def _accumulate(rank: int, size: int, accumulate: bool, path: str) -> Any:
         tree["unembed"] = tree["embed"]  # tied
         return tree
 
-    with mock.patch.object(_groups, "reduce_scatter", counting):
+    with mock.patch.object(_raw, "reduce_scatter", counting):
         for i in range(ROWS):
             held = accumulate and i < ROWS - 1
             with fsdp.no_sync() if held else contextlib.nullcontext():

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _compat, _tree
 from fdp._comm import _launch
-from fdp._comm._groups import ProcessGroup
 
 
 def require_member(call: str, group: object) -> None:

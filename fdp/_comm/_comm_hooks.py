@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-from fdp._comm._groups import ProcessGroup
 
 __all__ = ["CommHook", "GradBucket", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
 

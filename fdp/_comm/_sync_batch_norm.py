@@ -25,10 +25,10 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from torch.distributed import ProcessGroup
 
 from fdp import _compat, _mode
-from fdp._comm import _groups, _parallel, _training, _transforms
-from fdp._comm._groups import ProcessGroup
+from fdp._comm import _differentiable, _raw, _training, _transforms
 
 Group = _training.Group
 
@@ -37,14 +37,14 @@ def _summed(t: torch.Tensor, group: Group) -> torch.Tensor:
     """The sum over the ranks of ``group`` of ``t`` (a new tensor)."""
     if isinstance(group, _training.Alone):
         return t
-    return _groups.all_reduce(t, group=group)
+    return _raw.all_reduce(t, group=group)
 
 
 def _gathered(t: torch.Tensor, group: Group) -> torch.Tensor:
     """``t`` (1-d) from every rank of ``group``, one row per rank."""
     if isinstance(group, _training.Alone):
         return t.view(1, -1)
-    return _groups.all_gather(t, group=group).view(-1, t.numel())
+    return _raw.all_gather(t, group=group).view(-1, t.numel())
 
 
 def _statistics(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, ...]:
@@ -69,7 +69,7 @@ def _composite(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused forward from differentiable ops, for transforms and double backward.
 
-    The statistics travel through :func:`_parallel.all_gather`, whose
+    The statistics travel through :func:`_differentiable.all_gather`, whose
     derivatives are collectives too, so every transform (and the derivative
     of this backward) follows from the ops: the psum rule. Same numbers as
     the fused path (exact per-rank statistics, Chan's formula).
@@ -86,7 +86,7 @@ def _composite(
     if group is _training.ALONE:
         rows = row.view(1, -1)
     else:
-        rows = _parallel.all_gather(row, cast(ProcessGroup | None, group))
+        rows = _differentiable.all_gather(row, cast(ProcessGroup | None, group))
     counts, means, variances = rows[:, :1], rows[:, 1 : c + 1], rows[:, c + 1 :]
     total = counts.sum(0)
     mean = (counts * means).sum(0) / total

@@ -4,7 +4,7 @@
 ``broadcast`` each check their arguments, make the ranks agree on what
 must match (one tiny all-reduce of a fingerprint, eagerly: a rank's mistake
 becomes every rank's error, never a hang or a collective paired wrongly),
-then run ``fdp/_comm/_parallel.py``'s collective, whose rules give the
+then run ``fdp/_comm/_differentiable.py``'s collective, whose rules give the
 derivatives under autograd and every ``torch.func`` transform. Ranks
 (``src``, the order of a gather) are ranks of ``group``.
 docs/collectives.md has the semantics and a worked example.
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from fdp import _mode
-from fdp._comm import _agreement, _parallel, _transforms
-from fdp._comm._groups import ProcessGroup
+from fdp._comm import _agreement, _differentiable, _transforms
 
 __all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "reduce_scatter"]
 
@@ -51,9 +51,9 @@ def all_reduce(
     call = "fdp.all_reduce"
     _agree(call, group, x, {"op": op}, lambda: _check_op(call, op, x))
     if op in ("max", "min"):
-        return _parallel.pmax(x, op, group)
+        return _differentiable.pmax(x, op, group)
     scale = 1.0 / dist.get_world_size(group) if op == "mean" else 1.0
-    return _parallel.psum(x, scale=scale, group=group)
+    return _differentiable.psum(x, scale=scale, group=group)
 
 
 @_transforms.eager_under_transforms("fdp.all_gather")
@@ -76,8 +76,8 @@ def all_gather(x: torch.Tensor, *, dim: int = 0, group: ProcessGroup | None = No
     d = _agree(call, group, x, {"dim": dim}, lambda: _dim(call, "dim", dim, x))
     world = dist.get_world_size(group)
     moved = x.movedim(d, 0)
-    flat = _parallel.Flat(group, world, x.dtype, x.dtype, x.dtype)
-    out = _parallel.all_gather_flat(moved.reshape(-1), flat)
+    flat = _differentiable.Policy(group, world)
+    out = _differentiable.all_gather_flat(moved.reshape(-1), flat)
     return out.view(world * moved.shape[0], *moved.shape[1:]).movedim(0, d)
 
 
@@ -110,10 +110,10 @@ def reduce_scatter(
     world = dist.get_world_size(group)
     chunk = x.shape[d] // world
     if op in ("max", "min"):
-        return _parallel.pmax(x, op, group).narrow(d, dist.get_rank(group) * chunk, chunk)
+        return _differentiable.pmax(x, op, group).narrow(d, dist.get_rank(group) * chunk, chunk)
     moved = x.movedim(d, 0)
-    flat = _parallel.Flat(group, world, x.dtype, x.dtype, x.dtype)
-    out = _parallel.reduce_scatter_flat(moved.reshape(-1), flat)
+    flat = _differentiable.Policy(group, world)
+    out = _differentiable.reduce_scatter_flat(moved.reshape(-1), flat)
     out = out.view(chunk, *moved.shape[1:]).movedim(0, d)
     return out / world if op == "mean" else out
 
@@ -153,7 +153,7 @@ def all_to_all(
     world = dist.get_world_size(group)
     moved = x.movedim(s, 0)
     chunk = moved.shape[0] // world
-    got = _parallel.all_to_all_rows(moved.reshape(world, -1), group)
+    got = _differentiable.all_to_all_rows(moved.reshape(world, -1), group)
     chunks = got.view(world, chunk, *moved.shape[1:]).movedim(1, s + 1)
     return chunks.movedim(0, c).flatten(c, c + 1)
 
@@ -177,7 +177,7 @@ def broadcast(x: torch.Tensor, src: int = 0, *, group: ProcessGroup | None = Non
     """
     call = "fdp.broadcast"
     _agree(call, group, x, {"src": src}, lambda: _src(call, src, group))
-    return _parallel.broadcast(x, src, group)
+    return _differentiable.broadcast(x, src, group)
 
 
 # ---------------------------------------------------------------------------

@@ -12,10 +12,10 @@ import contextvars
 import dataclasses
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from fdp import _mode
 from fdp._comm import _groups
-from fdp._comm._groups import ProcessGroup
 
 
 class Alone:

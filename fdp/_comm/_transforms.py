@@ -1,8 +1,8 @@
 """Parameters and their gradients under ``torch.func`` transforms, on fdp's psum rule.
 
-The differentiable collectives themselves live in :mod:`fdp._comm._parallel`.
+The differentiable collectives themselves live in :mod:`fdp._comm._differentiable`.
 Here: when a collective must carry derivatives (:func:`needs_rule`), the
-bucketed average of gradients through :func:`~fdp._comm._parallel.psum`
+bucketed average of gradients through :func:`~fdp._comm._differentiable.psum`
 (:func:`reduce_buckets`), and :func:`eager_under_transforms`, the
 decorator that runs an entry point eagerly where dynamo would drop a
 collective's derivatives.
@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
+from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _compat, _mode, _tree
-from fdp._comm._groups import ProcessGroup
-from fdp._comm._parallel import psum
+from fdp._comm._differentiable import psum
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -15,7 +15,7 @@ the copy goes to the tensor underneath, with functorch's dispatch disabled
 (the collective would otherwise be recorded). While compiling it uses
 functional broadcasts and ``copy_`` into the leaves: an input mutation,
 which ``torch.compile`` applies after the graph. Both are
-:func:`fdp._comm._groups.broadcast_coalesced`.
+:func:`fdp._comm._raw.broadcast_coalesced`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from fdp import _bucket
-from fdp._comm import _groups
-from fdp._comm._groups import ProcessGroup
+from fdp._comm import _groups, _raw
 
 
 def is_buffer(t: torch.Tensor) -> bool:
@@ -64,7 +64,7 @@ class Buffers:
         if not self.buckets:
             return
         targets = [leaves[i] for i in self.indices]
-        _groups.broadcast_coalesced(self.buckets, targets, src=src, group=self.group)
+        _raw.broadcast_coalesced(self.buckets, targets, src=src, group=self.group)
 
     def shadow(self, *, src: int) -> None:
         """Takes part in the broadcast of rank ``src``'s buffers, keeping nothing (``join``)."""

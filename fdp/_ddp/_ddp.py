@@ -18,11 +18,11 @@ from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _compat, _mode, _tree
 from fdp._comm import _agreement, _comm_hooks, _transforms
 from fdp._comm._comm_hooks import CommHook
-from fdp._comm._groups import ProcessGroup
 from fdp._ddp import _buffers, _join, _traced
 from fdp._ddp._arming import Reducer, hooked_leaves
 from fdp._ddp._join import Joiner

@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _compat
 from fdp._comm import _groups
-from fdp._comm._groups import ProcessGroup
 from fdp._comm._training import ALONE, TRAINING, Group, Training
 from fdp._ddp._buffers import Buffers
 from fdp._ddp._sparse import empty_sparse

@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from torch.distributed import ProcessGroup
+
 from fdp import _compat
 from fdp._comm import _agreement
-from fdp._comm._groups import ProcessGroup
 
 DIVERGED = (
     "Some rank stepped on gradients that were not averaged: compute the loss from "

@@ -39,11 +39,11 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from fdp import _bucket, _compat
 from fdp._comm import _comm_hooks, _groups
-from fdp._comm._groups import ProcessGroup
 
 F = TypeVar("F", bound=Callable[..., Any])
 

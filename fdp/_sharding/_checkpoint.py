@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import optree
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _compat, _tree
 from fdp._comm import _agreement
-from fdp._comm._groups import ProcessGroup
 from fdp._sharding._zero_shards import Shards, ZeroState
 
 if TYPE_CHECKING:

@@ -26,9 +26,9 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from fdp import _tree
-from fdp._comm._groups import ProcessGroup
 from fdp._sharding import (
     _fsdp_accumulate,
     _fsdp_chain,
@@ -162,7 +162,7 @@ class FullyShardedDataParallel:
         )
         self._by_name = {u.name: u for u in self.units}
         total = self.world * self.replicas_world
-        policy = _fsdp_gather.Policy(
+        policy = _fsdp_gather.policy(
             group, self.world, param_dtype, reduce_dtype, self.replicas, total
         )
         self._policies = _fsdp_gather.per_unit(call, policy, unit_dtypes, self.unit_names)
@@ -323,7 +323,9 @@ class FullyShardedDataParallel:
         with torch.no_grad():
             for unit in self.units:
                 for bucket, shard in zip(unit.buckets, shards[unit.name], strict=True):
-                    how = self._policies[unit.name].how(bucket, shard, exact=True)
+                    how = _fsdp_gather.for_bucket(
+                        self._policies[unit.name], bucket, shard, exact=True
+                    )
                     flat = _fsdp_gather.gather(shard.detach(), how)[: bucket.numel]
                     for i, leaf in zip(bucket.indices, bucket.unpack(flat), strict=True):
                         out[i] = leaf.clone()
@@ -437,7 +439,7 @@ class FullyShardedDataParallel:
         buffer with its shard, how and leaves. ``key`` names the gather in the chain."""
         gathered: list[_fsdp_reshard.Gathered] = []
         for k, (bucket, shard) in enumerate(zip(unit.buckets, shards, strict=True)):
-            how = self._policies[unit.name].how(bucket, shard)
+            how = _fsdp_gather.for_bucket(self._policies[unit.name], bucket, shard)
             done = None if ready is None else _fsdp_gather.Ready(ready[k])
             name = f"{key or unit.name}/{k}"
             if not self._sync:

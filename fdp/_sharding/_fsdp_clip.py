@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from fdp._comm import _groups, _parallel, _transforms
+from fdp._comm import _differentiable, _raw, _transforms
 from fdp.optim import _clip
 
 
@@ -43,13 +43,13 @@ def clip_grad_norm(
                 "differentiate; got gradients that require grad or are under a torch.func "
                 "transform (use a finite norm_type there)"
             )
-        total = _groups.all_reduce(norms.max(), group=group, op="max")
+        total = _raw.all_reduce(norms.max(), group=group, op="max")
     else:
         local = (norms**p).sum()
         if _transforms.needs_rule([local]):
-            total = _parallel.psum(local, group=group) ** (1.0 / p)
+            total = _differentiable.psum(local, group=group) ** (1.0 / p)
         else:
-            total = _groups.all_reduce(local, group=group) ** (1.0 / p)
+            total = _raw.all_reduce(local, group=group) ** (1.0 / p)
     scale = torch.clamp(max_norm / (total + _clip.EPS), max=1.0)
     clipped = {k: tuple(t * scale.to(t.dtype) for t in ts) for k, ts in grads.items()}
     return clipped, total

@@ -7,7 +7,7 @@ reduce-scatter divided by the world size, so that the shards' gradient is
 the gradient of the mean of the ranks' losses, as under DDP.
 
 The all-gather and its transpose, with their rules for every transform,
-are :mod:`fdp._comm._parallel`'s (``all_gather_flat``); what is fully
+are :mod:`fdp._comm._differentiable`'s (``all_gather_flat``); what is fully
 sharded's own is here: the dtype policy (the shard is cast to
 ``param_dtype`` before the all-gather, a cotangent to ``reduce_dtype``
 before the reduce-scatter, and the shard's gradient comes back in the
@@ -19,57 +19,43 @@ and the explanation of a collective that failed (:func:`in_step`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.utils import checkpoint
 
 from fdp import _bucket, _compat, _mode
-from fdp._comm import _groups, _parallel
-from fdp._comm._groups import ProcessGroup
+from fdp._comm import _differentiable, _raw
+from fdp._comm._differentiable import Policy as Policy
 
 
-class How(NamedTuple):
-    """What every call on one unit's shard shares."""
-
-    group: ProcessGroup | None  # the shard group
-    world: int  # its size
-    param_dtype: torch.dtype  # what the all-gather carries
-    reduce_dtype: torch.dtype  # what the reduce-scatter carries
-    shard_dtype: torch.dtype  # the master copy's, which gradients come back in
-    replicas: ProcessGroup | None = None  # HSDP: the group across which shards are replicated
-    total: int = 0  # the ranks whose losses are averaged: world times the replicas
-
-    @property
-    def flat(self) -> _parallel.Flat:
-        """The all-gather of the unit and its transpose, in this policy's dtypes."""
-        return _parallel.Flat(
-            self.group, self.world, self.param_dtype, self.reduce_dtype, self.shard_dtype, in_step
-        )
+def policy(
+    group: ProcessGroup | None,
+    world: int,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    replicas: ProcessGroup | None,
+    total: int,
+) -> Policy:
+    """A FullyShardedDataParallel's policy; a ``None`` dtype: each bucket's (:func:`for_bucket`)."""
+    return Policy(
+        group, world, param_dtype, reduce_dtype, replicas=replicas, total=total, explain=in_step
+    )
 
 
-@dataclass(frozen=True)
-class Policy:
-    """The groups and dtypes every gather of one FullyShardedDataParallel shares."""
-
-    group: ProcessGroup | None
-    world: int
-    param_dtype: torch.dtype | None  # None: each bucket's own
-    reduce_dtype: torch.dtype | None  # None: what the all-gather carried
-    replicas: ProcessGroup | None
-    total: int  # the ranks whose losses are averaged
-
-    def how(self, bucket: _bucket.Bucket, shard: torch.Tensor, *, exact: bool = False) -> How:
-        """How ``shard`` (of ``bucket``) travels; ``exact``: in the bucket's own dtype."""
-        dtype = self.param_dtype
-        # torch has no bfloat16 complex: complex leaves keep their dtype.
-        if exact or dtype is None or any(bucket.complex_):
-            dtype = bucket.dtype
-        reduce = dtype if self.reduce_dtype is None else self.reduce_dtype
-        return How(self.group, self.world, dtype, reduce, shard.dtype, self.replicas, self.total)
+def for_bucket(
+    policy: Policy, bucket: _bucket.Bucket, shard: torch.Tensor, *, exact: bool = False
+) -> Policy:
+    """How ``shard`` (of ``bucket``) travels: every dtype set; ``exact``: the bucket's own."""
+    dtype = policy.param_dtype
+    # torch has no bfloat16 complex: complex leaves keep their dtype.
+    if exact or dtype is None or any(bucket.complex_):
+        dtype = bucket.dtype
+    reduce = dtype if policy.reduce_dtype is None else policy.reduce_dtype
+    return policy._replace(param_dtype=dtype, reduce_dtype=reduce, grad_dtype=shard.dtype)
 
 
 def per_unit(
@@ -95,7 +81,7 @@ def per_unit(
                 f"{call}: `unit_dtypes[{name!r}]` expected a floating-point dtype, None, or a "
                 f"pair of them (param_dtype, reduce_dtype); got {value!r}"
             )
-        policies[name] = dataclasses.replace(policy, param_dtype=pair[0], reduce_dtype=pair[1])
+        policies[name] = policy._replace(param_dtype=pair[0], reduce_dtype=pair[1])
     return policies
 
 
@@ -110,7 +96,7 @@ class Ready:
     flat: torch.Tensor
 
 
-def _gather_eager(shard: torch.Tensor, how: How, ready: Ready | None = None) -> torch.Tensor:
+def _gather_eager(shard: torch.Tensor, how: Policy, ready: Ready | None = None) -> torch.Tensor:
     """Every rank's ``shard`` (1-D), concatenated in rank order, in ``param_dtype``.
 
     The backward gives ``shard`` the mean over ranks of the cotangents'
@@ -119,10 +105,10 @@ def _gather_eager(shard: torch.Tensor, how: How, ready: Ready | None = None) -> 
     before from ``shard`` as it is now (eager only).
     """
     mean = _Mean.apply(shard, how)  # type: ignore[no-untyped-call]
-    return _parallel.all_gather_flat(mean, how.flat, ready=None if ready is None else ready.flat)
+    return _differentiable.all_gather_flat(mean, how, done=None if ready is None else ready.flat)
 
 
-def _gather_traced(shard: torch.Tensor, how: How, ready: Ready | None = None) -> torch.Tensor:
+def _gather_traced(shard: torch.Tensor, how: Policy, ready: Ready | None = None) -> torch.Tensor:
     """:func:`gather` while dynamo traces (nothing is prefetched there)."""
     # Measured on torch 2.13: compiling a transform would drop _TracedMean's backward.
     _mode.refuse_compiled_transform(
@@ -131,7 +117,7 @@ def _gather_traced(shard: torch.Tensor, how: How, ready: Ready | None = None) ->
         lost="the reduce-scatter of the gradients",
     )
     mean: torch.Tensor = _TracedMean.apply(shard, how)  # type: ignore[no-untyped-call]
-    return _parallel.all_gather_flat(mean, how.flat)
+    return _differentiable.all_gather_flat(mean, how)
 
 
 gather = _mode.by_mode(_gather_eager, _gather_traced)
@@ -140,7 +126,7 @@ gather = _mode.by_mode(_gather_eager, _gather_traced)
 def _unit_leaves_eager(
     bucket: _bucket.Bucket,
     shard: torch.Tensor,
-    how: How,
+    how: Policy,
     gathered: Callable[[], torch.Tensor],
     *,
     recompute: bool,
@@ -153,7 +139,7 @@ def _unit_leaves_eager(
 def _unit_leaves_traced(
     bucket: _bucket.Bucket,
     shard: torch.Tensor,
-    how: How,
+    how: Policy,
     gathered: Callable[[], torch.Tensor],
     *,
     recompute: bool,
@@ -183,7 +169,7 @@ def _unit_leaves_traced(
     mean = _TracedMean.apply(shard, how)  # type: ignore[no-untyped-call]
 
     def region(part: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(bucket.split(_parallel.all_gather_flat(part, how.flat)))
+        return tuple(bucket.split(_differentiable.all_gather_flat(part, how)))
 
     # Compiled plain activation checkpointing tags every op of the region
     # "prefer recompute", which the partitioner honours as a must; before
@@ -206,10 +192,10 @@ unit_leaves = _mode.by_mode(_unit_leaves_eager, _unit_leaves_traced)
 
 
 class _Identity(torch.autograd.Function):
-    """The identity forward (a view) over a shard, keeping its :class:`How`."""
+    """The identity forward (a view) over a shard, keeping its :class:`Policy`."""
 
     @staticmethod
-    def forward(x: torch.Tensor, how: How) -> torch.Tensor:
+    def forward(x: torch.Tensor, how: Policy) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
@@ -228,9 +214,9 @@ class _Mean(_Identity):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        how: How = ctx.how
+        how: Policy = ctx.how
         if how.replicas is not None:
-            grad = _parallel.psum(grad, group=how.replicas)
+            grad = _differentiable.psum(grad, group=how.replicas)
         return grad / how.total, None
 
     @staticmethod
@@ -243,15 +229,24 @@ class _TracedMean(_Identity):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        how: How = ctx.how
+        how: Policy = ctx.how
         if how.replicas is not None:
-            grad = _groups.all_reduce(grad, group=how.replicas)
+            grad = _raw.all_reduce(grad, group=how.replicas)
         return grad / how.total, None
 
 
+_WHAT = {
+    "all-gather": "the all-gather of a unit's shards",
+    "reduce-scatter": "the reduce-scatter of a unit's gradient",
+}
+
+
 @contextlib.contextmanager
-def in_step(what: str) -> Iterator[None]:
+def in_step(collective: str) -> Iterator[None]:
     """Explains an eager collective that failed, most often because ranks are out of step.
+
+    ``collective``: ``"all-gather"`` (of a unit's shards), ``"reduce-scatter"``
+    (of a unit's gradient) or the words for another.
 
     There is no ``join()`` for fully sharded ranks: each forward and backward
     is a sequence of collectives that every rank must make. A rank with more
@@ -259,6 +254,7 @@ def in_step(what: str) -> Iterator[None]:
     process group's timeout; this says why, instead of the backend's
     "timed out" alone (chained as the cause).
     """
+    what = _WHAT.get(collective, collective)
     try:
         yield
     except RuntimeError as err:  # gloo raises RuntimeError, NCCL a subclass (DistBackendError)

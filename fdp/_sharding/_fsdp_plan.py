@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _tree
 from fdp._comm import _agreement
-from fdp._comm._groups import ProcessGroup
 
 # A unit is packed whole: one flat buffer per dtype and device.
 _WHOLE = 1 << 62

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from fdp import _compat, _mode
-from fdp._comm import _groups
+from fdp._comm import _raw
 from fdp._sharding import _fsdp_gather, _fsdp_plan, _fsdp_reshard
 
 
@@ -48,13 +48,13 @@ class Started:
     """The asynchronous all-gathers of one unit's shards."""
 
     def __init__(
-        self, name: str, shards: Sequence[torch.Tensor], hows: Sequence[_fsdp_gather.How]
+        self, name: str, shards: Sequence[torch.Tensor], hows: Sequence[_fsdp_gather.Policy]
     ) -> None:
         self.name, self.shards = name, tuple(shards)
         self.versions = tuple(t._version for t in shards)
         self.parts = [t.detach().to(how.param_dtype) for t, how in zip(shards, hows, strict=True)]
         started = [
-            _groups.all_gather_start(part, group=how.group)
+            _raw.all_gather_start(part, group=how.group)
             for part, how in zip(self.parts, hows, strict=True)
         ]
         self.flats = [flat for flat, _ in started]
@@ -80,7 +80,9 @@ def start(
     unit: _fsdp_plan.Unit, shards: Sequence[torch.Tensor], policy: _fsdp_gather.Policy
 ) -> Started:
     """The asynchronous all-gathers of ``unit``'s ``shards``, as ``policy`` has them travel."""
-    hows = [policy.how(b, t) for b, t in zip(unit.buckets, shards, strict=True)]
+    hows = [
+        _fsdp_gather.for_bucket(policy, b, t) for b, t in zip(unit.buckets, shards, strict=True)
+    ]
     return Started(unit.name, shards, hows)
 
 

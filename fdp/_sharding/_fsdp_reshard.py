@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from fdp import _compat, _mode, _tree
-from fdp._comm import _groups
+from fdp._comm import _raw
 from fdp._sharding import _fsdp_gather
 
 
@@ -50,7 +50,7 @@ def _eligible_traced(outputs: Sequence[torch.Tensor]) -> bool:
 eligible = _mode.by_mode(_eligible_eager, _eligible_traced)
 
 # One gathered flat buffer: the buffer, its shard, how it travels, the leaves viewing it.
-Gathered = tuple[torch.Tensor, torch.Tensor, _fsdp_gather.How, Sequence[torch.Tensor]]
+Gathered = tuple[torch.Tensor, torch.Tensor, _fsdp_gather.Policy, Sequence[torch.Tensor]]
 
 
 class Resharded:
@@ -60,7 +60,7 @@ class Resharded:
         self,
         flat: torch.Tensor,
         shard: torch.Tensor,
-        how: _fsdp_gather.How,
+        how: _fsdp_gather.Policy,
         leaves: Sequence[torch.Tensor] = (),
     ) -> None:
         self.storage = flat.untyped_storage()
@@ -93,7 +93,7 @@ class Resharded:
         alias = torch.empty(0, dtype=self.dtype, device=self.device)
         alias.set_(self.storage, 0, (self.numel,), (1,))
         part = self.shard.to(self.how.param_dtype)
-        _, self.work = _groups.all_gather_start(part, group=self.how.group, out=alias)
+        _, self.work = _raw.all_gather_start(part, group=self.how.group, out=alias)
 
     def refill(self) -> None:
         self.start()

@@ -17,9 +17,9 @@ import re
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from fdp._comm import _groups
-from fdp._comm._groups import ProcessGroup
 
 _NUMBER = re.compile(r"(\d+)$")
 

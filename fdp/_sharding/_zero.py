@@ -18,10 +18,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
+from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _mode, _tree
 from fdp._comm import _agreement, _transforms
-from fdp._comm._groups import ProcessGroup
 from fdp._sharding import _zero_comm, _zero_join, _zero_shards
 from fdp._sharding._zero_shards import Part, Shards, ZeroState
 from fdp.optim import _base, _clip

@@ -15,7 +15,7 @@ is broadcast by its owner. Flat buffers are reused from step to step once
 nothing else views them: a fresh buffer costs page faults.
 
 Traced (``torch.compile``), the functional reduce-scatter (stage 1:
-all-reduce) and all-gather of :mod:`fdp._comm._groups`, whatever the backend."""
+all-reduce) and all-gather of :mod:`fdp._comm._raw`, whatever the backend."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from fdp import _compat
-from fdp._comm import _groups, _parallel
-from fdp._comm._groups import ProcessGroup
+from fdp._comm import _differentiable, _groups, _raw
 
 
 class Pool:
@@ -124,7 +124,7 @@ def is_gloo(group: ProcessGroup | None) -> bool:
 
 
 class Traced:
-    """Functional collectives (:mod:`fdp._comm._groups`), for ``torch.compile``."""
+    """Functional collectives (:mod:`fdp._comm._raw`), for ``torch.compile``."""
 
     traced = True
 
@@ -134,8 +134,8 @@ class Traced:
     def reduce(self, k: int, pieces: list[torch.Tensor]) -> Any:
         flat = torch.cat(pieces)
         if self.stage == 1:
-            return _groups.all_reduce(flat, group=self.group)
-        return _groups.reduce_scatter(flat, group=self.group)
+            return _raw.all_reduce(flat, group=self.group)
+        return _raw.reduce_scatter(flat, group=self.group)
 
     def reduced(self, started: Any) -> torch.Tensor:
         flat: torch.Tensor = started
@@ -145,7 +145,7 @@ class Traced:
         return flat / self.world
 
     def gather(self, k: int, pieces: list[torch.Tensor]) -> Any:
-        return _groups.all_gather(torch.cat(pieces), group=self.group)
+        return _raw.all_gather(torch.cat(pieces), group=self.group)
 
     def gathered(self, started: Any) -> torch.Tensor:
         full: torch.Tensor = started
@@ -153,11 +153,11 @@ class Traced:
 
     def total(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of ``t`` over the group."""
-        return _groups.all_reduce(t, group=self.group)
+        return _raw.all_reduce(t, group=self.group)
 
 
 class Differentiable:
-    """Collectives that carry derivatives (:mod:`fdp._comm._parallel`), for a step under autograd.
+    """Collectives that carry derivatives (:mod:`fdp._comm._differentiable`), for autograd.
 
     A reduce-scatter of each bucket and an all-gather of the new slices,
     the flat pair whose derivatives are each other: every derivative of the
@@ -168,13 +168,11 @@ class Differentiable:
 
     def __init__(self, group: ProcessGroup | None, rank: int, world: int) -> None:
         self.group, self.rank, self.world = group, rank, world
-
-    def _flat(self, t: torch.Tensor) -> _parallel.Flat:
-        return _parallel.Flat(self.group, self.world, t.dtype, t.dtype, t.dtype)
+        self.policy = _differentiable.Policy(group, world)  # in the tensors' own dtypes
 
     def reduce(self, k: int, pieces: list[torch.Tensor]) -> Any:
         flat = torch.cat(pieces)
-        return _parallel.reduce_scatter_flat(flat, self._flat(flat))
+        return _differentiable.reduce_scatter_flat(flat, self.policy)
 
     def reduced(self, started: Any) -> torch.Tensor:
         mine: torch.Tensor = started
@@ -182,7 +180,7 @@ class Differentiable:
 
     def gather(self, k: int, pieces: list[torch.Tensor]) -> Any:
         mine = torch.cat(pieces)
-        return _parallel.all_gather_flat(mine, self._flat(mine))
+        return _differentiable.all_gather_flat(mine, self.policy)
 
     def gathered(self, started: Any) -> torch.Tensor:
         full: torch.Tensor = started
@@ -190,4 +188,4 @@ class Differentiable:
 
     def total(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of ``t`` over the group, differentiably."""
-        return _parallel.psum(t, group=self.group)
+        return _differentiable.psum(t, group=self.group)

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from fdp import _compat, _tree
-from fdp._comm._groups import ProcessGroup
 
 Step = Callable[[Any, Any, Any], tuple[Any, Any]]
 

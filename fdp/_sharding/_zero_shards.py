@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _tree
-from fdp._comm._groups import ProcessGroup
 
 
 @dataclasses.dataclass(frozen=True)

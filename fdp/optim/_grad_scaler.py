@@ -14,9 +14,9 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from fdp import _tree
-from fdp._comm._groups import ProcessGroup
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""fdp._comm._groups: process groups and eager-or-compiled collectives, against arithmetic.
+"""fdp._comm._raw and _groups: eager-or-compiled collectives and group ranks, against arithmetic.
 
 Every rank's input is a function of its rank, so the parent computes what
 each collective must return; each one runs eagerly and traced
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fdp import _bucket
-from fdp._comm import _groups
+from fdp._comm import _groups, _raw
 from tests import ranks
 
 
@@ -26,11 +26,11 @@ def _input(rank: int) -> torch.Tensor:
 
 def _collectives(x: torch.Tensor, group: Any, src: int) -> tuple[torch.Tensor, ...]:
     return (
-        _groups.all_reduce(x, group=group),
-        _groups.all_reduce(x, group=group, op="max"),
-        _groups.all_gather(x.reshape(-1), group=group),
-        _groups.reduce_scatter(x.reshape(-1)[:6], group=group),
-        _groups.broadcast(x, src=src, group=group),
+        _raw.all_reduce(x, group=group),
+        _raw.all_reduce(x, group=group, op="max"),
+        _raw.all_gather(x.reshape(-1), group=group),
+        _raw.reduce_scatter(x.reshape(-1)[:6], group=group),
+        _raw.broadcast(x, src=src, group=group),
     )
 
 
@@ -92,7 +92,7 @@ def _coalesced(rank: int, size: int, compiled: bool) -> list[torch.Tensor | None
     buckets = _bucket.plan(targets, cap_bytes=_bucket.BROADCAST_CAP_BYTES)
 
     def sync(ts: list[torch.Tensor | None]) -> None:
-        _groups.broadcast_coalesced(buckets, ts, src=1, group=group)  # group rank 1: global 2
+        _raw.broadcast_coalesced(buckets, ts, src=1, group=group)  # group rank 1: global 2
 
     (torch.compile(sync, backend="aot_eager", fullgraph=True) if compiled else sync)(targets)
     return targets

@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _caches, _compat, _mode, _tree
-from fdp._comm import _agreement, _groups, _parallel, _transforms
-from fdp._comm._groups import ProcessGroup
+from fdp._comm import _agreement, _differentiable, _groups, _raw, _transforms
 
 __all__ = ["all_reduce_grads", "broadcast_params"]
 
@@ -64,7 +64,7 @@ def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None
         _broadcast_differentiable(tensors, src, group)
         return tree
     buckets = _bucket.plan(tensors, cap_bytes=_bucket.BROADCAST_CAP_BYTES)
-    _groups.broadcast_coalesced(buckets, tensors, src=_groups.group_rank(group, src), group=group)
+    _raw.broadcast_coalesced(buckets, tensors, src=_groups.group_rank(group, src), group=group)
     return tree
 
 
@@ -79,7 +79,7 @@ def _broadcast_differentiable(
     mine = _groups.group_rank(group, src)
     for t in tensors:
         if t is not None:
-            t.copy_(_parallel.broadcast(t, mine, group))
+            t.copy_(_differentiable.broadcast(t, mine, group))
 
 
 @_transforms.eager_under_transforms("fdp.all_reduce_grads")
@@ -196,7 +196,7 @@ def _all_reduce_differentiable(
     cap: int,
     scale: float,
 ) -> list[Any]:
-    """all_reduce_grads under autograd or a transform: one :func:`_parallel.psum` per bucket.
+    """all_reduce_grads under autograd or a transform: one :func:`_differentiable.psum` per bucket.
 
     The result is differentiable at any depth (the reduction's derivatives
     are the same reduction) and batches under ``vmap``.
@@ -227,7 +227,7 @@ def _all_reduce_traceable(
     out = list(leaves)
     buckets = _bucket.plan(tensors, cap_bytes=cap)
     reduced = [
-        _groups.all_reduce(b.pack([tensors[i] for i in b.indices]), group=group) for b in buckets
+        _raw.all_reduce(b.pack([tensors[i] for i in b.indices]), group=group) for b in buckets
     ]
     for bucket, total in zip(buckets, reduced, strict=True):
         for i, view in zip(bucket.indices, bucket.views(total * scale), strict=True):

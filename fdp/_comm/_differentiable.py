@@ -1,0 +1,344 @@
+"""fdp's differentiable collectives, each defined once by its rules (JAX's lax/parallel.py).
+
+The middle rung of the collective ladder: :mod:`fdp._comm._raw` moves the
+bytes, this module gives each collective its derivatives, and the public
+calls (:mod:`fdp._comm._tensor_collectives`, :mod:`fdp._comm._tree_collectives`)
+check arguments and make the ranks agree.
+
+Every collective here is linear in its input, so its derivatives are
+collectives too, as with JAX's ``psum``: the vjp is the transposed
+collective on the cotangent (all-reduce for all-reduce, reduce-scatter for
+all-gather and back), the jvp is the same collective on the tangent, and
+under ``vmap`` each batched slice travels in one collective. A
+:class:`Collective` is those rules: its raw forward, its transpose and its
+batching rule; it builds the eager form (an ``autograd.Function`` with
+``backward``, ``jvp`` and ``vmap`` whose rules call the collectives again,
+so they hold at any nesting depth: ``grad(grad)``, ``jvp(grad)``,
+``vmap(grad)``, ``jacrev``, ``jacfwd``, ``hessian``, forward AD) and the
+traced form (a Function with forward and backward only, the transpose's raw
+forward: dynamo cannot trace a Function with a custom ``jvp`` or ``vmap``).
+
+- :func:`psum`: the all-reduce; :func:`broadcast`, the stacked
+  :func:`all_gather` and :func:`reduce_scatter` are built from it (a masked
+  or zero-padded all-reduce, exact because adding zeros is).
+- :func:`pmax`: the elementwise max or min, piecewise linear (the holder's
+  derivatives), from a constant extreme and :func:`psum`.
+- :func:`all_gather_flat` and :func:`reduce_scatter_flat`: a flat 1-D
+  all-gather and its transpose, with a dtype :class:`Policy`; fully
+  sharded units, ZeRO and the public ``fdp.all_gather``/``fdp.reduce_scatter``
+  use them.
+- :func:`all_to_all_rows`: row ``j`` to rank ``j``, its own transpose.
+
+A new collective is a raw forward in :mod:`fdp._comm._raw`, one
+:class:`Collective` line here and its ``def``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from fdp import _mode
+from fdp._comm import _raw
+
+Rule = Callable[..., torch.Tensor]
+
+
+def _no_explanation(what: str) -> AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+class Collective:
+    """A differentiable collective, from its rules; call it as ``c(x, *consts)``.
+
+    Args:
+        name: what it is called in errors (``"all-gather"``).
+        forward: the raw collective ``(x, *consts) -> Tensor``, no derivatives.
+        batch: ``(x, *consts) -> Tensor`` with the batch in ``x``'s dim 0 on
+            every rank (every rank runs the same program and batches alike),
+            built from differentiable collectives; returns the batch in dim 0.
+        linear: ``False``: the result is a constant (no derivatives).
+        explain: ``consts -> context``, wrapped around each eager forward
+            (names what failed when ranks are out of step).
+
+    :attr:`transpose` is the collective itself until :func:`transposes` pairs it.
+
+    Example:
+        >>> double = Collective("double", lambda x: 2 * x, batch=lambda x: 2 * x)
+        >>> double(torch.ones(2)).tolist()
+        [2.0, 2.0]
+    """
+
+    def __init__(
+        self,
+        name: str,
+        forward: Rule,
+        *,
+        batch: Rule,
+        linear: bool = True,
+        explain: Callable[..., AbstractContextManager[None]] | None = None,
+    ) -> None:
+        self.name, self.forward, self.batch, self.linear = name, forward, batch, linear
+        self.explain = explain
+        self.transpose: Collective = self
+        self._call = _mode.by_mode(_eager_form(self), _traced_form(self))
+
+    def __call__(self, x: torch.Tensor, *consts: Any, done: torch.Tensor | None = None) -> Any:
+        """The collective of ``x``; ``done``: its result, issued before (eagerly only)."""
+        return self._call(x, *consts, done=done)
+
+    def batched(self, in_dim: int | None, x: torch.Tensor, *consts: Any) -> tuple[Any, int | None]:
+        """The ``vmap`` rule: ``x`` batched along ``in_dim``; the result batched along dim 0."""
+        if in_dim is None:
+            return self(x, *consts), None
+        return self.batch(x.movedim(in_dim, 0), *consts), 0
+
+
+def transposes(a: Collective, b: Collective) -> None:
+    """Makes ``a`` and ``b`` each other's transpose (an all-gather and its reduce-scatter)."""
+    a.transpose, b.transpose = b, a
+
+
+def _eager_form(c: Collective) -> Rule:
+    """``c`` as an ``autograd.Function`` with every rule, applied to ``x`` (or ``done``)."""
+
+    def forward(x: torch.Tensor, done: torch.Tensor | None, *consts: Any) -> torch.Tensor:
+        if done is not None:
+            return done
+        explain = contextlib.nullcontext() if c.explain is None else c.explain(*consts)
+        with explain:
+            return c.forward(x, *consts)
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.consts = inputs[2:]
+        if not c.linear:
+            ctx.mark_non_differentiable(output)
+
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        nothing = (None for _ in range(len(ctx.consts) + 1))
+        return (c.transpose(grad, *ctx.consts) if c.linear else None, *nothing)
+
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: Any) -> Any:
+        return c(tangent, *ctx.consts)
+
+    def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, done: Any, *consts: Any) -> Any:
+        return c.batched(in_dims[0], x, *consts)
+
+    rules = {"forward": forward, "setup_context": setup_context, "backward": backward}
+    rules |= {"vmap": vmap} | ({"jvp": jvp} if c.linear else {})
+    function = _function(f"_{c.name.title().replace('-', '')}", rules)
+
+    def call(x: torch.Tensor, *consts: Any, done: torch.Tensor | None = None) -> torch.Tensor:
+        out: torch.Tensor = function.apply(x if c.linear else x.detach(), done, *consts)
+        return out
+
+    return call
+
+
+def _traced_form(c: Collective) -> Rule:
+    """``c`` while dynamo traces: forward and backward only, the transpose's raw forward."""
+
+    def forward(x: torch.Tensor, *consts: Any) -> torch.Tensor:
+        return c.forward(x, *consts)
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.consts = inputs[1:]
+
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return (c.transpose.forward(grad, *ctx.consts), *(None for _ in ctx.consts))
+
+    rules = {"forward": forward, "setup_context": setup_context, "backward": backward}
+    function = _function(f"_Traced{c.name.title().replace('-', '')}", rules)
+
+    def call(x: torch.Tensor, *consts: Any, done: torch.Tensor | None = None) -> torch.Tensor:
+        if not c.linear:  # a constant: no Function to trace
+            return c.forward(x.detach(), *consts)
+        out: torch.Tensor = function.apply(x, *consts)
+        return out
+
+    return call
+
+
+def _function(name: str, rules: dict[str, Any]) -> Any:
+    """An ``autograd.Function`` subclass named ``name`` with ``rules`` as its static methods."""
+    methods = {k: staticmethod(v) for k, v in rules.items()}
+    return type(name, (torch.autograd.Function,), methods | {"__module__": __name__})
+
+
+# ---------------------------------------------------------------------------
+# The all-reduce, and what is built from it.
+
+_all_reduce = Collective(
+    "all-reduce",
+    lambda t, scale, group: _raw.all_reduce(t, group=group, scale=scale),
+    batch=lambda t, scale, group: psum(t, scale=scale, group=group),
+)
+
+
+def psum(t: torch.Tensor, *, scale: float = 1.0, group: ProcessGroup | None = None) -> torch.Tensor:
+    """``scale`` times the sum of ``t`` over the ranks of ``group``, differentiable at any depth."""
+    out: torch.Tensor = _all_reduce(t, scale, group)
+    return out
+
+
+_extreme: Collective = Collective(
+    "extreme",
+    lambda t, op, group: _raw.all_reduce(t, group=group, op=op),
+    batch=lambda t, op, group: _extreme(t, op, group),
+    linear=False,
+)
+
+
+def pmax(t: torch.Tensor, op: str, group: ProcessGroup | None) -> torch.Tensor:
+    """The elementwise ``op`` (``"max"`` or ``"min"``) over ranks, piecewise linear.
+
+    Each element's value is its holder's: the lowest rank holding the
+    extreme (ties go to the lowest rank). So the derivatives are that rank's:
+    its tangent forward; the cotangent summed over ranks, to it alone,
+    backward (a :func:`psum` of ``t`` where this rank holds the extreme, else
+    zeros, which gives the extreme exactly). Three collectives: the extreme,
+    the holder, the psum.
+    """
+    extreme = _extreme(t, op, group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    held = t.detach() == extreme
+    claim = torch.where(held, rank, world).to(torch.int32)
+    holder = _extreme(claim, "min", group)
+    return psum(torch.where(holder == rank, t, torch.zeros_like(t)), group=group)
+
+
+def broadcast(t: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Rank ``src``'s ``t`` (a group rank) on every rank; the transpose sums onto ``src``."""
+    # Zeros that depend on ``t``: every rank's psum then has the same
+    # derivatives to run (zeros_like would give the other ranks none: a hang).
+    mine = dist.get_rank(group) == src
+    return psum(t if mine else torch.where(torch.tensor(False), t, 0), group=group)
+
+
+def all_gather(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``t`` from every rank stacked along a new dim 0; the transpose is a reduce-scatter."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = [t if r == rank else torch.where(torch.tensor(False), t, 0) for r in range(world)]
+    return psum(torch.stack(rows), group=group)
+
+
+def reduce_scatter(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Row ``rank`` of the sum over ranks of ``t`` (shape ``(world, ...)``)."""
+    return psum(t, group=group)[dist.get_rank(group)]
+
+
+# ---------------------------------------------------------------------------
+# The flat all-gather and its transpose, the reduce-scatter.
+
+
+class Policy(NamedTuple):
+    """How a flat all-gather and its transpose travel; a dtype of ``None`` casts nothing.
+
+    The one dtype policy of fdp's sharded collectives: fully sharded units
+    (one per unit, resolved per bucket by ``fdp/_sharding/_fsdp_gather.py``),
+    ZeRO and the public calls.
+    """
+
+    group: ProcessGroup | None
+    world: int  # the group's size
+    param_dtype: torch.dtype | None = None  # what the all-gather carries
+    reduce_dtype: torch.dtype | None = None  # what the reduce-scatter carries
+    grad_dtype: torch.dtype | None = None  # what the reduce-scatter returns
+    replicas: ProcessGroup | None = None  # HSDP: the group across which shards are replicated
+    total: int = 0  # the ranks whose losses a gradient averages: world times the replicas
+    # Wraps each eager collective, given its name: says what failed (ranks out of step).
+    explain: Callable[[str], AbstractContextManager[None]] = _no_explanation
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in ``dtype``: ``t`` itself when it has it already, or for ``None``.
+
+    Note [no-op casts in traced forwards]: on torch 2.11, a compiled
+    ``autograd.Function`` whose forward returns the result of an op that
+    hands back its own input (``.to`` to the same dtype or device,
+    ``.contiguous()`` of a contiguous tensor, ``.type_as``) made from a
+    tensor computed inside that forward gets a zero gradient, silently
+    (measured right on 2.13 and 2.15). Never calling the op keeps every version right.
+    """
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+def _gather_now(x: torch.Tensor, policy: Policy) -> torch.Tensor:
+    return _raw.all_gather(_cast(x, policy.param_dtype), group=policy.group)
+
+
+def _scatter_now(y: torch.Tensor, policy: Policy) -> torch.Tensor:
+    out = _raw.reduce_scatter(_cast(y, policy.reduce_dtype), group=policy.group)
+    return _cast(out, policy.grad_dtype)  # Note [no-op casts in traced forwards]
+
+
+def _gather_batch(rows: torch.Tensor, policy: Policy) -> torch.Tensor:
+    # The batch goes into the flat buffer, rank-major, and back to the front after.
+    batch, n = rows.shape
+    out = all_gather_flat(rows.reshape(-1), policy)
+    return out.view(policy.world, batch, n).transpose(0, 1).reshape(batch, -1)
+
+
+def _scatter_batch(rows: torch.Tensor, policy: Policy) -> torch.Tensor:
+    batch = rows.shape[0]
+    rank_major = rows.reshape(batch, policy.world, -1).transpose(0, 1).reshape(-1)
+    return reduce_scatter_flat(rank_major, policy).view(batch, -1)
+
+
+_all_gather_flat = Collective(
+    "all-gather", _gather_now, batch=_gather_batch, explain=lambda p: p.explain("all-gather")
+)
+_reduce_scatter_flat = Collective(
+    "reduce-scatter",
+    _scatter_now,
+    batch=_scatter_batch,
+    explain=lambda p: p.explain("reduce-scatter"),
+)
+transposes(_all_gather_flat, _reduce_scatter_flat)
+
+
+def all_gather_flat(
+    x: torch.Tensor, policy: Policy, *, done: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Every rank's ``x`` (1-D, the same size everywhere) concatenated in rank order.
+
+    In ``policy.param_dtype``; the derivative (vjp) is :func:`reduce_scatter_flat`,
+    in ``policy.reduce_dtype``, returned in ``policy.grad_dtype``. ``done``:
+    the result, gathered before (eagerly only: a prefetch).
+    """
+    out: torch.Tensor = _all_gather_flat(x, policy, done=done)
+    return out
+
+
+def reduce_scatter_flat(y: torch.Tensor, policy: Policy) -> torch.Tensor:
+    """This rank's part (1/world of ``y``, rank-major) of the sum over ranks of ``y``."""
+    out: torch.Tensor = _reduce_scatter_flat(y, policy)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The all-to-all: row j to rank j. Its own transpose, as psum is.
+
+
+def _all_to_all_batch(rows: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    batch, world, m = rows.shape  # each rank's rows by batch
+    out = all_to_all_rows(rows.transpose(0, 1).reshape(world, batch * m), group)
+    return out.view(world, batch, m).transpose(0, 1)
+
+
+# What rank i got from me, row i, was my row i: its cotangent goes back the same way.
+_all_to_all = Collective(
+    "all-to-all", lambda rows, group: _raw.all_to_all(rows, group=group), batch=_all_to_all_batch
+)
+
+
+def all_to_all_rows(rows: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Row ``j`` of ``rows`` (``(world, m)``) to rank ``j``; row ``i`` of the result from ``i``."""
+    out: torch.Tensor = _all_to_all(rows, group)
+    return out

@@ -1,0 +1,157 @@
+"""The raw collectives: a new tensor from ``torch.distributed``, no derivatives.
+
+The bottom rung of fdp's collective ladder. :func:`all_reduce`,
+:func:`all_gather`, :func:`reduce_scatter`, :func:`all_to_all` and
+:func:`broadcast` return a new tensor and leave their input alone. While
+``torch.compile`` traces, they are torch's functional collectives (dynamo
+puts them in the graph, with a wait at first use); eagerly,
+``torch.distributed``'s, on a copy, outside autograd and ``torch.func`` (the
+result is a constant to both). Ranks given to these functions are ranks of
+``group``, as the functional collectives take them.
+
+The rungs above: :mod:`fdp._comm._differentiable` gives each collective its
+derivative and batching rules; :mod:`fdp._comm._tensor_collectives` and
+:mod:`fdp._comm._tree_collectives` are the public calls on a tensor and on a
+tree. The in-place, asynchronous, bucketed fast paths of DDP and ZeRO keep
+``torch.distributed`` calls of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed import ProcessGroup
+
+from fdp import _bucket, _compat, _mode
+from fdp._comm._groups import global_rank, resolve
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(
+    t: torch.Tensor, *, group: ProcessGroup | None, op: str = "sum", scale: float = 1.0
+) -> torch.Tensor:
+    """``scale`` times the ``"sum"``, ``"max"`` or ``"min"`` of ``t`` over ``group``."""
+    if _mode.traced():
+        out: torch.Tensor = funcol.all_reduce(t, op, resolve(group))
+        return out if scale == 1.0 else out * scale
+    with torch.no_grad(), _compat.functorch_disabled():
+        plain = _own(t)
+        dist.all_reduce(plain, op=_OPS[op], group=group)
+        return plain if scale == 1.0 else plain.mul_(scale)
+
+
+def all_gather(t: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tensor:
+    """Every rank's ``t``, concatenated along dim 0 in rank order."""
+    if _mode.traced():
+        out: torch.Tensor = funcol.all_gather_tensor(t, 0, resolve(group))
+        return out
+    with torch.no_grad(), _compat.functorch_disabled():
+        plain = _compat.unwrap_functorch(t).contiguous()
+        rows = plain.new_empty(dist.get_world_size(group), *plain.shape)
+        # The list form: torch 2.13 deprecates all_gather_into_tensor, and
+        # its successor all_gather_single is newer than the supported floor.
+        dist.all_gather(list(rows.unbind()), plain, group=group)
+        return rows.flatten(0, 1) if plain.dim() else rows
+
+
+def all_gather_start(
+    t: torch.Tensor, *, group: ProcessGroup | None, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, Any]:
+    """Starts gathering every rank's 1-D ``t`` into ``out`` (new if ``None``); eager only.
+
+    Returns ``out`` and the work; ``out`` holds the result once the work's
+    ``wait()`` returns. Outside autograd: prefetching, whose result enters
+    autograd later (``fdp/_sharding/_fsdp_prefetch.py``).
+    """
+    with torch.no_grad(), _compat.functorch_disabled():
+        part = _compat.unwrap_functorch(t).detach().contiguous()
+        if out is None:
+            out = part.new_empty(dist.get_world_size(group) * part.numel())
+        return out, _compat.all_gather_single(out, part, group)
+
+
+def reduce_scatter(t: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tensor:
+    """This rank's part (dim 0 cut in ``world`` equal parts) of the sum of ``t`` over ``group``."""
+    if _mode.traced():
+        out: torch.Tensor = funcol.reduce_scatter_tensor(t, "sum", 0, resolve(group))
+        return out
+    with torch.no_grad(), _compat.functorch_disabled():
+        plain = _compat.unwrap_functorch(t).contiguous()
+        world = dist.get_world_size(group)
+        mine = plain.new_empty(plain.shape[0] // world, *plain.shape[1:])
+        _compat.reduce_scatter_single(mine, plain, group).wait()
+        return mine
+
+
+def all_to_all(t: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tensor:
+    """Row ``j`` of ``t`` (dim 0 cut in ``world`` equal parts) to rank ``j``; rows by sender."""
+    if _mode.traced():
+        out: torch.Tensor = funcol.all_to_all_single(t, None, None, resolve(group))
+        return out
+    with torch.no_grad(), _compat.functorch_disabled():
+        plain = _compat.unwrap_functorch(t).contiguous()
+        got = torch.empty_like(plain)
+        dist.all_to_all_single(got, plain, group=group)
+        return got
+
+
+def broadcast(t: torch.Tensor, *, src: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Rank ``src``'s ``t`` (``src`` a rank of ``group``)."""
+    if _mode.traced():
+        out: torch.Tensor = funcol.broadcast(t, src, resolve(group))
+        return out
+    with torch.no_grad(), _compat.functorch_disabled():
+        plain = _own(t)
+        dist.broadcast(plain, src=global_rank(group, src), group=group)
+        return plain
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of the plain tensor under any ``torch.func`` wrappers."""
+    return torch.clone(_compat.unwrap_functorch(t), memory_format=torch.contiguous_format)
+
+
+def broadcast_coalesced(
+    buckets: Sequence[_bucket.Bucket],
+    targets: Sequence[torch.Tensor | None],
+    *,
+    src: int,
+    group: ProcessGroup | None,
+) -> None:
+    """Gives ``targets`` the values of rank ``src`` of ``group``, in place.
+
+    One broadcast per bucket (``buckets`` index ``targets``, as
+    :func:`fdp._bucket.plan` made them), asynchronous eagerly; ``None``
+    targets are skipped. Outside autograd; under ``torch.func`` the tensors
+    underneath the wrappers are written.
+    """
+    if _mode.traced():  # copy_ into the leaves: an input mutation of the graph
+        with torch.no_grad():
+            for bucket in buckets:  # functional packing: dynamo cannot trace pack's views
+                flat = torch.cat(bucket.pieces([targets[i] for i in bucket.indices]))
+                flat = broadcast(flat, src=src, group=group)
+                for i, view in zip(bucket.indices, bucket.unpack(flat), strict=True):
+                    if targets[i] is not None:
+                        targets[i].copy_(view)  # type: ignore[union-attr]
+        return
+    with torch.no_grad(), _compat.functorch_disabled():
+        # Under torch.func the tensor underneath the wrappers receives the values.
+        targets = [None if t is None else _compat.unwrap_functorch(t) for t in targets]
+        flats = [b.pack([targets[i] for i in b.indices]) for b in buckets]
+        root = global_rank(group, src)
+        works = [dist.broadcast(f, src=root, group=group, async_op=True) for f in flats]
+        for bucket, flat, work in zip(buckets, flats, works, strict=True):
+            work.wait()
+            pairs = [
+                (t, view)
+                for t, view in zip(
+                    [targets[i] for i in bucket.indices], bucket.views(flat), strict=True
+                )
+                if t is not None
+            ]
+            _compat.foreach_copy_([t for t, _ in pairs], [view for _, view in pairs])
