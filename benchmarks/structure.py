@@ -4,7 +4,7 @@ Static figures come from the source (``ast``): module sizes, functions over
 50 lines of code, the import graph among fdp's modules (module-level
 imports; an import inside a function is not an edge) and its depth, and the
 modules that ask "is dynamo tracing?" (``is_compiling()``, ``_mode.traced()``)
-and those that hand an eager and a traced form to ``_mode.by_mode``, or call
+and those that pair an eager and a traced form (``_mode.traced_as``), or call
 ``torch.distributed``'s collectives directly. Runtime figures come from two
 gloo ranks: the fdp modules one eager DDP step and one fully sharded step
 call into (rank 0, ``sys.setprofile``), in the order first entered, and how
@@ -100,7 +100,9 @@ def static_figures() -> dict[str, Any]:
         "edges": sum(len(v) for v in graph.values()),
         "depth": depth(graph),
         "deciding": sorted(n for n, t in text.items() if any(q in t for q in ASKS)),
-        "forms": sorted(n for n, t in text.items() if "_mode.by_mode(" in t),
+        "forms": sorted(
+            n for n, t in text.items() if "_mode.traced_as(" in t or "_mode.by_mode(" in t
+        ),
         "raw": sorted(n for n, t in text.items() if raw_collectives(t)),
     }
 
@@ -117,7 +119,7 @@ def static() -> None:
     print(f"import edges among fdp's modules: {f['edges']}")
     print(f"import depth (longest chain of modules): {f['depth']}")
     print(f"modules asking whether dynamo traces: {len(f['deciding'])}: {f['deciding']}")
-    print(f"modules giving an eager and a traced form to _mode.by_mode: {len(f['forms'])}")
+    print(f"modules pairing an eager and a traced form (_mode.traced_as): {len(f['forms'])}")
     print(f"modules calling torch.distributed collectives directly: {len(f['raw'])}: {f['raw']}")
 
 
@@ -137,7 +139,7 @@ def design_block(f: dict[str, Any]) -> str:
         f"- functions over 50 lines of code: {len(f['long'])}",
         f"- {f['edges']} import edges among fdp's modules, depth {f['depth']}",
         f"- {len(f['deciding'])} modules ask whether dynamo traces; {len(f['forms'])} hand "
-        "two forms to `_mode.by_mode`",
+        "two forms to `_mode.traced_as`",
         f"- {len(f['raw'])} modules call `torch.distributed` collectives directly",
         END,
     ])  # fmt: skip

@@ -179,7 +179,27 @@ def _writer(
     return write
 
 
-def _eager_call(
+def _call_traced(
+    module: nn.Module,
+    state: Mapping[str, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    sync_batch_norm: bool,
+    group: Any,
+) -> Any:
+    """Compiled code runs on one thread: dynamo traces the real module."""
+    if sync_batch_norm:
+        raise NotImplementedError(
+            f"{_CALL}: `sync_batch_norm=True` does not run inside torch.compile (it swaps "
+            "the class of a per-call copy of the module); call fdp.sync_batch_norm in the "
+            "compiled function instead"
+        )
+    return torch.func.functional_call(module, dict(state), args, kwargs)
+
+
+@_mode.traced_as(_call_traced)
+def _call(
     module: nn.Module,
     state: Mapping[str, Any],
     args: tuple[Any, ...],
@@ -201,28 +221,6 @@ def _eager_call(
                 shell.__dict__["_backward_hooks"] = old["_backward_hooks"] = m._backward_hooks
     _replica.defer(_writer(pairs, before))
     return out
-
-
-def _traced_call(
-    module: nn.Module,
-    state: Mapping[str, Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    sync_batch_norm: bool,
-    group: Any,
-) -> Any:
-    """Compiled code runs on one thread: dynamo traces the real module."""
-    if sync_batch_norm:
-        raise NotImplementedError(
-            f"{_CALL}: `sync_batch_norm=True` does not run inside torch.compile (it swaps "
-            "the class of a per-call copy of the module); call fdp.sync_batch_norm in the "
-            "compiled function instead"
-        )
-    return torch.func.functional_call(module, dict(state), args, kwargs)
-
-
-_call = _mode.by_mode(_eager_call, _traced_call)
 
 
 def _refuse_lazy(state: Mapping[str, torch.Tensor], module: nn.Module) -> None:

@@ -4,7 +4,8 @@ Most of fdp runs the same code eagerly and under ``torch.compile``. Where
 the two must differ (hooks, threads and context variables dynamo cannot
 trace, values that cannot be read while tracing, a ``torch.func``
 transform whose custom backward compiling would drop), the module writes
-both forms side by side and :func:`by_mode` picks one at each call. The
+both forms side by side: the eager one is a ``def`` decorated with
+:func:`traced_as`, naming its traced twin, and one of them runs at each call. The
 question itself is asked here and in the few modules that docs/design.md
 lists: how trees are flattened (``_tree``), how a collective is issued
 (``_comm/_raw``) and the compiled fallback (``_comm/_transforms``).
@@ -13,7 +14,7 @@ lists: how trees are flattened (``_tree``), how a collective is issued
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -49,6 +50,75 @@ def by_mode(eager: F, traced_form: F) -> F:
     return cast(F, call)
 
 
+def traced_as(traced_form: F) -> Callable[[F], F]:
+    """Decorates a function's eager form with its traced form: one callable, as :func:`by_mode`.
+
+    The one naming scheme: the decorated ``def`` is the name callers use
+    (go-to-definition lands on its eager code), its twin is ``_<name>_traced``,
+    defined just above it.
+
+    Example:
+        >>> def _double_traced(x):
+        ...     return x + x
+        >>> @traced_as(_double_traced)
+        ... def double(x):
+        ...     return 2 * x
+        >>> double(3)
+        6
+    """
+
+    def decorate(eager: F) -> F:
+        return by_mode(eager, traced_form)
+
+    return decorate
+
+
+def transform_running() -> bool:
+    """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) runs on this thread."""
+    return _compat.functorch_active()
+
+
+def dual(tensors: Iterable[Any]) -> bool:
+    """Whether a tensor among ``tensors`` carries a forward-mode tangent (a dual tensor)."""
+    # Loops, not any(genexpr): dynamo 2.15 fails on a generator inside a traced Function.
+    for t in tensors:  # noqa: SIM110
+        if isinstance(t, torch.Tensor) and _compat.has_tangent(t):
+            return True
+    return False
+
+
+def wrapped(tensors: Iterable[Any]) -> bool:
+    """Whether a tensor among ``tensors`` is a ``torch.func`` wrapper (grad tracking, batched)."""
+    for t in tensors:  # noqa: SIM110
+        if isinstance(t, torch.Tensor) and _compat.is_transformed(t):
+            return True
+    return False
+
+
+def transformed(tensors: Iterable[Any] = ()) -> bool:
+    """The second question: is a ``torch.func`` transform or a dual tensor involved?
+
+    True while a transform runs, or when a tensor among ``tensors`` carries
+    a forward-mode tangent. Where it is, a collective must carry its rules
+    and fdp's hooks and threads step aside.
+    """
+    return transform_running() or dual(tensors)
+
+
+def needs_rules(tensors: Sequence[Any]) -> bool:
+    """Whether a collective over ``tensors`` must carry derivative or batching rules.
+
+    :func:`transformed`, or grad mode is on and a tensor requires grad.
+    """
+    if transformed(tensors):
+        return True
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return True
+    return False
+
+
 def compiling_a_transform() -> bool:
     """Whether dynamo is tracing inside a ``torch.func`` transform.
 
@@ -57,7 +127,7 @@ def compiling_a_transform() -> bool:
     (:func:`refuse_compiled_transform`) or run eagerly. ``nox -s torch_range``
     runs their tests on each release.
     """
-    return torch.compiler.is_compiling() and _compat.functorch_active()
+    return torch.compiler.is_compiling() and transform_running()
 
 
 def refuse_compiled_transform(

@@ -50,7 +50,7 @@ def _run_inline() -> bool:
     """Whether replicas must run in a loop on the calling thread."""
     return (
         # A torch.func transform (grad, vmap, ...) is active on this thread.
-        _compat.functorch_active()
+        _mode.transform_running()
         # A replica calling data_parallel again must not wait on its own pool.
         or _workers.inside_worker()
     )
@@ -252,7 +252,19 @@ def parallel_apply_on(
     return _run(fn, replicas, args, kws, devs)
 
 
-def _run_eager(
+def _run_traced(
+    fn: Callable[..., Any],
+    replicas: Sequence[Any],
+    args: Sequence[tuple[Any, ...]],
+    kws: Sequence[dict[str, Any]],
+    devs: list[torch.device],
+) -> list[Any]:
+    """One after another: compiled code runs on one thread, without the replica context."""
+    return [fn(r, *a, **k) for r, a, k in zip(replicas, args, kws, strict=True)]
+
+
+@_mode.traced_as(_run_traced)
+def _run(
     fn: Callable[..., Any],
     replicas: Sequence[Any],
     args: Sequence[tuple[Any, ...]],
@@ -273,20 +285,6 @@ def _run_eager(
     if deferred:
         _replica.run(deferred)
     return outputs
-
-
-def _run_traced(
-    fn: Callable[..., Any],
-    replicas: Sequence[Any],
-    args: Sequence[tuple[Any, ...]],
-    kws: Sequence[dict[str, Any]],
-    devs: list[torch.device],
-) -> list[Any]:
-    """One after another: compiled code runs on one thread, without the replica context."""
-    return [fn(r, *a, **k) for r, a, k in zip(replicas, args, kws, strict=True)]
-
-
-_run = _mode.by_mode(_run_eager, _run_traced)
 
 
 def _check_sequence(value: object, name: str, n: int | None, *, call: str) -> int:

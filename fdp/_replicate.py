@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fdp import _bucket, _compat, _mode, _tree
+from fdp import _bucket, _mode, _tree
 from fdp._device import DeviceLike, all_cpu, as_devices
 
 __all__ = ["replicate"]
@@ -111,19 +111,17 @@ def _plan(tensors: list[torch.Tensor], targets: list[torch.device]) -> tuple[_Co
     return tuple((b, target) for target in targets for b in buckets if b.device != target)
 
 
-def _eager_function(tensors: list[torch.Tensor]) -> type[torch.autograd.Function]:
-    """The Function copying ``tensors``: one with a forward-mode rule where tangents may flow."""
-    if _compat.functorch_active() or any(_compat.has_tangent(t) for t in tensors):
-        return _BroadcastForward
-    return _Broadcast
-
-
-def _traced_function(tensors: list[torch.Tensor]) -> type[torch.autograd.Function]:
+def _function_traced(tensors: list[torch.Tensor]) -> type[torch.autograd.Function]:
     """While tracing: reverse mode only (a compiled jvp over copies is refused first)."""
     return _Broadcast
 
 
-_function = _mode.by_mode(_eager_function, _traced_function)
+@_mode.traced_as(_function_traced)
+def _function(tensors: list[torch.Tensor]) -> type[torch.autograd.Function]:
+    """The Function copying ``tensors``: one with a forward-mode rule where tangents may flow."""
+    if _mode.transformed(tensors):
+        return _BroadcastForward
+    return _Broadcast
 
 
 def replicate(params: Any, devices: Sequence[DeviceLike]) -> list[Any]:

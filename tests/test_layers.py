@@ -121,6 +121,24 @@ def test_no_private_helper_is_used_across_modules() -> None:
     assert crossings == []
 
 
+def test_only_mode_asks_whether_a_transform_or_a_dual_tensor_is_involved() -> None:
+    # The second question has one home (docs/design.md): a module that asks
+    # _compat itself would answer it its own way again.
+    asks = ("_compat.functorch_active(", "_compat.has_tangent(", "_compat.is_transformed(")
+    askers = [n for n, p in MODULES.items() if any(q in p.read_text() for q in asks)]
+    assert askers == ["fdp._mode"]
+
+
+def test_every_eager_and_traced_pair_uses_one_naming_scheme() -> None:
+    # ``@_mode.traced_as(_name_traced)`` on ``def name``: go-to-definition lands on code.
+    pattern = re.compile(r"@_mode\.traced_as\((\w+)\)\n\s*def (\w+)\(")
+    pairs = [m.groups() for p in MODULES.values() for m in pattern.finditer(p.read_text())]
+    assert len(pairs) > 20
+    assert [(t, n) for t, n in pairs if t != f"_{n.lstrip('_')}_traced"] == []
+    by_mode = [n for n, p in MODULES.items() if "_mode.by_mode(" in p.read_text()]
+    assert by_mode == ["fdp._comm._differentiable"]  # a Collective builds its forms
+
+
 def test_design_md_shows_the_structure_as_it_is() -> None:
     # Its figures were written by hand and fell behind (55 modules, 186 edges
     # when there were 61 and 210): now benchmarks/structure.py writes them.

@@ -75,3 +75,23 @@ def test_refuse_compiled_transform_raises_only_inside_a_compiled_transform() -> 
         NotImplementedError, match=r"fdp.test: testing .* lose the gradient.*#193279"
     ):
         torch.compile(torch.func.grad(loss), backend="eager")(x)
+
+
+def _tripled_traced(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@_mode.traced_as(_tripled_traced)
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    """Twice ``x``."""
+    return x * 2
+
+
+def test_traced_as_keeps_the_eager_def_and_runs_its_twin_in_a_graph() -> None:
+    torch._dynamo.reset()
+    x = torch.arange(3.0)
+    torch.testing.assert_close(doubled(x), x * 2)
+    compiled = torch.compile(lambda t: doubled(t) + 1, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), x * 3 + 1)
+    assert doubled.__name__ == "doubled"
+    assert doubled.__doc__ == "Twice ``x``."

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
+from fdp import _mode
+
 _CALL = "fdp.init_distributed"
 _NEEDED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _KEYS = "fdp/launch"
@@ -101,8 +103,11 @@ def warn_if_restarts_fail(call: str) -> None:
     addresses after a restart, and gloo fails (``connectFullMesh ...
     Connection refused``) or waits out its timeout. fdp cannot repair such
     a group: the restarted ``init_process_group`` fails before fdp runs.
+
+    Eager calls only: while dynamo traces, the graph would guard on the
+    once-flag and compile again the first time it flips.
     """
-    if _WARNED:
+    if _WARNED or _mode.traced():
         return
     _WARNED.append(True)
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)

@@ -220,7 +220,7 @@ def sync_batch_norm(
     w = weight if weight is not None else torch.ones(c, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else torch.zeros(c, dtype=x.dtype, device=x.device)
     group_ = _training.training_group(group)
-    if _compat.functorch_active() or any(_compat.has_tangent(t) for t in (x, w, b)):
+    if _mode.transformed((x, w, b)):
         y, mean, var, n = _composite(x, w, b, eps, group_)
     else:
         y, mean, var, n = _SyncBatchNorm.apply(x, w, b, eps, group_)  # type: ignore[no-untyped-call]
@@ -237,18 +237,16 @@ def sync_batch_norm(
     return out
 
 
-def _count_eager(n: torch.Tensor) -> int | None:
-    """The global batch's values per channel, where it can be read (None under a transform)."""
-    if _compat.functorch_active():
-        return None
-    return int(n.reshape(-1)[0])
-
-
 def _count_traced(n: torch.Tensor) -> int | None:
     return None  # reading a value would break the graph
 
 
-_count = _mode.by_mode(_count_eager, _count_traced)
+@_mode.traced_as(_count_traced)
+def _count(n: torch.Tensor) -> int | None:
+    """The global batch's values per channel, where it can be read (None under a transform)."""
+    if _mode.transform_running():
+        return None
+    return int(n.reshape(-1)[0])
 
 
 def _update_running_traced(
@@ -263,7 +261,8 @@ def _update_running_traced(
         running_var.lerp_(var.to(running_var.dtype), momentum)
 
 
-def _update_running_eager(
+@_mode.traced_as(_update_running_traced)
+def _update_running(
     running_mean: torch.Tensor,
     running_var: torch.Tensor,
     mean: torch.Tensor,
@@ -274,7 +273,7 @@ def _update_running_eager(
     # Under torch.func the statistics are wrapped at the transform's level,
     # while the buffers are plain tensors the transform captured.
     with torch.no_grad(), _compat.functorch_disabled():
-        if _compat.is_transformed(_compat.unwrap_functorch(mean)):
+        if _mode.wrapped([_compat.unwrap_functorch(mean)]):
             raise ValueError(
                 "fdp.sync_batch_norm: under torch.vmap each vmapped slice has its own batch "
                 "statistics, which cannot update `running_mean` and `running_var` in place "
@@ -284,9 +283,6 @@ def _update_running_eager(
         for buf, new in ((running_mean, mean), (running_var, var)):
             target = _compat.unwrap_functorch(buf)
             target.lerp_(_compat.unwrap_functorch(new).to(target.dtype), momentum)
-
-
-_update_running = _mode.by_mode(_update_running_eager, _update_running_traced)
 
 
 def _synced_forward(self: Any, x: torch.Tensor) -> torch.Tensor:

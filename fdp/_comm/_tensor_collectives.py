@@ -184,7 +184,16 @@ def broadcast(x: torch.Tensor, src: int = 0, *, group: ProcessGroup | None = Non
 # Checks, shared with every rank.
 
 
-def _agree_eager(
+def _agree_traced(
+    call: str, group: ProcessGroup | None, x: Any, options: dict[str, Any], check: Callable[[], Any]
+) -> Any:
+    """While dynamo traces, the local checks only: a graph cannot compare ranks."""
+    _tensor(call, x)
+    return check()
+
+
+@_mode.traced_as(_agree_traced)
+def _agree(
     call: str, group: ProcessGroup | None, x: Any, options: dict[str, Any], check: Callable[[], Any]
 ) -> Any:
     """``check()``'s value once every rank agrees on ``x``'s shape, dtype and ``options``.
@@ -216,17 +225,6 @@ def _agree_eager(
     if error is not None:
         raise error
     return value
-
-
-def _agree_traced(
-    call: str, group: ProcessGroup | None, x: Any, options: dict[str, Any], check: Callable[[], Any]
-) -> Any:
-    """While dynamo traces, the local checks only: a graph cannot compare ranks."""
-    _tensor(call, x)
-    return check()
-
-
-_agree = _mode.by_mode(_agree_eager, _agree_traced)
 
 
 def _tensor(call: str, x: Any) -> None:

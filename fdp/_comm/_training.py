@@ -40,11 +40,12 @@ TRAINING: contextvars.ContextVar[Training | None] = contextvars.ContextVar(
 )
 
 
-def _group_traced(group: ProcessGroup | None) -> Group:
+def _training_group_traced(group: ProcessGroup | None) -> Group:
     return group  # join is eager; dynamo cannot read a ContextVar
 
 
-def _group_eager(group: ProcessGroup | None) -> Group:
+@_mode.traced_as(_training_group_traced)
+def training_group(group: ProcessGroup | None) -> Group:
     """The group ``fdp.sync_batch_norm`` over ``group`` runs in: the ranks still training."""
     training = TRAINING.get()
     if training is None:
@@ -64,6 +65,3 @@ def _group_eager(group: ProcessGroup | None) -> Group:
             "ddp's group holds every process; got a smaller group"
         )
     return training.sub
-
-
-training_group = _mode.by_mode(_group_eager, _group_traced)

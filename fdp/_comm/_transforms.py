@@ -1,7 +1,7 @@
 """Parameters and their gradients under ``torch.func`` transforms, on fdp's psum rule.
 
 The differentiable collectives themselves live in :mod:`fdp._comm._differentiable`.
-Here: when a collective must carry derivatives (:func:`needs_rule`), the
+Here: when a collective must carry derivatives (``_mode.needs_rules``), the
 bucketed average of gradients through :func:`~fdp._comm._differentiable.psum`
 (:func:`reduce_buckets`), and :func:`eager_under_transforms`, the
 decorator that runs an entry point eagerly where dynamo would drop a
@@ -27,23 +27,6 @@ from fdp import _bucket, _compat, _mode, _tree
 from fdp._comm._differentiable import psum
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def needs_rule(leaves: Sequence[Any]) -> bool:
-    """Whether a collective over ``leaves`` must carry derivative or batching rules.
-
-    True under any ``torch.func`` transform, when grad mode is on and a
-    leaf requires grad, and when a leaf carries a forward-mode tangent.
-    """
-    if _compat.functorch_active():
-        return True
-    grad_mode = torch.is_grad_enabled()
-    for t in leaves:
-        if isinstance(t, torch.Tensor) and (
-            (grad_mode and t.requires_grad) or _compat.has_tangent(t)
-        ):
-            return True
-    return False
 
 
 def reduce_buckets(
@@ -128,8 +111,8 @@ def replicated(
     plain_at_grad = _compat.innermost_is_grad()
     for s, i in enumerate(order):
         t = leaves[i]
-        wrapped = _compat.is_transformed(t) and not plain_at_grad
-        if t.requires_grad or wrapped or _compat.has_tangent(t):
+        wrapped = _mode.wrapped([t]) and not plain_at_grad
+        if t.requires_grad or wrapped or _mode.dual([t]):
             result[i] = outputs[s]
     return result
 
@@ -160,17 +143,10 @@ def eager_under_transforms(call: str) -> Callable[[F], F]:
             # keep the derivatives (no transform, no dual tensor); otherwise
             # the disabled copy runs eagerly, a graph break, since a right
             # result outside the graph beats a wrong one inside it.
-            if _mode.traced() and _transformed(args, kwargs):
+            if _mode.traced() and _mode.transformed(_tree.flatten((args, kwargs))[0]):
                 return eager(*args, **kwargs)
             return fn(*args, **kwargs)
 
         return cast(F, entry)
 
     return wrap
-
-
-def _transformed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    if _compat.functorch_active():
-        return True
-    leaves, _ = _tree.flatten((args, kwargs))
-    return any(isinstance(t, torch.Tensor) and _compat.has_tangent(t) for t in leaves)

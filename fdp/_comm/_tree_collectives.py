@@ -56,10 +56,8 @@ def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None
     # Leaves of the autograd graph are overwritten as data (initial weights);
     # computed tensors, dual tensors and transformed ones carry the derivative.
     grad_mode = torch.is_grad_enabled()
-    if _compat.functorch_active() or any(
-        t is not None
-        and (_compat.has_tangent(t) or (grad_mode and t.requires_grad and t.grad_fn is not None))
-        for t in tensors
+    if _mode.transformed(tensors) or any(
+        t is not None and grad_mode and t.requires_grad and t.grad_fn is not None for t in tensors
     ):
         _broadcast_differentiable(tensors, src, group)
         return tree
@@ -135,7 +133,21 @@ def all_reduce_grads(
     return reduced
 
 
-def _reduce_eager(
+def _reduce_traced(
+    grads: Any,
+    leaves: list[Any],
+    spec: _tree.Spec,
+    tensors: list[torch.Tensor | None],
+    group: ProcessGroup | None,
+    cap: int,
+    scale: float,
+) -> Any:
+    """One functional all-reduce per bucket: a graph of its own (no hooks, no plan cache)."""
+    return _tree.unflatten(spec, _all_reduce_traceable(leaves, tensors, group, cap, scale))
+
+
+@_mode.traced_as(_reduce_traced)
+def _reduce(
     grads: Any,
     leaves: list[Any],
     spec: _tree.Spec,
@@ -145,7 +157,7 @@ def _reduce_eager(
     scale: float,
 ) -> Any:
     """The bucketed all-reduces, asynchronous; under autograd or a transform, psum's."""
-    if _transforms.needs_rule(tensors):
+    if _mode.needs_rules(tensors):
         out = _all_reduce_differentiable(grads, leaves, tensors, group, cap, scale)
         return _tree.unflatten(spec, out)
     call = "fdp.all_reduce_grads"
@@ -170,22 +182,6 @@ def _reduce_eager(
         for work in works:
             work.wait()
     return _tree.unflatten(spec, out)
-
-
-def _reduce_traced(
-    grads: Any,
-    leaves: list[Any],
-    spec: _tree.Spec,
-    tensors: list[torch.Tensor | None],
-    group: ProcessGroup | None,
-    cap: int,
-    scale: float,
-) -> Any:
-    """One functional all-reduce per bucket: a graph of its own (no hooks, no plan cache)."""
-    return _tree.unflatten(spec, _all_reduce_traceable(leaves, tensors, group, cap, scale))
-
-
-_reduce = _mode.by_mode(_reduce_eager, _reduce_traced)
 
 
 def _all_reduce_differentiable(

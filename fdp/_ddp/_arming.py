@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fdp import _compat
+from fdp import _compat, _mode
 from fdp._bucket import Layout
 from fdp._ddp._reducer import Reduction, Step
 
@@ -71,7 +71,7 @@ class Reducer:
         hooked = hooked_leaves(self.reduction.layout, leaves)
         # A custom Function cannot run with functorch's keys disabled: inside
         # a transform of the inputs, the reshape alias (no sparse gradients).
-        sparse_ok = not _compat.functorch_active()
+        sparse_ok = not _mode.transform_running()
         call = _Call(self, leaves, hooked, prescale, always_count, sparse_ok)
         aliases: dict[int, torch.Tensor] = {}
         # Plain leaves, also inside a transform of the inputs (jvp, vmap):

@@ -321,25 +321,6 @@ class DistributedDataParallel:
         """``params`` as aliases; each backward through them averages the gradients across ranks."""
         return self._call(params)
 
-    def _call_eager(self, params: T) -> T:
-        """Hooks on the leaves reduce as backward runs (or the psum rule, under a transform)."""
-        self._called = True
-        leaves = self._checked_leaves(params)
-        synchronised = self._sync and torch.is_grad_enabled()
-        broadcast, src, prescale = self._buffers_due(), 0, None
-        if self._joiner is not None:
-            refused = synchronised and self._under_transform(leaves)
-            src, prescale, broadcast = self._joiner.step(
-                leaves, synchronised=synchronised, refused=refused, broadcast=broadcast
-            )
-        if self._buffers is not None and broadcast:
-            self._buffers.sync(leaves, src=src)
-        if not synchronised:
-            return params
-        if self._under_transform(leaves):
-            return cast(T, _tree.unflatten(self._spec, self._transformed(leaves)))
-        return self._hooked(params, leaves, prescale=prescale)
-
     def _call_traced(self, params: T) -> T:
         """No hooks in a compiled graph: the reduction becomes part of it."""
         self._called = True
@@ -361,7 +342,25 @@ class DistributedDataParallel:
         )
         return cast(T, _tree.unflatten(self._traced_spec or (), synced))
 
-    _call = _mode.by_mode(_call_eager, _call_traced)
+    @_mode.traced_as(_call_traced)
+    def _call(self, params: T) -> T:
+        """Hooks on the leaves reduce as backward runs (or the psum rule, under a transform)."""
+        self._called = True
+        leaves = self._checked_leaves(params)
+        synchronised = self._sync and torch.is_grad_enabled()
+        broadcast, src, prescale = self._buffers_due(), 0, None
+        if self._joiner is not None:
+            refused = synchronised and self._under_transform(leaves)
+            src, prescale, broadcast = self._joiner.step(
+                leaves, synchronised=synchronised, refused=refused, broadcast=broadcast
+            )
+        if self._buffers is not None and broadcast:
+            self._buffers.sync(leaves, src=src)
+        if not synchronised:
+            return params
+        if self._under_transform(leaves):
+            return cast(T, _tree.unflatten(self._spec, self._transformed(leaves)))
+        return self._hooked(params, leaves, prescale=prescale)
 
     def _buffers_due(self) -> bool:
         """Whether this call broadcasts the buffers: torch's ``require_forward_param_sync``.
@@ -389,10 +388,8 @@ class DistributedDataParallel:
         ``jvp`` or ``vmap`` transforms over its inputs, then ``.backward()``
         outside, is an ordinary backward.
         """
-        return any(
-            isinstance(t, torch.Tensor) and (_compat.is_transformed(t) or _compat.has_tangent(t))
-            for t in (leaves[i] for i in self._layout.where)
-        )
+        mine = [leaves[i] for i in self._layout.where]
+        return _mode.wrapped(mine) or _mode.dual(mine)
 
     def _transformed(self, leaves: list[Any]) -> list[Any]:
         """Leaves that carry the psum rule: identity forward, bucketed average backward."""
@@ -417,10 +414,10 @@ class DistributedDataParallel:
         """``params``' leaves, checked against the tree the buckets were planned for."""
         call = "fdp.DistributedDataParallel.__call__"
         leaves = self._planned.leaves(call, "params", params)
-        if not _compat.functorch_active():
+        if not _mode.transform_running():
             for i in self._layout.where:
                 t = leaves[i]
-                if t.requires_grad and t.grad_fn is not None and not _compat.has_tangent(t):
+                if t.requires_grad and t.grad_fn is not None and not _mode.dual([t]):
                     raise ValueError(
                         f"{call}: `params` leaf {_tree.path(params, i, 'params')} expected a "
                         f"leaf of the autograd graph; got a tensor computed by "

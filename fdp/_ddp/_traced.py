@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from fdp import _bucket, _compat
+from fdp import _bucket, _compat, _mode
 from fdp._comm import _comm_hooks, _groups
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -229,13 +229,9 @@ def eager_only(leaves: Sequence[Any], *, buffers: bool) -> bool:
     compiled ``vmap`` fails in dynamo on any ``autograd.Function`` (torch
     2.13), and a buffer sync would mutate a captured tensor.
     """
-    if not _compat.functorch_active():  # called while dynamo traces
+    if not _mode.transform_running():  # called while dynamo traces
         return False
-    return (
-        buffers
-        or not _compat.one_jvp()
-        or any(isinstance(t, torch.Tensor) and _compat.has_tangent(t) for t in leaves)
-    )
+    return buffers or not _compat.one_jvp() or _mode.dual(leaves)
 
 
 def average(

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fdp import _compat, _mode
+from fdp import _mode
 
 
 class Pending:
@@ -97,15 +97,6 @@ class _Release(torch.autograd.Function):
         return (grad if kept is None else grad + kept.to(grad.dtype)), None, None
 
 
-def _check_eager(call: str, shard: torch.Tensor) -> None:
-    if _compat.functorch_active() or _compat.is_transformed(shard):
-        raise NotImplementedError(
-            f"{call}: inside no_sync() under a torch.func transform; no_sync keeps gradients "
-            "between eager loss.backward() calls, which a transform (returning its gradients) "
-            "cannot: accumulate the returned gradients yourself, or call backward()"
-        )
-
-
 def _check_traced(call: str, shard: torch.Tensor) -> None:
     raise NotImplementedError(
         f"{call}: inside no_sync() while torch.compile traces; a graph cannot keep gradients "
@@ -113,4 +104,11 @@ def _check_traced(call: str, shard: torch.Tensor) -> None:
     )
 
 
-check = _mode.by_mode(_check_eager, _check_traced)
+@_mode.traced_as(_check_traced)
+def check(call: str, shard: torch.Tensor) -> None:
+    if _mode.transform_running() or _mode.wrapped([shard]):
+        raise NotImplementedError(
+            f"{call}: inside no_sync() under a torch.func transform; no_sync keeps gradients "
+            "between eager loss.backward() calls, which a transform (returning its gradients) "
+            "cannot: accumulate the returned gradients yourself, or call backward()"
+        )

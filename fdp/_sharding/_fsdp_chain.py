@@ -87,7 +87,12 @@ class Chain:
         self.token: torch.Tensor | None = None
         self.entries: list[Entry] = []
 
-    def _link_eager(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+    def _link_traced(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` as it is: a compiled graph holds no resharding to order."""
+        return flat
+
+    @_mode.traced_as(_link_traced)
+    def link(self, name: str, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` tied into this pass's chain (as it is where no backward follows)."""
         if not (flat.requires_grad and torch.is_grad_enabled()):
             return flat
@@ -100,12 +105,6 @@ class Chain:
         self.units.add(name)
         linked: torch.Tensor = out
         return linked
-
-    def _link_traced(self, name: str, flat: torch.Tensor) -> torch.Tensor:
-        """``flat`` as it is: a compiled graph holds no resharding to order."""
-        return flat
-
-    link = _mode.by_mode(_link_eager, _link_traced)
 
     def mark(self) -> int:
         return len(self.entries)

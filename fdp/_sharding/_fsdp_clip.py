@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from fdp._comm import _differentiable, _raw, _transforms
+from fdp import _mode
+from fdp._comm import _differentiable, _raw
 from fdp.optim import _clip
 
 
@@ -37,7 +38,7 @@ def clip_grad_norm(
     wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
     norms = torch.stack([torch.linalg.vector_norm(t, p, dtype=wide) for t in tensors])
     if math.isinf(p):
-        if _transforms.needs_rule([norms]):
+        if _mode.needs_rules([norms]):
             raise NotImplementedError(
                 f"{call}: `norm_type=inf` takes a maximum over ranks, which fdp does not "
                 "differentiate; got gradients that require grad or are under a torch.func "
@@ -46,7 +47,7 @@ def clip_grad_norm(
         total = _raw.all_reduce(norms.max(), group=group, op="max")
     else:
         local = (norms**p).sum()
-        if _transforms.needs_rule([local]):
+        if _mode.needs_rules([local]):
             total = _differentiable.psum(local, group=group) ** (1.0 / p)
         else:
             total = _raw.all_reduce(local, group=group) ** (1.0 / p)

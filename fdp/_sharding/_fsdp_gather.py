@@ -96,18 +96,6 @@ class Ready:
     flat: torch.Tensor
 
 
-def _gather_eager(shard: torch.Tensor, how: Policy, ready: Ready | None = None) -> torch.Tensor:
-    """Every rank's ``shard`` (1-D), concatenated in rank order, in ``param_dtype``.
-
-    The backward gives ``shard`` the mean over ranks of the cotangents'
-    parts for this rank (a reduce-scatter in ``reduce_dtype``, divided by
-    the world size), in the shard's dtype. ``ready``: that result, gathered
-    before from ``shard`` as it is now (eager only).
-    """
-    mean = _Mean.apply(shard, how)  # type: ignore[no-untyped-call]
-    return _differentiable.all_gather_flat(mean, how, done=None if ready is None else ready.flat)
-
-
 def _gather_traced(shard: torch.Tensor, how: Policy, ready: Ready | None = None) -> torch.Tensor:
     """:func:`gather` while dynamo traces (nothing is prefetched there)."""
     # Measured on torch 2.13: compiling a transform would drop _TracedMean's backward.
@@ -120,20 +108,17 @@ def _gather_traced(shard: torch.Tensor, how: Policy, ready: Ready | None = None)
     return _differentiable.all_gather_flat(mean, how)
 
 
-gather = _mode.by_mode(_gather_eager, _gather_traced)
+@_mode.traced_as(_gather_traced)
+def gather(shard: torch.Tensor, how: Policy, ready: Ready | None = None) -> torch.Tensor:
+    """Every rank's ``shard`` (1-D), concatenated in rank order, in ``param_dtype``.
 
-
-def _unit_leaves_eager(
-    bucket: _bucket.Bucket,
-    shard: torch.Tensor,
-    how: Policy,
-    gathered: Callable[[], torch.Tensor],
-    *,
-    recompute: bool,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """A bucket's flat buffer, as ``gathered()`` makes it, and its leaves (views of it)."""
-    flat = gathered()
-    return flat, bucket.split(flat)
+    The backward gives ``shard`` the mean over ranks of the cotangents'
+    parts for this rank (a reduce-scatter in ``reduce_dtype``, divided by
+    the world size), in the shard's dtype. ``ready``: that result, gathered
+    before from ``shard`` as it is now (eager only).
+    """
+    mean = _Mean.apply(shard, how)  # type: ignore[no-untyped-call]
+    return _differentiable.all_gather_flat(mean, how, done=None if ready is None else ready.flat)
 
 
 def _unit_leaves_traced(
@@ -160,7 +145,8 @@ def _unit_leaves_traced(
     uses it).
     """
     if not recompute:
-        return _unit_leaves_eager(bucket, shard, how, gathered, recompute=False)
+        flat = gathered()
+        return flat, bucket.split(flat)
     _mode.refuse_compiled_transform(
         "fdp.FullyShardedDataParallel",
         "gathering shards",
@@ -181,14 +167,25 @@ def _unit_leaves_traced(
     return leaves[0], list(leaves)
 
 
+@_mode.traced_as(_unit_leaves_traced)
+def unit_leaves(
+    bucket: _bucket.Bucket,
+    shard: torch.Tensor,
+    how: Policy,
+    gathered: Callable[[], torch.Tensor],
+    *,
+    recompute: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A bucket's flat buffer, as ``gathered()`` makes it, and its leaves (views of it)."""
+    flat = gathered()
+    return flat, bucket.split(flat)
+
+
 def _recompute() -> Any:
     """A selective-checkpoint policy: every op of the region recomputed."""
     return checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
         lambda ctx, op, *args, **kwargs: checkpoint.CheckpointPolicy.MUST_RECOMPUTE
     )
-
-
-unit_leaves = _mode.by_mode(_unit_leaves_eager, _unit_leaves_traced)
 
 
 class _Identity(torch.autograd.Function):

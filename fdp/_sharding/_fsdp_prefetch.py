@@ -26,14 +26,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fdp import _compat, _mode
+from fdp import _mode
 from fdp._comm import _raw
 from fdp._sharding import _fsdp_gather, _fsdp_plan, _fsdp_reshard
-
-
-def _eligible_eager(shards: Sequence[torch.Tensor]) -> bool:
-    """Whether prefetching can run: plain tensors, no transform."""
-    return not _compat.functorch_active() and not any(_compat.is_transformed(t) for t in shards)
 
 
 def _eligible_traced(shards: Sequence[torch.Tensor]) -> bool:
@@ -41,7 +36,10 @@ def _eligible_traced(shards: Sequence[torch.Tensor]) -> bool:
     return False
 
 
-eligible = _mode.by_mode(_eligible_eager, _eligible_traced)
+@_mode.traced_as(_eligible_traced)
+def eligible(shards: Sequence[torch.Tensor]) -> bool:
+    """Whether prefetching can run: plain tensors, no transform."""
+    return not (_mode.transform_running() or _mode.wrapped(shards))
 
 
 class Started:

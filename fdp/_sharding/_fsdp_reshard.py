@@ -37,17 +37,16 @@ from fdp._comm import _raw
 from fdp._sharding import _fsdp_gather
 
 
-def _eligible_eager(outputs: Sequence[torch.Tensor]) -> bool:
-    """Whether resharding can run: autograd outside any transform, and a backward to come."""
-    return torch.is_grad_enabled() and not _compat.functorch_active() and len(outputs) > 0
-
-
 def _eligible_traced(outputs: Sequence[torch.Tensor]) -> bool:
     """Never while dynamo traces: resharding frees storage behind autograd's back."""
     return False
 
 
-eligible = _mode.by_mode(_eligible_eager, _eligible_traced)
+@_mode.traced_as(_eligible_traced)
+def eligible(outputs: Sequence[torch.Tensor]) -> bool:
+    """Whether resharding can run: autograd outside any transform, and a backward to come."""
+    return torch.is_grad_enabled() and not _mode.transform_running() and len(outputs) > 0
+
 
 # One gathered flat buffer: the buffer, its shard, how it travels, the leaves viewing it.
 Gathered = tuple[torch.Tensor, torch.Tensor, _fsdp_gather.Policy, Sequence[torch.Tensor]]

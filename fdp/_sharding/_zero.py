@@ -157,7 +157,16 @@ class ZeroRedundancy:
             return self._step_joined(grads, state, params, donate, max_norm)
         return self._step(grads, state, params, donate, max_norm)
 
-    def _step_joined_eager(
+    def _step_joined_traced(
+        self, grads: Any, state: ZeroState, params: T, donate: bool, max_norm: Any
+    ) -> tuple[T, ZeroState]:
+        raise NotImplementedError(
+            "fdp.ZeroRedundancy.step: a compiled step inside join(); join mirrors eager steps "
+            "only: step eagerly inside the block"
+        )
+
+    @_mode.traced_as(_step_joined_traced)
+    def _step_joined(
         self, grads: Any, state: ZeroState, params: T, donate: bool, max_norm: Any
     ) -> tuple[T, ZeroState]:
         joined = self._joined
@@ -167,16 +176,6 @@ class ZeroRedundancy:
         new_params, new_state = self._step(grads, state, params, donate, max_norm)
         joined.after(new_params, new_state)
         return new_params, new_state
-
-    def _step_joined_traced(
-        self, grads: Any, state: ZeroState, params: T, donate: bool, max_norm: Any
-    ) -> tuple[T, ZeroState]:
-        raise NotImplementedError(
-            "fdp.ZeroRedundancy.step: a compiled step inside join(); join mirrors eager steps "
-            "only: step eagerly inside the block"
-        )
-
-    _step_joined = _mode.by_mode(_step_joined_eager, _step_joined_traced)
 
     @contextlib.contextmanager
     def join(self, params: Any, state: ZeroState) -> Iterator[_zero_join.Joined]:
@@ -213,7 +212,23 @@ class ZeroRedundancy:
         finally:
             self._joined = None
 
-    def _step_eager(
+    def _step_traced(
+        self,
+        grads: Any,
+        state: ZeroState,
+        params: T,
+        donate: bool,
+        max_norm: float | torch.Tensor | None,
+    ) -> tuple[T, ZeroState]:
+        """The compiled step: functional collectives, no cross-rank check (nothing to read)."""
+        call = "fdp.ZeroRedundancy.step"
+        p, g = self._checked_step(call, grads, state, params, max_norm)
+        s = self.shards
+        comm = _zero_comm.Traced(self.group, self.stage, s.rank, s.world)
+        return self._run(call, comm, grads, state, p, g, donate, max_norm, checked=True)
+
+    @_mode.traced_as(_step_traced)
+    def _step(
         self,
         grads: Any,
         state: ZeroState,
@@ -236,23 +251,6 @@ class ZeroRedundancy:
             return self._run(call, comm, grads, state, p, g, donate, max_norm, checked=True)
         comm = _zero_comm.Eager(self.group, self.stage, s.rank, s.world, self._pool)
         return self._run(call, comm, grads, state, p, g, donate, max_norm, checked=False)
-
-    def _step_traced(
-        self,
-        grads: Any,
-        state: ZeroState,
-        params: T,
-        donate: bool,
-        max_norm: float | torch.Tensor | None,
-    ) -> tuple[T, ZeroState]:
-        """The compiled step: functional collectives, no cross-rank check (nothing to read)."""
-        call = "fdp.ZeroRedundancy.step"
-        p, g = self._checked_step(call, grads, state, params, max_norm)
-        s = self.shards
-        comm = _zero_comm.Traced(self.group, self.stage, s.rank, s.world)
-        return self._run(call, comm, grads, state, p, g, donate, max_norm, checked=True)
-
-    _step = _mode.by_mode(_step_eager, _step_traced)
 
     def _run(
         self,
@@ -397,7 +395,11 @@ class ZeroRedundancy:
                 out[i] = leaves[i]
         return out
 
-    def _share_eager(self, call: str, error: Exception, grads: Any) -> None:
+    def _share_traced(self, call: str, error: Exception, grads: Any) -> None:
+        """Nothing while dynamo traces: a graph cannot carry the error's text to other ranks."""
+
+    @_mode.traced_as(_share_traced)
+    def _share(self, call: str, error: Exception, grads: Any) -> None:
         """Makes this rank's input error every rank's, in the exchange the others run.
 
         The other ranks are in the grads check, the first collective of a
@@ -415,11 +417,6 @@ class ZeroRedundancy:
         described.append((_agreement.ERROR, f"{type(error).__name__}: {error}"))
         fingerprint = _agreement.Fingerprint(described)
         fingerprint.finish(fingerprint.start(self.group), group=self.group, call=call, arg="grads")
-
-    def _share_traced(self, call: str, error: Exception, grads: Any) -> None:
-        """Nothing while dynamo traces: a graph cannot carry the error's text to other ranks."""
-
-    _share = _mode.by_mode(_share_eager, _share_traced)
 
     def _fingerprint(self, grads: Any, g: Sequence[torch.Tensor | None]) -> _agreement.Fingerprint:
         """The fingerprint of this pattern of ``None`` gradients (computed once per pattern)."""

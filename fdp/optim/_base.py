@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from fdp import _compat, _mode, _tree
+from fdp import _mode, _tree
 from fdp.optim import _lists
 from fdp.optim._lists import Lists
 
@@ -255,14 +255,12 @@ def differentiable(lr: Any, p: list[Any], g: list[Any], s: dict[str, list[Any]])
     ``loss.backward()`` loop passes them every step and wants new leaves,
     not a graph that grows with every step.
     """
-    if _compat.functorch_active():
-        return True
     tensors = [
         t for t in (lr, *g, *(t for v in s.values() for t in v)) if isinstance(t, torch.Tensor)
     ]
-    computed = [t for t in p if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    if any(_compat.has_tangent(t) for t in (*tensors, *p) if isinstance(t, torch.Tensor)):
+    if _mode.transformed([*tensors, *p]):
         return True
+    computed = [t for t in p if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     return torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *computed))
 
 
@@ -273,7 +271,7 @@ def float_betas(name: str, betas: Any) -> tuple[float, float]:
     out = []
     for i, beta in enumerate(betas):
         if isinstance(beta, torch.Tensor):
-            if beta.requires_grad or _compat.is_transformed(beta) or beta.numel() != 1:
+            if beta.requires_grad or _mode.wrapped([beta]) or beta.numel() != 1:
                 raise ValueError(
                     f"fdp.optim.{name}: `betas[{i}]` expected a float or a 1-element tensor "
                     f"that does not require grad (differentiate w.r.t. lr); got "
@@ -307,7 +305,19 @@ def _explain_state(
                 )
 
 
-def _untied_eager(p: list[Any], live: list[int]) -> list[Any]:
+def _untied_traced(p: list[Any], live: list[int]) -> list[Any]:
+    """:func:`_untied` by identity only: dynamo cannot read data pointers."""
+    out = list(p)
+    seen: set[int] = set()
+    for i in live:
+        if id(p[i]) in seen:
+            out[i] = _copy(p[i])
+        seen.add(id(p[i]))
+    return out
+
+
+@_mode.traced_as(_untied_traced)
+def _untied(p: list[Any], live: list[int]) -> list[Any]:
     """``p`` with a copy at every leaf whose memory another leaf holds (tied weights).
 
     Written in place, memory at two leaves would be stepped twice; the copy
@@ -326,20 +336,6 @@ def _untied_eager(p: list[Any], live: list[int]) -> list[Any]:
     return out
 
 
-def _untied_traced(p: list[Any], live: list[int]) -> list[Any]:
-    """:func:`_untied` by identity only: dynamo cannot read data pointers."""
-    out = list(p)
-    seen: set[int] = set()
-    for i in live:
-        if id(p[i]) in seen:
-            out[i] = _copy(p[i])
-        seen.add(id(p[i]))
-    return out
-
-
-_untied = _mode.by_mode(_untied_eager, _untied_traced)
-
-
 def _span(t: torch.Tensor) -> tuple[int, int]:
     extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True)) + 1
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
@@ -349,17 +345,15 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone(memory_format=torch.preserve_format).requires_grad_(t.requires_grad)
 
 
-def _like_eager(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` as a leaf that requires grad if ``old`` did (see the module doc)."""
-    return new.requires_grad_() if old.requires_grad else new
-
-
 def _like_traced(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """``new`` as it is: setting ``requires_grad`` would break the graph."""
     return new
 
 
-_like = _mode.by_mode(_like_eager, _like_traced)
+@_mode.traced_as(_like_traced)
+def _like(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` as a leaf that requires grad if ``old`` did (see the module doc)."""
+    return new.requires_grad_() if old.requires_grad else new
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
@@ -419,20 +413,18 @@ def torch_options(name: str, options: Mapping[str, Any], *, own: tuple[str, ...]
             )
 
 
-def _readable_eager(value: torch.Tensor) -> bool:
+def _readable_traced(value: torch.Tensor) -> bool:
+    return False
+
+
+@_mode.traced_as(_readable_traced)
+def _readable(value: torch.Tensor) -> bool:
     """Whether a tensor hyperparameter's values can be read to check them.
 
     Vmapped or differentiated, they cannot (they are checked where the
     transform is not); while dynamo traces, reading one would break the graph.
     """
-    return not _compat.is_transformed(value)
-
-
-def _readable_traced(value: torch.Tensor) -> bool:
-    return False
-
-
-_readable = _mode.by_mode(_readable_eager, _readable_traced)
+    return not _mode.wrapped([value])
 
 
 def check_hyper(name: str, arg: str, value: Any, ok: Callable[[Any], bool], expected: str) -> None:

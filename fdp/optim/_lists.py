@@ -90,7 +90,13 @@ def one_minus(ops: Ops, xs: Lists) -> Lists:
 RUN_BYTES = 4 * 2**20
 
 
-def _runs_eager(xs: Lists) -> list[slice]:
+def _runs_traced(xs: Lists) -> list[slice]:
+    """One run: the compiler fuses a rule's kernels, temporaries included."""
+    return [slice(None)]
+
+
+@_mode.traced_as(_runs_traced)
+def _runs(xs: Lists) -> list[slice]:
     """``xs`` cut into runs of at most :data:`RUN_BYTES` (one tensor at least)."""
     if any(x.device.type != "cpu" for x in xs):
         return [slice(None)]
@@ -104,21 +110,8 @@ def _runs_eager(xs: Lists) -> list[slice]:
     return [*runs, slice(start, len(xs))]
 
 
-def _runs_traced(xs: Lists) -> list[slice]:
-    """One run: the compiler fuses a rule's kernels, temporaries included."""
-    return [slice(None)]
-
-
-_runs = _mode.by_mode(_runs_eager, _runs_traced)
-
-
 def _at(arg: Any, i: int) -> Any:
     return arg[i] if isinstance(arg, Sequence) and not isinstance(arg, str) else arg
-
-
-def _counts_eager(steps: Lists) -> list[float] | None:
-    """Eagerly torch's foreach Adam reads the step counts and uses the scalar-list kernels."""
-    return [float(s) for s in steps]
 
 
 def _counts_traced(steps: Lists) -> list[float] | None:
@@ -126,4 +119,7 @@ def _counts_traced(steps: Lists) -> list[float] | None:
     return None
 
 
-_counts = _mode.by_mode(_counts_eager, _counts_traced)
+@_mode.traced_as(_counts_traced)
+def _counts(steps: Lists) -> list[float] | None:
+    """Eagerly torch's foreach Adam reads the step counts and uses the scalar-list kernels."""
+    return [float(s) for s in steps]
