@@ -4,7 +4,7 @@ It overlaps the gradient all-reduce with backward, as
 ``torch.nn.parallel.DistributedDataParallel`` does for modules. The bucket
 layout lives in ``fdp/_bucket.py``, the cross-rank agreement checks in
 ``fdp/_comm/_agreement.py``, the per-step reduction (how DDP hooks into backward)
-in ``fdp/_ddp/_reducer.py``, the compiled reduction in ``fdp/_ddp/_traced.py``,
+in ``fdp/_ddp/_step.py``, the compiled reduction in ``fdp/_ddp/_traced.py``,
 buffers in ``fdp/_ddp/_buffers.py`` and ``join`` in ``fdp/_ddp/_join.py``;
 ``docs/design.md`` draws the data flow.
 """
@@ -24,10 +24,10 @@ from fdp import _bucket, _compat, _mode, _tree
 from fdp._comm import _agreement, _comm_hooks, _transforms
 from fdp._comm._comm_hooks import CommHook
 from fdp._ddp import _buffers, _join, _traced
-from fdp._ddp._arming import Reducer, hooked_leaves
 from fdp._ddp._join import Joiner
-from fdp._ddp._reducer import Reduction
+from fdp._ddp._reducer import Reducer, hooked_leaves
 from fdp._ddp._replicas import Replicas
+from fdp._ddp._step import Reduction
 
 __all__ = ["DistributedDataParallel"]
 

@@ -5,7 +5,7 @@ each leaf that any rank got one for is all-reduced on its own, as a sparse
 tensor, after the buckets, in leaf order, on every rank: a rank without one
 (its loss did not use the table, or it left a ``join``) takes part with an
 empty one. A step flags such leaves in its usage all-reduce
-(``fdp/_ddp/_reducer.py``), so every rank knows which reductions come. With a
+(``fdp/_ddp/_step.py``), so every rank knows which reductions come. With a
 comm hook, the hook reduces that sparse tensor as a bucket of its own (its
 ``buffer()`` is sparse), as torch's DDP hands its hooks a sparse bucket.
 """

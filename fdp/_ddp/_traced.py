@@ -1,6 +1,6 @@
 """``DistributedDataParallel`` inside ``torch.compile``: the reduction as part of the graph.
 
-Eager DDP hooks every leaf and reduces from the hooks (``_reducer.py``). A
+Eager DDP hooks every leaf and reduces from the hooks (``_step.py``). A
 compiled function cannot register hooks, and hooks would fire only after the
 compiled backward has finished. So while dynamo traces ``ddp(params)``, the
 leaves go through one identity :class:`_Average` Function instead. Its

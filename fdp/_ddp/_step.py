@@ -1,0 +1,496 @@
+"""The per-step gradient reduction behind ``DistributedDataParallel``.
+
+One :class:`Step` lives from the first hook of a backward that passes
+through a ``ddp(params)`` output to the end of that backward
+(``fdp/_ddp/_reducer.py`` says what arms it). Each hook copies its gradient
+into its bucket's flat buffer; a full bucket is launched once every earlier
+bucket has been, so every rank issues the same collectives in the same
+order. A callback queued on the engine runs when backward ends: it launches what is
+left (leaves nobody used count as zero), waits, and hands the reduced
+gradients out:
+
+- ``loss.backward()``: each leaf's ``.grad`` is a view of its bucket from the
+  moment it is packed (the engine keeps the alias the hook returns, and the
+  local gradient is freed), reduced in place by the end. A ``.grad`` already
+  there (accumulated under ``no_sync`` or by a local backward) is folded into
+  the reduction, DDP's semantics.
+- ``torch.autograd.grad`` (with the leaves or the call's outputs as inputs):
+  the hook hands the engine the bucket view itself, and the callback reduces
+  the bucket in place before the engine returns it, so the returned
+  gradients are the reduced ones.
+
+Collectives run under ``torch.no_grad()`` and with functorch's dispatch
+disabled: the c10d ops are differentiable and would otherwise be recorded
+(torch 2.13 raises under ``torch.func.grad``).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fdp import _compat
+from fdp._bucket import Layout
+from fdp._comm import _comm_hooks, _transforms
+from fdp._comm._comm_hooks import CommHook, GradBucket
+from fdp._ddp._replicas import Replicas
+from fdp._ddp._sparse import empty_sparse, reduce_sparse
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """What every step of one ``DistributedDataParallel`` reduces, and how.
+
+    ``hook(state, bucket)`` (a comm hook, or None: ``_comm_hooks.sum_hook`` after
+    a ``prescale`` folded into packing) returns a future of the reduced
+    bucket. ``paths`` names every leaf for error messages.
+    """
+
+    layout: Layout
+    hook: CommHook | None
+    state: Any
+    group: dist.ProcessGroup | None
+    paths: list[str]
+    replicas: Replicas | None = None  # the parameters' check after reduced backwards
+
+    @property
+    def serial(self) -> bool:
+        """Whether buckets must wait for each other: the hook may issue collectives later.
+
+        PowerSGD issues its second and third all-reduce from its future's
+        callbacks, on the backend's thread: launching the next bucket (or
+        the usage all-reduce) meanwhile would order the collectives
+        differently on different ranks (measured: a hang). Hooks known to
+        issue one collective up front keep the buckets overlapping.
+        """
+        return self.hook is not None and self.hook not in _comm_hooks.ONE_COLLECTIVE
+
+    @property
+    def prescale(self) -> float:
+        """What packing multiplies each gradient by: the default's division by the world size."""
+        return 1.0 / dist.get_world_size(self.group) if self.hook is None else 1.0
+
+
+class Delivery(enum.Enum):
+    """How one backward hands out the reduced gradients; its first hook decides."""
+
+    UNDECIDED = "undecided"
+    RETURNED = "returned"  # autograd.grad, torch.func.grad: each hook's return value
+    ACCUMULATED = "accumulated"  # loss.backward(): into .grad
+    GRAPHED = "graphed"  # loss.backward(create_graph=True): .grad reduced differentiably
+
+
+@dataclass
+class InFlight:
+    """One bucket of a :class:`Step`, from its first gradient to its reduced result."""
+
+    flat: torch.Tensor | None = None  # the flat buffer, taken at the first gradient
+    views: list[torch.Tensor] = field(default_factory=list)  # of flat, per leaf
+    filled: set[int] = field(default_factory=set)  # leaves packed so far
+    expected: int = 0  # leaves hooked on this rank (a tied tensor counts once)
+    future: torch.futures.Future[torch.Tensor] | None = None  # the reduction, once launched
+
+
+class Step:
+    """The reduction state of one synchronised forward/backward."""
+
+    def __init__(
+        self,
+        reduction: Reduction,
+        leaves: list[Any],
+        hooked: list[int],
+        *,
+        prescale: float | None = None,
+        always_count: bool = False,
+        done: Callable[[Step], None] | None = None,
+        sparse_ok: bool = True,
+    ) -> None:
+        self.reduction = reduction
+        self.sparse_ok = sparse_ok
+        self.done = done  # told when this backward's reduction has finished
+        # ``join`` may divide by the ranks still training, and needs the
+        # usage all-reduce on every step, which shadowing ranks mirror.
+        self.prescale = reduction.prescale if prescale is None else prescale
+        self.always_count = always_count
+        self.leaves = leaves
+        self.buckets = [InFlight() for _ in reduction.layout.buckets]
+        self.hooked = hooked
+        self.used: set[int] = set()  # leaves that got a gradient on this rank
+        self.sparse: dict[int, torch.Tensor | None] = {}  # sparse here: this backward's
+        self.late: dict[int, torch.Tensor] = {}  # after their bucket's launch: see _again
+        self.next_launch = 0
+        self.delivery = Delivery.UNDECIDED
+        self.queued = False
+        self.lock = threading.Lock()
+        for i in hooked:
+            self.buckets[reduction.layout.where[i][0]].expected += 1
+
+    @property
+    def returned(self) -> bool:
+        """Whether gradients are returned (not accumulated in ``.grad``)."""
+        return self.delivery is Delivery.RETURNED
+
+    def _flat(self, k: int) -> torch.Tensor:
+        state = self.buckets[k]
+        if state.flat is None:
+            state.flat = self.reduction.layout.buffer(k)
+            # Made once per step and bucket, not per hook call (twice per leaf:
+            # pack, hand-out); docs/performance.md has the cost.
+            state.views = self.reduction.layout.buckets[k].views(state.flat)
+        return state.flat
+
+    def _view(self, i: int) -> torch.Tensor:
+        k, j = self.reduction.layout.where[i]
+        self._flat(k)
+        return self.buckets[k].views[j]
+
+    def _refuse(self, i: int, grad: torch.Tensor | None) -> None:
+        """Raises, inside backward, for what the reduction cannot give the reference for."""
+        where = f"params leaf {self.reduction.paths[i]}"
+        if grad is not None and grad.layout not in (torch.strided, torch.sparse_coo):
+            raise RuntimeError(
+                f"fdp.DistributedDataParallel: {where} got a gradient with layout "
+                f"{grad.layout}; fdp reduces dense (strided) and sparse COO gradients: "
+                "convert it in a hook on the parameter"
+            )
+
+    def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        self._refuse(i, grad)
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            return self._graphed(i, grad)
+        with self.lock, torch.no_grad(), _compat.functorch_disabled():
+            leaf = self.leaves[i]
+            if self.delivery is Delivery.UNDECIDED:
+                returned = _compat.engine_captures_grads(leaf)
+                self.delivery = Delivery.RETURNED if returned else Delivery.ACCUMULATED
+            if not self.queued:
+                _compat.queue_backward_callback(self.finish)
+                self.queued = True
+            k = self.reduction.layout.where[i][0]
+            if grad is not None and grad.is_sparse:
+                return self._sparse(i, k, grad)
+            if grad is not None and i in self.buckets[k].filled:
+                return self._again(i, k, grad)
+            view = self._view(i)
+            old = None if self.returned else leaf.grad
+            scale = self.prescale
+            if grad is None:  # an undefined gradient: zero, as if unused here
+                _pack_old(view, old, scale)
+            else:
+                self.used.add(i)
+                if old is None:
+                    torch.mul(_compat.unwrap_functorch(grad), scale, out=view)
+                else:  # fold what earlier backwards (under no_sync) accumulated
+                    torch.add(_compat.unwrap_functorch(grad), old, out=view).mul_(scale)
+            self.buckets[k].filled.add(i)
+            while self.next_launch < len(self.buckets) and self._complete(self.next_launch):
+                self._launch(self.next_launch)
+            if grad is None:
+                return None
+            return view if self.returned else self._into_bucket(leaf, view)
+
+    @staticmethod
+    def _into_bucket(leaf: Any, view: torch.Tensor) -> torch.Tensor:
+        """What the engine stores in ``.grad``: a fresh alias of the leaf's bucket view.
+
+        The engine keeps a tensor that nothing else references instead of
+        copying it, so ``.grad`` lives in the bucket from here on and the
+        local gradient is freed at once, not held (a model's worth of
+        memory) until backward ends; ``.grad`` is cleared first, or the
+        engine would add into it what is already folded in.
+        """
+        leaf.grad = None
+        return view.detach()
+
+    def _sparse(self, i: int, k: int, grad: torch.Tensor) -> torch.Tensor:
+        """A sparse gradient (``nn.Embedding(sparse=True)``): kept aside, reduced at the end.
+
+        Its slot in the dense bucket stays zero. The hand-out all-reduces
+        ``.grad`` (what ``no_sync`` left) plus what this backward kept, as
+        a sparse tensor, on every rank, for each leaf any rank flagged, as
+        torch's DDP reduces sparse gradients; the engine gets an empty one.
+        """
+        where = f"params leaf {self.reduction.paths[i]}"
+        if self.returned:
+            raise RuntimeError(
+                f"fdp.DistributedDataParallel: {where} got a sparse gradient under "
+                "torch.autograd.grad, which returns it before it can be reduced; use "
+                "loss.backward() (the reduced sparse gradient lands in .grad)"
+            )
+        leaf = self.leaves[i]
+        if not self.sparse_ok:
+            raise RuntimeError(
+                f"fdp.DistributedDataParallel: {where} got a sparse gradient with "
+                "ddp(params) called inside a torch.func transform; call ddp(params) "
+                "outside the transform, or use dense gradients (sparse=False)"
+            )
+        self.used.add(i)
+        kept = self.sparse.get(i)
+        self.sparse[i] = grad if kept is None else kept + grad
+        if i not in self.buckets[k].filled:
+            self._view(i).zero_()
+            self.buckets[k].filled.add(i)
+            while self.next_launch < len(self.buckets) and self._complete(self.next_launch):
+                self._launch(self.next_launch)
+        return empty_sparse(leaf.shape, leaf.dtype, leaf.device)
+
+    def _complete(self, k: int) -> bool:
+        """Whether bucket ``k`` holds every gradient this rank will give it."""
+        return len(self.buckets[k].filled) == self.buckets[k].expected
+
+    def _again(self, i: int, k: int, grad: torch.Tensor) -> torch.Tensor:
+        """A second gradient for leaf ``i`` in one backward: folded in, or set aside.
+
+        A nested backward (reentrant activation checkpointing) gives a leaf
+        used in several places one gradient per backward. Before the
+        bucket's launch it is added to the leaf's slot; after, it is kept
+        aside and reduced at the end (see :meth:`_reduce_late`), while the
+        engine gets it for a ``.grad`` that the hand-out replaces (never the
+        bucket, which the collective may be using).
+        """
+        if self.returned:
+            raise RuntimeError(
+                f"fdp.DistributedDataParallel: params leaf {self.reduction.paths[i]} got a second "
+                "gradient in one backward (a nested backward, as reentrant activation "
+                "checkpointing runs) under torch.autograd.grad or torch.func.grad, which "
+                "return one gradient per leaf; use checkpoint(..., use_reentrant=False), or "
+                "loss.backward()"
+            )
+        self.used.add(i)
+        grad = _compat.unwrap_functorch(grad)
+        leaf = self.leaves[i]
+        if k >= self.next_launch:
+            view = self._view(i)
+            view.add_(grad, alpha=self.prescale)
+            return self._into_bucket(leaf, view)
+        scale = (
+            self.prescale
+            if self.reduction.hook is None
+            else 1.0 / dist.get_world_size(self.reduction.group)
+        )
+        late = self.late.get(i)
+        self.late[i] = grad * scale if late is None else late.add_(grad, alpha=scale)
+        leaf.grad = None
+        return grad
+
+    def _reduce_late(self) -> None:
+        """Reduces the gradients that missed their bucket, on every rank (some had them)."""
+        # Note [late gradients]: why every bucket, on every rank. Whether a gradient came late
+        # depends on this rank's graph (a reentrant checkpoint, a leaf used
+        # twice), so ranks differ; one more all-reduce per bucket, zeros where
+        # nothing was late, keeps their collectives paired whatever happened.
+        for k, bucket in enumerate(self.reduction.layout.buckets):
+            extra = bucket.empty().view(-1).zero_()
+            for j, view in enumerate(bucket.views(extra)):
+                late = self.late.get(bucket.indices[j])
+                if late is not None:
+                    view.copy_(late)
+            dist.all_reduce(extra, group=self.reduction.group)
+            flat = self.buckets[k].flat
+            if flat is not None:
+                flat.add_(extra)
+        self.late.clear()
+
+    def _launch(self, k: int) -> None:
+        if self.reduction.serial and k > 0:
+            previous = self.buckets[k - 1].future
+            if previous is not None:
+                previous.wait()
+        flat = self._flat(k)
+        bucket = self.reduction.layout.buckets[k]
+        bucket.zero_pads(flat)
+        for j, i in enumerate(bucket.indices):
+            if i in self.buckets[k].filled:
+                continue
+            leaf = self.leaves[i]
+            old = None if self.returned or not leaf.requires_grad else leaf.grad
+            if old is not None and old.is_sparse:  # from no_sync: reduced on its own
+                self.sparse.setdefault(i, None)
+                old = None
+            _pack_old(self.buckets[k].views[j], old, self.prescale)
+        if self.reduction.hook is None:
+            future: Any = _comm_hooks.sum_hook(flat, self.reduction.group)
+        else:
+            grad_bucket = GradBucket(
+                flat,
+                index=k,
+                is_last=k == len(self.buckets) - 1,
+                gradients=self.buckets[k].views,
+                parameters=[self.leaves[i] for i in bucket.indices],
+            )
+            future = self.reduction.hook(self.reduction.state, grad_bucket)
+        _comm_hooks.check_future(future)
+        self.buckets[k].future = future
+        self.next_launch = k + 1
+
+    def finish(self) -> None:
+        with self.lock:
+            if self._defer_to_outer_backward():
+                return
+            self._finish()
+
+    def _graphed(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """A gradient of ``backward(create_graph=True)``: left to the engine, reduced at the end.
+
+        The engine accumulates it into ``.grad`` with its graph; the finish
+        then replaces each ``.grad`` by the average over ranks through a
+        differentiable all-reduce (the psum rule), so that a gradient
+        penalty differentiates the global batch's gradient.
+        """
+        with self.lock:
+            where = f"params leaf {self.reduction.paths[i]}"
+            if grad is not None and grad.is_sparse:
+                raise RuntimeError(
+                    f"fdp.DistributedDataParallel: backward with create_graph=True reached "
+                    f"{where} with a sparse gradient; use dense gradients for double backward"
+                )
+            if self.delivery is Delivery.UNDECIDED:
+                if _compat.engine_captures_grads(self.leaves[i]):
+                    raise RuntimeError(
+                        f"fdp.DistributedDataParallel: torch.autograd.grad(..., "
+                        f"create_graph=True) reached {where}; the gradients it returns are "
+                        "taken before the reduction can give them a graph. Use "
+                        "loss.backward(create_graph=True) and read .grad (reduced, with its "
+                        "graph), or torch.func.grad around ddp(params)"
+                    )
+                self.delivery = Delivery.GRAPHED
+            if self.reduction.hook not in (None, _comm_hooks.allreduce_hook):
+                raise RuntimeError(
+                    f"fdp.DistributedDataParallel: backward with create_graph=True reached "
+                    f"{where} with a comm hook, whose reduction cannot carry a graph; use "
+                    "the default reduction for double backward"
+                )
+            if grad is not None:
+                self.used.add(i)
+            if not self.queued:
+                _compat.queue_backward_callback(self.finish)
+                self.queued = True
+            return grad
+
+    def _finish_graphed(self) -> None:
+        """``.grad`` becomes the average over ranks, differentiably (see :meth:`_graphed`)."""
+        counts, work = self._launch_usage()
+        work.wait()
+        *used, _ = counts.tolist()
+        grads: list[torch.Tensor | None] = [None] * len(self.leaves)
+        for i in self.hooked:
+            grads[i] = self.leaves[i].grad
+        group = self.reduction.group
+        with torch.enable_grad():
+            reduced = _transforms.reduce_buckets(
+                self.reduction.layout.buckets,
+                grads,
+                scale=1.0 / dist.get_world_size(group),
+                group=group,
+            )
+        for i, count in zip(self.hooked, used, strict=True):
+            if count > 0:
+                self.leaves[i].grad = reduced[i]
+
+    def _finish(self) -> None:
+        with torch.no_grad(), _compat.functorch_disabled():
+            try:
+                if self.delivery is Delivery.GRAPHED:
+                    self._finish_graphed()
+                    return
+                while self.next_launch < len(self.buckets):
+                    self._launch(self.next_launch)
+                counting = not self.returned or self.always_count
+                usage = self._launch_usage() if counting and not self.reduction.serial else None
+                for state in self.buckets:
+                    fut, flat = state.future, state.flat
+                    if fut is None or flat is None:
+                        raise RuntimeError("fdp internal error: a bucket was never launched")
+                    result = fut.wait()
+                    if result is not flat:
+                        flat.copy_(result)
+                if usage is None and self.reduction.serial and counting:
+                    usage = self._launch_usage()  # after every hook's last collective
+                if usage is not None and self.returned:
+                    usage[1].wait()  # counted for join's shadowing ranks only
+                elif usage is not None:
+                    self._hand_out(usage)
+                if self.reduction.replicas is not None and not self.always_count:  # not in join
+                    self.reduction.replicas.after_reduction(self.leaves, self.hooked)
+            finally:
+                for state in self.buckets:  # the buffers may be reused now
+                    state.flat, state.views = None, []
+                if self.done is not None:
+                    self.done(self)
+
+    def _defer_to_outer_backward(self) -> bool:
+        """Whether this is a nested backward's end, with gradients still to come.
+
+        Reentrant activation checkpointing runs a nested backward inside a
+        node of the outer one; a callback queued from a hook during it runs
+        when the nested backward ends, before the outer backward has produced
+        the other leaves' gradients. Then the finish moves to the outer
+        backward: a post-hook on the node that ran the nested backward queues
+        it again there.
+        """
+        if all(i in self.buckets[self.reduction.layout.where[i][0]].filled for i in self.hooked):
+            return False
+        outer = _compat.current_autograd_node()
+        if outer is None:
+            return False
+
+        def requeue(*_: Any) -> None:
+            _compat.queue_backward_callback(self.finish)
+
+        outer.register_hook(requeue)
+        return True
+
+    def _launch_usage(self) -> tuple[torch.Tensor, Any]:
+        """Counts, over ranks, which hooked leaves had a gradient (one small all-reduce)."""
+        device = self.reduction.layout.buckets[0].device
+        # A sparse user counts world + 1, a dense one 1: one sum says both.
+        sparse = float(dist.get_world_size(self.reduction.group) + 1)
+        counts = torch.tensor(
+            [
+                *(
+                    sparse
+                    if i in self.sparse
+                    else 1.0
+                    if i in self.used or self.leaves[i].grad is not None
+                    else 0.0
+                    for i in self.hooked
+                ),
+                float(bool(self.late)),  # last: whether any rank has late gradients
+            ],
+            device=device,
+        )
+        return counts, dist.all_reduce(counts, group=self.reduction.group, async_op=True)
+
+    def _hand_out(self, usage: tuple[torch.Tensor, Any]) -> None:
+        """``.grad`` becomes the reduced view; it stays ``None`` where no rank had one."""
+        counts, work = usage
+        work.wait()
+        *used, late = counts.tolist()
+        if late > 0:
+            self._reduce_late()
+        sparse_count = dist.get_world_size(self.reduction.group) + 1
+        sparse = [i for i, count in zip(self.hooked, used, strict=True) if count >= sparse_count]
+        for i, count in zip(self.hooked, used, strict=True):
+            if count >= sparse_count:
+                leaf, r = self.leaves[i], self.reduction
+                # With a hook: a bucket of its own, after the dense ones, as in torch.
+                k = len(self.buckets) + sparse.index(i)
+                bucket = (r.state, k, i == sparse[-1], r.paths[i])
+                leaf.grad = reduce_sparse(
+                    leaf, self.sparse.get(i), self.prescale, r.group, hook=r.hook, bucket=bucket
+                )
+            elif count > 0:
+                self.leaves[i].grad = self._view(i)
+
+
+def _pack_old(view: torch.Tensor, old: torch.Tensor | None, scale: float) -> None:
+    if old is None:
+        view.zero_()  # unused this step (or frozen): counts as zero
+    else:
+        torch.mul(old, scale, out=view)
