@@ -614,9 +614,9 @@ def _prefetching(rank: int, size: int, prefetch: bool) -> Any:
     started: list[str] = []
 
     class Logged(_fsdp_prefetch.Started):
-        def __init__(self, name: str, *args: Any) -> None:
-            started.append(name)
-            super().__init__(name, *args)
+        def __init__(self, state: Any, *args: Any) -> None:
+            started.append(state.name)
+            super().__init__(state, *args)
 
     with mock.patch.object(_fsdp_prefetch, "Started", Logged):
         out = []

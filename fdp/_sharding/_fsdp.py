@@ -39,6 +39,7 @@ from fdp._sharding import (
     _fsdp_prefetch,
     _fsdp_reshard,
     _fsdp_state,
+    _fsdp_unit,
     _zero_shards,
 )
 from fdp._sharding._zero_shards import ZeroState
@@ -160,15 +161,16 @@ class FullyShardedDataParallel:
         self._meta = _tree.unflatten(
             _spec, [t.detach().to("meta") if isinstance(t, torch.Tensor) else t for t in leaves]
         )
-        self._by_name = {u.name: u for u in self.units}
         total = self.world * self.replicas_world
         policy = _fsdp_gather.policy(
             group, self.world, param_dtype, reduce_dtype, self.replicas, total
         )
-        self._policies = _fsdp_gather.per_unit(call, policy, unit_dtypes, self.unit_names)
+        policies = _fsdp_gather.per_unit(call, policy, unit_dtypes, self.unit_names)
+        # Each unit's runtime state (fdp/_sharding/_fsdp_unit.py), in the order of its shards.
+        self._states = {u.name: _fsdp_unit.UnitState(u, policies[u.name]) for u in self.units}
         self._prefetch = _fsdp_prefetch.Prefetcher(self.unit_names, enabled=prefetch)
         self._chain = _fsdp_chain.Chain()  # every gathered unit's backward on every rank
-        self._sync, self._pending = True, _fsdp_accumulate.Pending()
+        self._sync = True
         # The same slices as a ZeroRedundancy's, for checkpoints (fdp/_sharding/_fsdp_state.py).
         buckets = [b for u in self.units for b in u.buckets]
         self._layout = _zero_shards.from_buckets(params, buckets, sharded, group=group)
@@ -236,7 +238,7 @@ class FullyShardedDataParallel:
         """The params tree, every unit all-gathered (differentiably) from ``shards``."""
         call = "fdp.FullyShardedDataParallel.__call__"
         self._check_shards(call, shards)
-        out: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
+        out = self._blank()
         self._prefetch.drop()
         self._chain.reset()  # the whole tree: a pass of its own
         mine = [t for u in self.units for t in shards[u.name]]
@@ -244,11 +246,9 @@ class FullyShardedDataParallel:
         if self._prefetch.enabled and _fsdp_prefetch.eligible(mine):
             # Every unit's all-gather at once: the later ones arrive while
             # the first ones are unpacked.
-            started = [
-                _fsdp_prefetch.start(u, shards[u.name], self._policies[u.name]) for u in self.units
-            ]
-        for unit, ahead in zip(self.units, started, strict=True):
-            self._gather_into(out, unit, shards[unit.name], ahead.wait() if ahead else None)
+            started = [_fsdp_prefetch.start(s, shards[n]) for n, s in self._states.items()]
+        for state, ahead in zip(self._states.values(), started, strict=True):
+            self._gather_into(out, state, shards[state.name], ahead.wait() if ahead else None)
         return _tree.unflatten(self._planned.structure(call), self._tied(out))
 
     def gather(self, shards: dict[str, tuple[torch.Tensor, ...]], name: str) -> Any:
@@ -258,13 +258,10 @@ class FullyShardedDataParallel:
         with ``None`` at every leaf of the named units.
         """
         call = "fdp.FullyShardedDataParallel.gather"
-        unit = self._unit(call, shards, name)
-        out: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
+        state = self._state(call, shards, name)
+        out = self._blank()
         self._gather_into(
-            out,
-            unit,
-            shards[name],
-            self._prefetch.ready(name, shards, self._by_name, self._policies),
+            out, state, shards[name], self._prefetch.ready(state, shards, self._states)
         )
         self._gather_borrowed(out, name, shards)
         return _fsdp_plan.subtree(
@@ -293,15 +290,11 @@ class FullyShardedDataParallel:
         for parameters needed later.
         """
         call = "fdp.FullyShardedDataParallel.apply"
-        unit = self._unit(call, shards, name)
-        tree: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
+        state = self._state(call, shards, name)
+        tree = self._blank()
         mark = self._chain.mark()
-        gathered = self._gather_into(
-            tree,
-            unit,
-            shards[name],
-            self._prefetch.ready(name, shards, self._by_name, self._policies),
-        )
+        ready = self._prefetch.ready(state, shards, self._states)
+        gathered = self._gather_into(tree, state, shards[name], ready)
         gathered += self._gather_borrowed(tree, name, shards)
         whole = _tree.unflatten(self._planned.structure(call), self._tied(tree))
         out = fn(_fsdp_plan.subtree(whole, name), *args, **kwargs)
@@ -311,6 +304,7 @@ class FullyShardedDataParallel:
             _fsdp_reshard.check_not_returned(call, name, out, flat_out, gathered)
             held = [_fsdp_reshard.Resharded(*g) for g in gathered if g[0].requires_grad]
             unit_held = self._prefetch.held(held)
+            state.resharded = unit_held
             self._chain.attach(mark, unit_held)
             _fsdp_reshard.reshard(unit_held, outputs)
         return out
@@ -319,13 +313,13 @@ class FullyShardedDataParallel:
         """The params tree outside autograd, in the parameters' own dtypes."""
         call = "fdp.FullyShardedDataParallel.full"
         self._check_shards(call, shards)
-        out: list[Any] = [self._kept.get(i) for i in range(len(self._planned.kinds))]
+        out = self._blank()
         with torch.no_grad():
-            for unit in self.units:
-                for bucket, shard in zip(unit.buckets, shards[unit.name], strict=True):
-                    how = _fsdp_gather.for_bucket(
-                        self._policies[unit.name], bucket, shard, exact=True
-                    )
+            for state in self._states.values():
+                for k, (bucket, shard) in enumerate(
+                    zip(state.unit.buckets, shards[state.name], strict=True)
+                ):
+                    how = state.policy_for(k, shard, exact=True)
                     flat = _fsdp_gather.gather(shard.detach(), how)[: bucket.numel]
                     for i, leaf in zip(bucket.indices, bucket.unpack(flat), strict=True):
                         out[i] = leaf.clone()
@@ -401,14 +395,17 @@ class FullyShardedDataParallel:
             )
         return _fsdp_state.from_state(self._layout, self._bucket_units, state)
 
-    def _unit(self, call: str, shards: Any, name: str) -> _fsdp_plan.Unit:
+    def _state(self, call: str, shards: Any, name: str) -> _fsdp_unit.UnitState:
         self._check_shards(call, shards)
-        found = [u for u in self.units if u.name == name]
-        if not found:
+        if name not in self._states:
             raise ValueError(
                 f"{call}: `name` expected one of the units {self.unit_names}; got {name!r}"
             )
-        return found[0]
+        return self._states[name]
+
+    def _blank(self) -> list[Any]:
+        """The tree's leaves with only the kept ones set (None, integers, buffers)."""
+        return [self._kept.get(i) for i in range(len(self._planned.kinds))]
 
     def _gather_borrowed(
         self, out: list[Any], name: str, shards: dict[str, tuple[torch.Tensor, ...]]
@@ -416,8 +413,7 @@ class FullyShardedDataParallel:
         """Gathers the units whose tensors are tied into unit ``name`` (see ``borrowed``)."""
         gathered = []
         for other in self._borrowed.get(name, ()):
-            unit = next(u for u in self.units if u.name == other)
-            gathered += self._gather_into(out, unit, shards[other], key=f"{other}@{name}")
+            gathered += self._gather_into(out, self._states[other], shards[other], borrower=name)
         return gathered
 
     def _tied(self, out: list[Any]) -> list[Any]:
@@ -429,22 +425,22 @@ class FullyShardedDataParallel:
     def _gather_into(
         self,
         out: list[Any],
-        unit: _fsdp_plan.Unit,
+        state: _fsdp_unit.UnitState,
         shards: Sequence[torch.Tensor],
         ready: Sequence[torch.Tensor] | None = None,
         *,
-        key: str | None = None,
+        borrower: str | None = None,
     ) -> list[_fsdp_reshard.Gathered]:
-        """Gathers ``unit`` into ``out`` (``ready``: already gathered); returns each flat
-        buffer with its shard, how and leaves. ``key`` names the gather in the chain."""
+        """Gathers ``state``'s unit into ``out`` (``ready``: already gathered); returns each
+        flat buffer with its shard, how and leaves. ``borrower``: the unit it is gathered for."""
         gathered: list[_fsdp_reshard.Gathered] = []
-        for k, (bucket, shard) in enumerate(zip(unit.buckets, shards, strict=True)):
-            how = _fsdp_gather.for_bucket(self._policies[unit.name], bucket, shard)
+        for k, (bucket, shard) in enumerate(zip(state.unit.buckets, shards, strict=True)):
+            how = state.policy_for(k, shard)
             done = None if ready is None else _fsdp_gather.Ready(ready[k])
-            name = f"{key or unit.name}/{k}"
+            buffer = _fsdp_unit.Buffer(state.name, k, borrower)
             if not self._sync:
                 _fsdp_accumulate.check("fdp.FullyShardedDataParallel.no_sync", shard)
-            make = functools.partial(self._gather_flat, shard, how, done, name)
+            make = functools.partial(self._gather_flat, state, buffer, shard, how, done)
             recompute = self.reshard_after_forward
             flat, leaves = _fsdp_gather.unit_leaves(bucket, shard, how, make, recompute=recompute)
             for i, leaf in zip(bucket.indices, leaves, strict=True):
@@ -452,14 +448,22 @@ class FullyShardedDataParallel:
             gathered.append((flat, shard, how, leaves))
         return gathered
 
-    def _gather_flat(self, shard: torch.Tensor, how: Any, done: Any, name: str) -> torch.Tensor:
+    def _gather_flat(
+        self,
+        state: _fsdp_unit.UnitState,
+        buffer: _fsdp_unit.Buffer,
+        shard: torch.Tensor,
+        how: Any,
+        done: Any,
+    ) -> torch.Tensor:
         """A bucket's flat buffer, chained; in ``no_sync`` its gradient is kept instead."""
         if self._sync:
-            flat = self._pending.release(_fsdp_gather.gather(shard, how, done), name)
+            flat = _fsdp_gather.gather(shard, how, done)
+            flat = _fsdp_accumulate.release(state.kept, buffer, flat)
         else:  # gathered outside autograd (fdp/_sharding/_fsdp_accumulate.py)
             flat = _fsdp_gather.gather(shard.detach(), how, done)
-            flat = self._pending.hold(flat, shard, name, how.reduce_dtype)
-        return self._chain.link(name, flat)
+            flat = _fsdp_accumulate.hold(state.kept, buffer, flat, shard, how.reduce_dtype)
+        return self._chain.link(buffer, flat)
 
     def _check_shards(self, call: str, shards: Any) -> None:
         if not isinstance(shards, dict) or sorted(shards) != sorted(self.unit_names):

@@ -17,6 +17,7 @@ buffers across calls; both are refused inside ``no_sync``.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -24,37 +25,31 @@ import torch
 from fdp import _mode
 
 
-class Pending:
-    """The full-size gradients ``no_sync`` kept, by gathered buffer (``unit/bucket``)."""
+def hold(
+    kept: dict[Any, torch.Tensor],
+    key: Hashable,
+    flat: torch.Tensor,
+    shard: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``flat`` (gathered from ``shard``, outside autograd) whose gradient goes to ``kept[key]``.
 
-    def __init__(self) -> None:
-        self.grads: dict[str, torch.Tensor] = {}
+    ``kept`` is the unit's (``UnitState.kept``), ``key`` the gathered
+    buffer's. Kept in ``dtype`` (the reduce dtype), so that micro-batches
+    add up as the reduce-scattered gradients would.
+    """
+    if not shard.requires_grad or not torch.is_grad_enabled():
+        return flat
+    out: torch.Tensor = _Hold.apply(flat, shard, kept, key, dtype)  # type: ignore[no-untyped-call]
+    return out
 
-    def hold(
-        self, flat: torch.Tensor, shard: torch.Tensor, key: str, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """``flat`` (gathered from ``shard``, outside autograd) whose gradient is kept here.
 
-        Kept in ``dtype`` (the reduce dtype), so that micro-batches add up as
-        the reduce-scattered gradients would.
-        """
-        if not shard.requires_grad or not torch.is_grad_enabled():
-            return flat
-        out: torch.Tensor = _Hold.apply(flat, shard, self, key, dtype)  # type: ignore[no-untyped-call]
-        return out
-
-    def release(self, flat: torch.Tensor, key: str) -> torch.Tensor:
-        """``flat`` whose gradient gets what was kept for ``key`` (if anything) added."""
-        if key not in self.grads or not flat.requires_grad:
-            return flat
-        out: torch.Tensor = _Release.apply(flat, self, key)  # type: ignore[no-untyped-call]
-        return out
-
-    def clear(self) -> None:
-        self.grads.clear()
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.grads.values())
+def release(kept: dict[Any, torch.Tensor], key: Hashable, flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` whose gradient gets ``kept[key]`` (if anything) added, once."""
+    if key not in kept or not flat.requires_grad:
+        return flat
+    out: torch.Tensor = _Release.apply(flat, kept, key)  # type: ignore[no-untyped-call]
+    return out
 
 
 class _Hold(torch.autograd.Function):
@@ -62,19 +57,19 @@ class _Hold(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        flat: torch.Tensor, shard: torch.Tensor, pending: Pending, key: str, dtype: torch.dtype
+        flat: torch.Tensor, shard: torch.Tensor, kept: Any, key: Hashable, dtype: torch.dtype
     ) -> torch.Tensor:
         return flat.view_as(flat)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.pending, ctx.key, ctx.dtype = inputs[2], inputs[3], inputs[4]
+        ctx.kept, ctx.key, ctx.dtype = inputs[2], inputs[3], inputs[4]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None, None]:
-        kept = ctx.pending.grads.get(ctx.key)
+        kept = ctx.kept.get(ctx.key)
         if kept is None:  # a copy: the engine may hand the same tensor to another consumer
-            ctx.pending.grads[ctx.key] = grad.to(ctx.dtype, copy=True)
+            ctx.kept[ctx.key] = grad.to(ctx.dtype, copy=True)
         else:
             kept.add_(grad)
         return None, None, None, None, None
@@ -84,16 +79,16 @@ class _Release(torch.autograd.Function):
     """The identity; backward adds the gradient ``no_sync`` kept for this buffer, once."""
 
     @staticmethod
-    def forward(flat: torch.Tensor, pending: Pending, key: str) -> torch.Tensor:
+    def forward(flat: torch.Tensor, kept: Any, key: Hashable) -> torch.Tensor:
         return flat.view_as(flat)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.pending, ctx.key = inputs[1], inputs[2]
+        ctx.kept, ctx.key = inputs[1], inputs[2]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        kept = ctx.pending.grads.pop(ctx.key, None)
+        kept = ctx.kept.pop(ctx.key, None)
         return (grad if kept is None else grad + kept.to(grad.dtype)), None, None
 
 

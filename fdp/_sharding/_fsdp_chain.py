@@ -21,6 +21,7 @@ while compiling, where a rank must use every unit it gathers.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -83,26 +84,26 @@ class Chain:
         self.reset()
 
     def reset(self) -> None:
-        self.units: set[str] = set()
+        self.seen: set[Hashable] = set()  # the gathered buffers of this pass
         self.token: torch.Tensor | None = None
         self.entries: list[Entry] = []
 
-    def _link_traced(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+    def _link_traced(self, buffer: Hashable, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` as it is: a compiled graph holds no resharding to order."""
         return flat
 
     @_mode.traced_as(_link_traced)
-    def link(self, name: str, flat: torch.Tensor) -> torch.Tensor:
-        """``flat`` tied into this pass's chain (as it is where no backward follows)."""
+    def link(self, buffer: Hashable, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (``buffer``) tied into this pass's chain (as it is where nothing follows)."""
         if not (flat.requires_grad and torch.is_grad_enabled()):
             return flat
-        if name in self.units:  # gathered again: a new pass (step, micro-batch)
+        if buffer in self.seen:  # gathered again: a new pass (step, micro-batch)
             self.reset()
         token = self.token if self.token is not None else flat.new_zeros(0)
         before = self.entries[-1] if self.entries else None
         self.entries.append(Entry())
         out, self.token = _Link.apply(flat, token, before)  # type: ignore[no-untyped-call]
-        self.units.add(name)
+        self.seen.add(buffer)
         linked: torch.Tensor = out
         return linked
 

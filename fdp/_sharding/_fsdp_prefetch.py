@@ -28,7 +28,7 @@ import torch
 
 from fdp import _mode
 from fdp._comm import _raw
-from fdp._sharding import _fsdp_gather, _fsdp_plan, _fsdp_reshard
+from fdp._sharding import _fsdp_gather, _fsdp_reshard, _fsdp_unit
 
 
 def _eligible_traced(shards: Sequence[torch.Tensor]) -> bool:
@@ -45,10 +45,9 @@ def eligible(shards: Sequence[torch.Tensor]) -> bool:
 class Started:
     """The asynchronous all-gathers of one unit's shards."""
 
-    def __init__(
-        self, name: str, shards: Sequence[torch.Tensor], hows: Sequence[_fsdp_gather.Policy]
-    ) -> None:
-        self.name, self.shards = name, tuple(shards)
+    def __init__(self, state: _fsdp_unit.UnitState, shards: Sequence[torch.Tensor]) -> None:
+        self.name, self.shards = state.name, tuple(shards)
+        hows = [state.policy_for(k, t) for k, t in enumerate(shards)]
         self.versions = tuple(t._version for t in shards)
         self.parts = [t.detach().to(how.param_dtype) for t, how in zip(shards, hows, strict=True)]
         started = [
@@ -74,14 +73,9 @@ class Started:
         )
 
 
-def start(
-    unit: _fsdp_plan.Unit, shards: Sequence[torch.Tensor], policy: _fsdp_gather.Policy
-) -> Started:
-    """The asynchronous all-gathers of ``unit``'s ``shards``, as ``policy`` has them travel."""
-    hows = [
-        _fsdp_gather.for_bucket(policy, b, t) for b, t in zip(unit.buckets, shards, strict=True)
-    ]
-    return Started(unit.name, shards, hows)
+def start(state: _fsdp_unit.UnitState, shards: Sequence[torch.Tensor]) -> Started:
+    """The asynchronous all-gathers of a unit's ``shards``, as its ``state``'s policy has them."""
+    return Started(state, shards)
 
 
 class Prefetcher:
@@ -149,20 +143,20 @@ class Prefetcher:
 
     def ready(
         self,
-        name: str,
+        state: _fsdp_unit.UnitState,
         shards: Mapping[str, Sequence[torch.Tensor]],
-        units: Mapping[str, _fsdp_plan.Unit],
-        policies: Mapping[str, _fsdp_gather.Policy],
+        states: Mapping[str, _fsdp_unit.UnitState],
     ) -> list[torch.Tensor] | None:
-        """Unit ``name``'s flat buffers if prefetched; starts the gather of the next unit."""
+        """``state``'s unit's flat buffers if prefetched; starts the gather of the next unit."""
+        name = state.name
         mine = shards[name]
         if not (self.enabled and eligible(mine)):
             self.drop()
             return None
         ready = self.take(name, mine)
         if ready is None:  # gathered now, before the next unit's gather starts
-            ready = start(units[name], mine, policies[name]).wait()
+            ready = start(state, mine).wait()
         following = self.visit(name)
         if following is not None:
-            self.put(start(units[following], shards[following], policies[following]))
+            self.put(start(states[following], shards[following]))
         return ready
