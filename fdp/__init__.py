@@ -29,8 +29,8 @@ from fdp._sharding._checkpoint import load_checkpoint as load_checkpoint
 from fdp._sharding._checkpoint import save_checkpoint as save_checkpoint
 from fdp._sharding._fsdp import FullyShardedDataParallel as FullyShardedDataParallel
 from fdp._sharding._latest import latest_checkpoint as latest_checkpoint
+from fdp._sharding._shards import ZeroState as ZeroState
 from fdp._sharding._zero import ZeroRedundancy as ZeroRedundancy
-from fdp._sharding._zero_shards import ZeroState as ZeroState
 from fdp._version import __version__ as __version__
 
 __all__ = [

@@ -34,7 +34,7 @@ from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _compat, _tree
 from fdp._comm import _agreement
-from fdp._sharding._zero_shards import Shards, ZeroState
+from fdp._sharding._shards import Shards, ZeroState
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.api import CheckpointException

@@ -40,9 +40,9 @@ from fdp._sharding import (
     _fsdp_reshard,
     _fsdp_state,
     _fsdp_unit,
-    _zero_shards,
+    _shards,
 )
-from fdp._sharding._zero_shards import ZeroState
+from fdp._sharding._shards import ZeroState
 from fdp.optim import _param_groups
 
 T = TypeVar("T")
@@ -173,7 +173,7 @@ class FullyShardedDataParallel:
         self._sync = True
         # The same slices as a ZeroRedundancy's, for checkpoints (fdp/_sharding/_fsdp_state.py).
         buckets = [b for u in self.units for b in u.buckets]
-        self._layout = _zero_shards.from_buckets(params, buckets, sharded, group=group)
+        self._layout = _shards.from_buckets(params, buckets, sharded, group=group)
         self._bucket_units = [(u.name, b) for u in self.units for b in range(len(u.buckets))]
         _param_groups.register_sharded(self)  # param_groups refuses the shards, naming optimizer()
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fdp._sharding._zero_shards import Part, Segment, Shards
+from fdp._sharding._shards import Part, Segment, Shards
 from fdp.optim import _param_groups
 
 ShardTree = dict[str, tuple[torch.Tensor, ...]]

@@ -1,7 +1,7 @@
 """Fully sharded trees as checkpoint states: shards and optimizer states as ``ZeroState``s.
 
 A unit's flat buffer is cut into equal slices exactly as a
-``ZeroRedundancy`` bucket is (``fdp/_sharding/_zero_shards.py``), so the same
+``ZeroRedundancy`` bucket is (``fdp/_sharding/_shards.py``), so the same
 segments describe which elements of which parameter leaf each rank holds,
 and ``fdp.save_checkpoint`` writes them the same way: per parameter leaf,
 one 1-D sharded entry of the leaf's elements, under the key an unsharded
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fdp._sharding._zero_shards import Shards, ZeroState
+from fdp._sharding._shards import Shards, ZeroState
 
 # {unit name: (flat shard per bucket, ...)}: what FullyShardedDataParallel.shard returns.
 ShardTree = Mapping[str, tuple[Any, ...]]

@@ -1,7 +1,7 @@
 """``fdp.ZeroRedundancy``: ZeRO stages 1 and 2 for a functional optimizer.
 
 The layout (buckets cut into one slice per rank, segments of leaves) is
-``fdp/_sharding/_zero_shards.py``. A step packs each bucket's local gradients, starts
+``fdp/_sharding/_shards.py``. A step packs each bucket's local gradients, starts
 every bucket's reduce-scatter (stage 1: all-reduce), then per bucket waits
 for it, updates this rank's segments with the wrapped optimizer and starts
 the all-gather of the new slice, so that bucket k's all-gather travels
@@ -22,8 +22,8 @@ from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _mode, _tree
 from fdp._comm import _agreement, _transforms
-from fdp._sharding import _zero_comm, _zero_join, _zero_shards
-from fdp._sharding._zero_shards import Part, Shards, ZeroState
+from fdp._sharding import _shards, _zero_comm, _zero_join
+from fdp._sharding._shards import Part, Shards, ZeroState
 from fdp.optim import _base, _clip
 from fdp.optim._base import OptimizerProtocol, check_grad
 
@@ -94,7 +94,7 @@ class ZeroRedundancy:
         # The structure as flatten() gives it while compiling (None: custom nodes).
         self._traced_spec = _tree.traced_spec(params)
         self._trained = [i for i, t in enumerate(trained) if t is not None]
-        self.shards: Shards = _zero_shards.plan(params, trained, cap=cap, group=group)
+        self.shards: Shards = _shards.plan(params, trained, cap=cap, group=group)
         self._keys = ("step", *optimizer.slots)
         self._part_optimizers = _bind(optimizer, params, self.shards.parts)
         self.last_grad_norm: torch.Tensor | None = None
@@ -438,7 +438,7 @@ def _bind(optimizer: OptimizerProtocol, params: Any, parts: Sequence[Part]) -> l
 
 
 def _segment(
-    part: Part, leaves: Sequence[Any], s: _zero_shards.Segment, *, detach: bool = True
+    part: Part, leaves: Sequence[Any], s: _shards.Segment, *, detach: bool = True
 ) -> torch.Tensor:
     leaf = leaves[s.leaf].detach() if detach else leaves[s.leaf]
     return _bucket.memory_flat(leaf, part.bucket.order(s.j))[s.lo : s.hi]

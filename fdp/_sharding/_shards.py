@@ -1,6 +1,16 @@
-"""How ``fdp.ZeroRedundancy`` splits a parameter tree across ranks, and its state.
+"""The sharding seam: how a strategy splits a parameter tree across ranks, and its state.
 
-The trained leaves (floating-point and complex tensors) are planned into
+A sharding strategy plugs in here by describing its split as a
+:class:`Shards` layout (which rank holds which elements of each leaf):
+``fdp.ZeroRedundancy`` plans one from its own buckets (:func:`plan`),
+``fdp.FullyShardedDataParallel`` from its units' buckets
+(:func:`from_buckets`). Whatever holds such a layout, a :class:`ZeroState`
+carries it, ``fdp.save_checkpoint``/``load_checkpoint`` reshard it by
+element ranges to another world size or into unsharded leaves
+(``fdp/_sharding/_checkpoint.py``), and an ``fdp.optim`` optimizer steps
+its slices as if they were parameters.
+
+ZeRO's split: the trained leaves (floating-point and complex tensors) are planned into
 buckets as for DDP (``fdp/_bucket.py``). Each bucket's elements (complex
 leaves as real pairs, every leaf in its memory order) are padded to a
 multiple of the world size and cut into equal slices, one per rank, so a
