@@ -38,7 +38,7 @@ def _stepped(rank: int, size: int, prefetch: bool) -> Any:
         calls.append(len(calls))
         if len(calls) == 3:  # blocks.2's input is blocks.1's output: when its gradient
             # comes, blocks.1's own hook (registered first) has gathered it again.
-            h.register_hook(lambda g: seen.update({"in backward": _phases(fsdp)}))
+            h.register_hook(lambda g: seen.update({"in backward": _phases(fsdp)}))  # type: ignore[no-untyped-call]
         return torch.tanh(h @ unit["w"] + unit["b"])
 
     out = applied(fsdp, shards, mine(x, rank), None, block=block)
