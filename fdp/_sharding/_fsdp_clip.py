@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,22 +34,19 @@ def clip_grad_norm(
             "with complex leaves (use norm_type=2, which needs no pairing)"
         )
     tensors = [t for unit in units for t in grads[unit.name]]
-    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    norms = torch.stack([torch.linalg.vector_norm(t, p, dtype=wide) for t in tensors])
-    if math.isinf(p):
-        if _mode.needs_rules([norms]):
+
+    def combine(share: torch.Tensor, op: str) -> torch.Tensor:
+        if not _mode.needs_rules([share]):
+            return _raw.all_reduce(share, group=group, op=op)
+        if op == "max":
             raise NotImplementedError(
                 f"{call}: `norm_type=inf` takes a maximum over ranks, which fdp does not "
                 "differentiate; got gradients that require grad or are under a torch.func "
                 "transform (use a finite norm_type there)"
             )
-        total = _raw.all_reduce(norms.max(), group=group, op="max")
-    else:
-        local = (norms**p).sum()
-        if _mode.needs_rules([local]):
-            total = _differentiable.psum(local, group=group) ** (1.0 / p)
-        else:
-            total = _raw.all_reduce(local, group=group) ** (1.0 / p)
-    scale = torch.clamp(max_norm / (total + _clip.EPS), max=1.0)
+        return _differentiable.psum(share, group=group)
+
+    total = _clip.sharded_norm(tensors, norm_type=p, combine=combine)
+    scale = _clip.clip_scale(total, max_norm)
     clipped = {k: tuple(t * scale.to(t.dtype) for t in ts) for k, ts in grads.items()}
     return clipped, total

@@ -336,12 +336,9 @@ class ZeroRedundancy:
     ) -> list[torch.Tensor]:
         """Every bucket's averaged slice, scaled to the global ``max_norm``."""
         reduced = [comm.reduced(s) for s in started]
-        wide = torch.float64 if any(r.dtype == torch.float64 for r in reduced) else torch.float32
-        device = reduced[0].device
-        squares = [torch.linalg.vector_norm(r, dtype=wide).to(device) ** 2 for r in reduced]
-        total = comm.total(torch.stack(squares).sum()).sqrt()
+        total = _clip.sharded_norm(reduced, norm_type=2.0, combine=lambda t, op: comm.total(t))
         self.last_grad_norm = total
-        scale = torch.clamp(max_norm / (total + _clip.EPS), max=1.0)
+        scale = _clip.clip_scale(total, max_norm)
         if isinstance(comm, _zero_comm.Eager):  # the slices are this step's own buffers
             return [r.mul_(scale.to(r.device, r.dtype)) for r in reduced]
         return [r * scale.to(r.device, r.dtype) for r in reduced]

@@ -12,6 +12,8 @@ that needs.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -69,7 +71,7 @@ def clip_by_global_norm(
     if not present:
         return grads, torch.zeros(())
     norm = global_norm(present, norm_type=float(norm_type))
-    scale = torch.clamp(max_norm / (norm + EPS), max=1.0)
+    scale = clip_scale(norm, max_norm)
     clipped = [None if g is None else g * scale.to(g.device) for g in leaves]
     return _tree.unflatten(spec, clipped), norm
 
@@ -86,8 +88,36 @@ def check_norm_type(call: str, norm_type: object) -> float:
 
 
 def global_norm(tensors: list[torch.Tensor], *, norm_type: float) -> torch.Tensor:
-    """The p-norm of the tensors' p-norms, on the first tensor's device."""
+    """The p-norm of the tensors' p-norms, on the first tensor's device (torch's recipe)."""
     device = tensors[0].device
     norms = [torch.linalg.vector_norm(t, norm_type).to(device) for t in tensors]
     total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     return total
+
+
+def sharded_norm(
+    tensors: list[torch.Tensor],
+    *,
+    norm_type: float,
+    combine: Callable[[torch.Tensor, str], torch.Tensor],
+) -> torch.Tensor:
+    """The p-norm of tensors whose elements are spread over ranks, each element on one rank.
+
+    This rank's share is the sum of the p-th powers of its tensors' norms
+    (the largest norm for ``math.inf``), in float32 or float64;
+    ``combine(share, "sum" or "max")`` joins the ranks' shares (one
+    collective of one number: FSDP's shards, ZeRO's slices).
+    """
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    device = tensors[0].device
+    norms = torch.stack(
+        [torch.linalg.vector_norm(t, norm_type, dtype=wide).to(device) for t in tensors]
+    )
+    if math.isinf(norm_type):
+        return combine(norms.max(), "max")
+    return combine((norms**norm_type).sum(), "sum") ** (1.0 / norm_type)
+
+
+def clip_scale(norm: torch.Tensor, max_norm: float | torch.Tensor) -> torch.Tensor:
+    """The factor of the clipped gradients: ``min(1, max_norm / (norm + 1e-6))``, as torch's."""
+    return torch.clamp(max_norm / (norm + EPS), max=1.0)
