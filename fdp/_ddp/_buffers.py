@@ -66,7 +66,7 @@ class Buffers:
         targets = [leaves[i] for i in self.indices]
         _raw.broadcast_coalesced(self.buckets, targets, src=src, group=self.group)
 
-    def shadow(self, *, src: int) -> None:
+    def mirror(self, *, src: int) -> None:
         """Takes part in the broadcast of rank ``src``'s buffers, keeping nothing (``join``)."""
         with torch.no_grad():
             for bucket in self.buckets:

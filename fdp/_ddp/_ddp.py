@@ -300,7 +300,7 @@ class DistributedDataParallel:
         try:
             with self._joiner.active():
                 yield
-                self._joiner.shadow()
+                self._joiner.mirror()
         finally:
             self._joiner = None
 

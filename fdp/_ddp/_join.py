@@ -169,7 +169,7 @@ class Joiner:
         )
         return last, None if self.by_initial else 1.0 / active, flags[1]
 
-    def shadow(self) -> None:
+    def mirror(self) -> None:
         """Mirrors the steps of the ranks still training until every rank has left."""
         with torch.no_grad():
             while True:
@@ -180,7 +180,7 @@ class Joiner:
                     self._sync_final()
                     return
                 if self.buffers is not None and broadcast:
-                    self.buffers.shadow(src=last)
+                    self.buffers.mirror(src=last)
                 if reduces:
                     for bucket in self.buckets:
                         dist.all_reduce(torch.zeros_like(bucket.empty()), group=self.group)
@@ -189,9 +189,9 @@ class Joiner:
                     if usage[-1] > 0:  # the training ranks reduce them, bucket by bucket
                         for bucket in self.buckets:
                             dist.all_reduce(torch.zeros_like(bucket.empty()), group=self.group)
-                    self._shadow_sparse(usage[:-1].tolist())
+                    self._mirror_sparse(usage[:-1].tolist())
 
-    def _shadow_sparse(self, counts: list[float]) -> None:
+    def _mirror_sparse(self, counts: list[float]) -> None:
         """Takes part, with nothing, in the reduction of each sparse gradient (in order)."""
         for count, (shape, dtype, device) in zip(counts, self.counted_meta, strict=True):
             if count >= self.world + 1:  # a sparse user counts world + 1

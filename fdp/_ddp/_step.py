@@ -115,7 +115,7 @@ class Step:
         self.sparse_ok = sparse_ok
         self.done = done  # told when this backward's reduction has finished
         # ``join`` may divide by the ranks still training, and needs the
-        # usage all-reduce on every step, which shadowing ranks mirror.
+        # usage all-reduce on every step, which mirroring ranks answer.
         self.prescale = reduction.prescale if prescale is None else prescale
         self.always_count = always_count
         self.leaves = leaves
@@ -413,7 +413,7 @@ class Step:
                 if usage is None and self.reduction.serial and counting:
                     usage = self._launch_usage()  # after every hook's last collective
                 if usage is not None and self.returned:
-                    usage[1].wait()  # counted for join's shadowing ranks only
+                    usage[1].wait()  # counted for join's mirroring ranks only
                 elif usage is not None:
                     self._hand_out(usage)
                 if self.reduction.replicas is not None and not self.always_count:  # not in join

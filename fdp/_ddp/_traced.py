@@ -214,7 +214,7 @@ UNDER_TRANSFORM = (
 )
 IN_JOIN = (
     "fdp.DistributedDataParallel.join: ddp(params) is not compiled in a join block (the "
-    "joined ranks' shadow step is eager). Without fullgraph=True, fdp runs it eagerly here "
+    "joined ranks' mirrored step is eager). Without fullgraph=True, fdp runs it eagerly here "
     "(a graph break); or call ddp(params) outside the compiled function"
 )
 
