@@ -111,8 +111,7 @@ class Step:
         done: Callable[[Step], None] | None = None,
         sparse_ok: bool = True,
     ) -> None:
-        self.reduction = reduction
-        self.sparse_ok = sparse_ok
+        self.reduction, self.sparse_ok = reduction, sparse_ok
         self.done = done  # told when this backward's reduction has finished
         # ``join`` may divide by the ranks still training, and needs the
         # usage all-reduce on every step, which mirroring ranks answer.
@@ -161,13 +160,13 @@ class Step:
             )
 
     def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Leaf ``i``'s gradient: graphed, sparse, a second one, or the first (dense or None)."""
         self._refuse(i, grad)
         if torch.is_grad_enabled():  # backward(create_graph=True)
             return self._graphed(i, grad)
         with self.lock, torch.no_grad(), _compat.functorch_disabled():
-            leaf = self.leaves[i]
             if self.delivery is Delivery.UNDECIDED:
-                returned = _compat.engine_captures_grads(leaf)
+                returned = _compat.engine_captures_grads(self.leaves[i])
                 self.delivery = Delivery.RETURNED if returned else Delivery.ACCUMULATED
             if not self.queued:
                 _compat.queue_backward_callback(self.finish)
@@ -177,23 +176,30 @@ class Step:
                 return self._sparse(i, k, grad)
             if grad is not None and i in self.buckets[k].filled:
                 return self._again(i, k, grad)
-            view = self._view(i)
-            old = None if self.returned else leaf.grad
-            scale = self.prescale
-            if grad is None:  # an undefined gradient: zero, as if unused here
-                _pack_old(view, old, scale)
-            else:
-                self.used.add(i)
-                if old is None:
-                    torch.mul(_compat.unwrap_functorch(grad), scale, out=view)
-                else:  # fold what earlier backwards (under no_sync) accumulated
-                    torch.add(_compat.unwrap_functorch(grad), old, out=view).mul_(scale)
-            self.buckets[k].filled.add(i)
-            while self.next_launch < len(self.buckets) and self._complete(self.next_launch):
-                self._launch(self.next_launch)
-            if grad is None:
-                return None
-            return view if self.returned else self._into_bucket(leaf, view)
+            return self._first(i, k, grad)
+
+    def _first(self, i: int, k: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Leaf ``i``'s first gradient (``None``: undefined, a zero) packed into bucket ``k``."""
+        leaf, view = self.leaves[i], self._view(i)
+        old = None if self.returned else leaf.grad
+        if grad is None:  # an undefined gradient: zero, as if unused here
+            _pack_old(view, old, self.prescale)
+        else:
+            self.used.add(i)
+            if old is None:
+                torch.mul(_compat.unwrap_functorch(grad), self.prescale, out=view)
+            else:  # fold what earlier backwards (under no_sync) accumulated
+                torch.add(_compat.unwrap_functorch(grad), old, out=view).mul_(self.prescale)
+        self._filled(i, k)
+        if grad is None:
+            return None
+        return view if self.returned else self._into_bucket(leaf, view)
+
+    def _filled(self, i: int, k: int) -> None:
+        """Leaf ``i``'s slot of bucket ``k`` is final: launches the buckets now complete."""
+        self.buckets[k].filled.add(i)
+        while self.next_launch < len(self.buckets) and self._complete(self.next_launch):
+            self._launch(self.next_launch)
 
     @staticmethod
     def _into_bucket(leaf: Any, view: torch.Tensor) -> torch.Tensor:
@@ -235,9 +241,7 @@ class Step:
         self.sparse[i] = grad if kept is None else kept + grad
         if i not in self.buckets[k].filled:
             self._view(i).zero_()
-            self.buckets[k].filled.add(i)
-            while self.next_launch < len(self.buckets) and self._complete(self.next_launch):
-                self._launch(self.next_launch)
+            self._filled(i, k)
         return empty_sparse(leaf.shape, leaf.dtype, leaf.device)
 
     def _complete(self, k: int) -> bool:
