@@ -389,3 +389,82 @@ def test_every_torch_optim_option_is_taken_or_refused_with_fdps_message(name: st
                 make(**{key: value})
     with pytest.raises(TypeError, match=rf"fdp.optim.{name}: got an unexpected keyword"):
         make(momentum_typo=0.9)
+
+
+class _Lion(fdp.optim.Optimizer):
+    """Lion (Chen et al., 2023) through the extension point: a sign step and one slot."""
+
+    name = "lion"
+    slots = ("exp_avg",)
+
+    def __init__(self, lr: float, betas: tuple[float, float] = (0.9, 0.99)) -> None:
+        super().__init__(lr)
+        self.betas = betas
+
+    def rule(
+        self,
+        ops: Any,
+        params: Any,
+        grads: Any,
+        slots: Any,
+        steps: Any,
+        donate: bool,
+        lr: Any,
+    ) -> tuple[Any, Any]:
+        beta1, beta2 = self.betas
+        direction = ops("sign", ops("lerp", slots["exp_avg"], grads, 1 - beta1))
+        new_params = ops("sub", params, ops("mul", direction, lr, own=True), own=donate)
+        return new_params, {"exp_avg": ops("lerp", slots["exp_avg"], grads, 1 - beta2, own=donate)}
+
+
+def _lion_reference(params: list[Any], grads: list[list[Any]]) -> Any:
+    """Lion in plain torch, leaf by leaf."""
+    m = [torch.zeros_like(p) for p in params]
+    for step in grads:
+        for j, g in enumerate(step):
+            params[j] = params[j] - 0.1 * torch.sign(m[j] + 0.1 * (g - m[j]))
+            m[j] = m[j] + 0.01 * (g - m[j])
+    return params, m
+
+
+@pytest.mark.parametrize("differentiable", [False, True], ids=["foreach", "plain"])
+def test_an_optimizer_of_ones_own_through_the_rule_extension_point(differentiable: bool) -> None:
+    g = torch.Generator().manual_seed(3)
+    params = {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g), "n": None}
+    grads = [{"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g), "n": None}]
+    grads.append({"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g), "n": None})
+    opt = _Lion(0.1)
+    state, p = opt.init(params), dict(params)
+    for step in grads:
+        if differentiable:  # gradients that require grad: the step runs the plain ops
+            step = {k: None if v is None else v.clone().requires_grad_() for k, v in step.items()}
+        p, state = opt.update(step, state, p)
+    assert (getattr(p["w"], "grad_fn", None) is not None) is differentiable
+    plain = [[s["w"], s["b"]] for s in grads]
+    want, m = _lion_reference([params["w"], params["b"]], plain)
+    got = {"w": p["w"], "b": p["b"], "mw": state["exp_avg"]["w"], "mb": state["exp_avg"]["b"]}
+    got = {k: v.detach() for k, v in got.items()}
+    tree_allclose(got, {"w": want[0], "b": want[1], "mw": m[0], "mb": m[1]})
+    assert state["step"]["w"].item() == 2.0
+    assert p["n"] is None
+
+
+def test_the_rule_extension_point_refuses_a_wrong_subclass_by_name() -> None:
+    with pytest.raises(TypeError, match=r"subclass .*NoRule: expected a `rule` method"):
+
+        class NoRule(fdp.optim.Optimizer):
+            name = "no_rule"
+
+    with pytest.raises(ValueError, match=r"subclass .*StepSlot: `slots` must not name \"step\""):
+
+        class StepSlot(_Lion):
+            slots = ("step",)
+
+    class Misspelt(_Lion):
+        def rule(self, ops: Any, params: Any, *args: Any) -> tuple[Any, Any]:
+            return ops("sgin", params), {"exp_avg": params}
+
+    p = {"w": torch.ones(2)}
+    opt = Misspelt(0.1)
+    with pytest.raises(ValueError, match=r"op `name` expected one of \[.*'sign'.*\]; got 'sgin'"):
+        opt.update({"w": torch.ones(2)}, opt.init(p), p)

@@ -79,10 +79,48 @@ class Grouped(OptimizerProtocol, Protocol):
 
 
 class Optimizer:
-    """``init(params) -> state`` and ``update(grads, state, params) -> (params, state)``."""
+    """``init(params) -> state`` and ``update(grads, state, params) -> (params, state)``.
+
+    The extension point for an optimizer of your own: subclass it, set
+    ``name`` and ``slots`` (the per-leaf state besides ``"step"``), and
+    write :meth:`rule` over lists of tensors with the ``ops`` it is given.
+    ``Optimizer`` does the rest as for ``sgd`` and ``adamw``: the checks,
+    complex leaves, ``maximize``, schedules, ``donate=True``, torch's
+    foreach kernels eagerly and plain differentiable ops under autograd or
+    a ``torch.func`` transform, ``ZeroRedundancy``, ``FullyShardedDataParallel``
+    and ``param_groups``. A subclass without ``rule`` is refused when it is
+    defined, an op name outside ``fdp.optim._lists.OpName`` by mypy and at
+    the first step.
+
+    Example::
+
+        >>> import torch, fdp
+        >>> class SignSGD(fdp.optim.Optimizer):
+        ...     name = "sign_sgd"
+        ...     def rule(self, ops, params, grads, slots, steps, donate, lr):
+        ...         return ops("sub", params, ops("mul", ops("sign", grads), lr), own=donate), {}
+        >>> opt = SignSGD(0.5)
+        >>> p = {"w": torch.tensor([1.0, -1.0])}
+        >>> p, state = opt.update({"w": torch.tensor([3.0, -2.0])}, opt.init(p), p)
+        >>> p["w"].tolist()
+        [0.5, -0.5]
+    """
 
     name = "optimizer"
     slots: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        where = f"fdp.optim.Optimizer subclass {cls.__qualname__}"
+        if cls.rule is Optimizer.rule:
+            raise TypeError(f"{where}: expected a `rule` method (see Optimizer's docstring)")
+        if not isinstance(cls.name, str) or not cls.name:
+            raise TypeError(f"{where}: `name` expected a non-empty string; got {cls.name!r}")
+        slots = cls.__dict__.get("slots", ())
+        if not isinstance(slots, tuple) or not all(isinstance(s, str) for s in slots):
+            raise TypeError(f"{where}: `slots` expected a tuple of strings; got {slots!r}")
+        if "step" in slots:
+            raise ValueError(f'{where}: `slots` must not name "step", the step count\'s key')
 
     def __init__(self, lr: Rate, *, maximize: bool = False) -> None:
         if not callable(lr):  # a schedule: a function of the step count (fdp/optim/_schedules.py)
@@ -200,7 +238,7 @@ class Optimizer:
                 live_g = [_real(g[i]) for i in live]
                 if self.maximize:
                     live_g = list(ops("neg", live_g))
-                new_p, new_slots = self._apply(
+                new_p, new_slots = self.rule(
                     ops, [_real(p[i]) for i in live], live_g, slots, steps, donate, lr
                 )
         except (RuntimeError, TypeError):
@@ -221,7 +259,7 @@ class Optimizer:
     def _keys(self) -> tuple[str, ...]:
         return ("step", *self.slots)
 
-    def _apply(
+    def rule(
         self,
         ops: _lists.Ops,
         params: Lists,
@@ -231,7 +269,24 @@ class Optimizer:
         donate: bool,
         lr: float | torch.Tensor,
     ) -> tuple[Lists, Mapping[str, Lists]]:
-        """The rule: new params and slots of the live leaves (``own=donate`` on inputs)."""
+        """The update rule: new params and slots of this step's live leaves.
+
+        Args:
+            ops: ``ops(name, xs, *args, own=False, **kwargs)`` runs torch's
+                ``name`` over the list ``xs`` (list arguments element by
+                element), foreach kernels or plain ops; ``own=True`` may
+                write into ``xs`` (pass ``own=donate`` for inputs, ``True``
+                for lists this rule made).
+            params, grads: the live leaves (real views of complex ones), and
+                their gradients (negated under ``maximize``).
+            slots: each slot's list, aligned with ``params``.
+            steps: the step counts (float64 0-d tensors), already incremented.
+            donate: whether ``params`` and ``slots`` may be written.
+            lr: this step's rate (a float, or a 0-d tensor from a schedule).
+
+        Returns:
+            ``(new params, {slot: new list})``, every slot of ``slots``.
+        """
         raise NotImplementedError
 
     def _scaled_add(

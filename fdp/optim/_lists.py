@@ -18,7 +18,7 @@ and the step chooses how that runs:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -26,11 +26,30 @@ from fdp import _mode
 
 Lists = tuple[torch.Tensor, ...] | list[torch.Tensor]
 
+# The operations a rule may name: each a torch foreach kernel (in place and
+# not) and a torch function, so that both forms below run it. A name outside
+# them is a type error under mypy and a ValueError at the first step.
+OpName = Literal[
+    "abs", "add", "addcdiv", "addcmul", "clamp_max", "clamp_min", "div", "exp", "lerp",
+    "maximum", "minimum", "mul", "neg", "reciprocal", "sign", "sqrt", "sub",
+]  # fmt: skip
+OPS: frozenset[str] = frozenset(get_args(OpName))
+
+
+def _check(name: str) -> None:
+    if name not in OPS:
+        raise ValueError(
+            f"fdp.optim: an Optimizer.rule's op `name` expected one of {sorted(OPS)}; got {name!r}"
+        )
+
 
 class Foreach:
     """``torch._foreach_<name>`` over whole lists, in place on the first where owned."""
 
-    def __call__(self, name: str, xs: Lists, *args: Any, own: bool = False, **kwargs: Any) -> Lists:
+    def __call__(
+        self, name: OpName, xs: Lists, *args: Any, own: bool = False, **kwargs: Any
+    ) -> Lists:
+        _check(name)
         if own:
             getattr(torch, f"_foreach_{name}_")(xs, *args, **kwargs)
             return xs
@@ -54,7 +73,10 @@ class Foreach:
 class Plain:
     """``torch.<name>`` leaf by leaf; list arguments are taken element by element."""
 
-    def __call__(self, name: str, xs: Lists, *args: Any, own: bool = False, **kwargs: Any) -> Lists:
+    def __call__(
+        self, name: OpName, xs: Lists, *args: Any, own: bool = False, **kwargs: Any
+    ) -> Lists:
+        _check(name)
         op = getattr(torch, name)
         return [
             op(x, *(_at(a, i) for a in args), **{k: _at(v, i) for k, v in kwargs.items()})

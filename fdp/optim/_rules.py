@@ -46,7 +46,7 @@ class SGD(Optimizer):
         self.nesterov, self.weight_decay = nesterov, weight_decay
         self.slots = ("momentum_buffer",) if momentum else ()
 
-    def _apply(
+    def rule(
         self,
         ops: Ops,
         params: Lists,
@@ -101,7 +101,7 @@ class Adam(Optimizer):
             self.name = "adamw"
         self.slots = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
 
-    def _apply(
+    def rule(
         self,
         ops: Ops,
         params: Lists,
