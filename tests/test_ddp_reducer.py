@@ -609,3 +609,32 @@ def test_buckets_launch_while_backward_runs() -> None:
     # activation gradient exists: the reduction overlaps backward.
     for events in ranks.world(2).run(_launch_order):
         assert events.index("launch 0") < events.index("activation 0"), events
+
+
+# --------------------------------------------------------------- profiler labels
+
+
+def _profiled(rank: int, size: int) -> Any:
+    params = chain_params()
+    ddp = fdp.DistributedDataParallel(params, **TINY)  # one bucket per leaf
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.autograd.backward(chain(ddp(params), shard(data(size), rank), "last", False))
+    return grads(params), sorted({e.name for e in prof.events() if e.name.startswith("fdp::")})
+
+
+def test_a_profiler_trace_shows_each_bucket_and_the_finish() -> None:
+    size = 2
+    results = ranks.world(size).run(_profiled)
+    params = chain_params()
+    x = data(size)
+    losses = [chain(params, shard(x, r), "last", reentrant=False) for r in range(size)]
+    torch.autograd.backward(torch.stack(losses).mean())
+    for got, labels in results:
+        assert labels == [
+            "fdp::ddp.bucket 0",
+            "fdp::ddp.bucket 1",
+            "fdp::ddp.bucket 2",
+            "fdp::ddp.finish",
+        ]
+        for name, p in params.items():
+            torch.testing.assert_close(got[name], p.grad, **TOL, msg=name)

@@ -68,3 +68,26 @@ def test_each_units_phase_follows_its_memory_through_a_step(prefetch: bool) -> N
         assert seen["after backward (graph kept)"] == resharded  # freed again at its end
         assert seen["kept no_sync bytes"] == 0
         tree_allclose(grads, expected, **TOL)
+
+
+def _profiled(rank: int, size: int) -> Any:
+    params = make_params()
+    fsdp = fdp.FullyShardedDataParallel(params)
+    x, y = data(size)
+    shards = fsdp.shard(params)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss = (applied(fsdp, shards, mine(x, rank), None) - mine(y, rank)).square().mean()
+        torch.autograd.backward(loss)
+    labels = sorted({e.name for e in prof.events() if e.name.startswith("fdp::")})
+    return labels, fsdp.full({k: tuple(_grad(t) for t in ts) for k, ts in shards.items()})
+
+
+def test_a_profiler_trace_shows_each_units_gather_reshard_and_refill() -> None:
+    expected = reference_grad(2, local_loss)
+    expected = {**expected, "frozen": torch.zeros_like(expected["frozen"])}
+    for labels, grads in ranks.world(2).run(_profiled):
+        for name in BLOCKS:
+            assert f"fdp::fsdp.all_gather {name}" in labels
+            assert f"fdp::fsdp.reshard {name}" in labels
+        assert {"fdp::fsdp.refill", "fdp::reduce-scatter"} <= set(labels)
+        tree_allclose(grads, expected, **TOL)

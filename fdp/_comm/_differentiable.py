@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function as _label
 from torch.distributed import ProcessGroup
 
 from fdp import _mode
@@ -112,7 +113,7 @@ def _eager_form(c: Collective) -> Rule:
         if done is not None:
             return done
         explain = contextlib.nullcontext() if c.explain is None else c.explain(*consts)
-        with explain:
+        with explain, _label(f"fdp::{c.name}"):  # eager only: a profiler trace shows it
             return c.forward(x, *consts)
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

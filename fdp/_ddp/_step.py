@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function as _label
 
 from fdp import _compat
 from fdp._bucket import Layout
@@ -116,16 +117,13 @@ class Step:
         # ``join`` may divide by the ranks still training, and needs the
         # usage all-reduce on every step, which mirroring ranks answer.
         self.prescale = reduction.prescale if prescale is None else prescale
-        self.always_count = always_count
-        self.leaves = leaves
+        self.always_count, self.leaves = always_count, leaves
         self.buckets = [InFlight() for _ in reduction.layout.buckets]
         self.hooked = hooked
         self.used: set[int] = set()  # leaves that got a gradient on this rank
         self.sparse: dict[int, torch.Tensor | None] = {}  # sparse here: this backward's
         self.late: dict[int, torch.Tensor] = {}  # after their bucket's launch: see _again
-        self.next_launch = 0
-        self.delivery = Delivery.UNDECIDED
-        self.queued = False
+        self.next_launch, self.delivery, self.queued = 0, Delivery.UNDECIDED, False
         self.lock = threading.Lock()
         for i in hooked:
             self.buckets[reduction.layout.where[i][0]].expected += 1
@@ -199,7 +197,8 @@ class Step:
         """Leaf ``i``'s slot of bucket ``k`` is final: launches the buckets now complete."""
         self.buckets[k].filled.add(i)
         while self.next_launch < len(self.buckets) and self._complete(self.next_launch):
-            self._launch(self.next_launch)
+            with _label(f"fdp::ddp.bucket {self.next_launch}"):  # a profiler trace shows it
+                self._launch(self.next_launch)
 
     @staticmethod
     def _into_bucket(leaf: Any, view: torch.Tensor) -> torch.Tensor:
@@ -334,7 +333,7 @@ class Step:
         self.next_launch = k + 1
 
     def finish(self) -> None:
-        with self.lock:
+        with self.lock, _label("fdp::ddp.finish"):
             if self._defer_to_outer_backward():
                 return
             self._finish()
@@ -404,7 +403,8 @@ class Step:
                     self._finish_graphed()
                     return
                 while self.next_launch < len(self.buckets):
-                    self._launch(self.next_launch)
+                    with _label(f"fdp::ddp.bucket {self.next_launch}"):
+                        self._launch(self.next_launch)
                 counting = not self.returned or self.always_count
                 usage = self._launch_usage() if counting and not self.reduction.serial else None
                 for state in self.buckets:

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function as _label
 from torch.distributed import ProcessGroup
 
 from fdp import _tree
@@ -300,9 +301,10 @@ class FullyShardedDataParallel:
         out = fn(_fsdp_plan.subtree(whole, name), *args, **kwargs)
         flat_out = _tree.flatten(out)[0]
         outputs = [t for t in flat_out if isinstance(t, torch.Tensor) and t.requires_grad]
-        if self.reshard_after_forward and _fsdp_reshard.eligible(outputs):
+        if self.reshard_after_forward and _fsdp_reshard.eligible(outputs):  # eager only
             _fsdp_reshard.check_not_returned(call, name, out, flat_out, gathered)
-            held = [_fsdp_reshard.Resharded(*g) for g in gathered if g[0].requires_grad]
+            with _label(f"fdp::fsdp.reshard {name}"):  # a profiler trace shows it
+                held = [_fsdp_reshard.Resharded(*g) for g in gathered if g[0].requires_grad]
             unit_held = self._prefetch.held(held)
             state.resharded = unit_held
             self._chain.attach(mark, unit_held)

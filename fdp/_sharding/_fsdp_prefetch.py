@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch.autograd.profiler import record_function as _label
 
 from fdp import _mode
 from fdp._comm import _raw
@@ -50,15 +51,17 @@ class Started:
         hows = [state.policy_for(k, t) for k, t in enumerate(shards)]
         self.versions = tuple(t._version for t in shards)
         self.parts = [t.detach().to(how.param_dtype) for t, how in zip(shards, hows, strict=True)]
-        started = [
-            _raw.all_gather_start(part, group=how.group)
-            for part, how in zip(self.parts, hows, strict=True)
-        ]
+        with _label(f"fdp::fsdp.all_gather {self.name}"):  # eager only: a profiler trace shows it
+            started = [
+                _raw.all_gather_start(part, group=how.group)
+                for part, how in zip(self.parts, hows, strict=True)
+            ]
         self.flats = [flat for flat, _ in started]
         self.works = [work for _, work in started]
 
     def wait(self) -> list[torch.Tensor]:
-        with _fsdp_gather.in_step(f"the all-gather of unit {self.name!r}"):
+        explain = _fsdp_gather.in_step(f"the all-gather of unit {self.name!r}")
+        with explain, _label(f"fdp::fsdp.wait {self.name}"):
             for work in self.works:
                 work.wait()
         self.works = []
