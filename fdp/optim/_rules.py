@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from fdp.optim._base import Optimizer, Rate, check_hyper, float_betas, torch_options
+from fdp.optim._base import Optimizer, Rate
+from fdp.optim._hyper import check_hyper, float_betas, torch_options
 from fdp.optim._lists import Lists, Ops, one_minus
 
 
