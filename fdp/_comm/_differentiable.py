@@ -160,6 +160,11 @@ def _traced_form(c: Collective) -> Rule:
     def call(x: torch.Tensor, *consts: Any, done: torch.Tensor | None = None) -> torch.Tensor:
         if not c.linear:  # a constant: no Function to trace
             return c.forward(x.detach(), *consts)
+        if not (x.requires_grad and torch.is_grad_enabled()) and not _mode.transform_running():
+            # Nothing to differentiate: no Function. (Dynamo would inline its
+            # forward passing a ctx, as it does where the parameters do not
+            # match the arguments one for one; a rule's *consts do not.)
+            return c.forward(x, *consts)
         out: torch.Tensor = function.apply(x, *consts)
         return out
 
@@ -342,4 +347,36 @@ _all_to_all = Collective(
 def all_to_all_rows(rows: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Row ``j`` of ``rows`` (``(world, m)``) to rank ``j``; row ``i`` of the result from ``i``."""
     out: torch.Tensor = _all_to_all(rows, group)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# A replicated value and the data-parallel mean, its transpose.
+
+
+def _mean_now(g: torch.Tensor, replicas: ProcessGroup | None, total: int) -> torch.Tensor:
+    summed = g if replicas is None else _raw.all_reduce(g, group=replicas)
+    return summed / total
+
+
+_mean: Collective = Collective(
+    "mean", _mean_now, batch=lambda g, replicas, total: _mean(g, replicas, total)
+)
+_replicated: Collective = Collective(
+    "replicate",
+    lambda x, replicas, total: x.view_as(x),  # a view: what the jvp returns must be one too
+    batch=lambda x, replicas, total: _replicated(x, replicas, total),
+)
+_replicated.transpose = _mean  # and the mean is its own transpose (a scaled psum)
+
+
+def replicated(x: torch.Tensor, *, replicas: ProcessGroup | None, total: int) -> torch.Tensor:
+    """``x``, as each rank's copy of one value: its gradient is the mean over ranks.
+
+    The identity forward (a view); backward the cotangent summed over
+    ``replicas`` (HSDP's replica group; ``None``: no collective) and divided
+    by ``total``, the ranks whose losses count: a fully sharded shard's
+    gradient is then the gradient of the mean of the ranks' losses.
+    """
+    out: torch.Tensor = _replicated(x, replicas, total)
     return out

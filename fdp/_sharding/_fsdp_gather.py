@@ -6,14 +6,16 @@ averages the cotangents over ranks and keeps this rank's part: a
 reduce-scatter divided by the world size, so that the shards' gradient is
 the gradient of the mean of the ranks' losses, as under DDP.
 
-The all-gather and its transpose, with their rules for every transform,
-are :mod:`fdp._comm._differentiable`'s (``all_gather_flat``); what is fully
-sharded's own is here: the dtype policy (the shard is cast to
-``param_dtype`` before the all-gather, a cotangent to ``reduce_dtype``
-before the reduce-scatter, and the shard's gradient comes back in the
-shard's own dtype), the data-parallel mean (:class:`_Mean`: the identity
-forward; backward summed over HSDP's replicas, then divided by every rank)
-and the explanation of a collective that failed (:func:`in_step`).
+The collectives, with their rules for every transform, are
+:mod:`fdp._comm._differentiable`'s: the data-parallel mean
+(``replicated``: the identity forward; backward summed over HSDP's
+replicas, then divided by every rank) and the flat all-gather and its
+transpose (``all_gather_flat``). What is fully sharded's own is here: the
+dtype policy per bucket (the shard is cast to ``param_dtype`` before the
+all-gather, a cotangent to ``reduce_dtype`` before the reduce-scatter, and
+the shard's gradient comes back in the shard's own dtype), the leaves'
+views of a gathered unit, and the explanation of a collective that failed
+(:func:`in_step`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch.distributed import ProcessGroup
 from torch.utils import checkpoint
 
 from fdp import _bucket, _compat, _mode
-from fdp._comm import _differentiable, _raw
+from fdp._comm import _differentiable
 from fdp._comm._differentiable import Policy as Policy
 
 
@@ -98,13 +100,13 @@ class Ready:
 
 def _gather_traced(shard: torch.Tensor, how: Policy, ready: Ready | None = None) -> torch.Tensor:
     """:func:`gather` while dynamo traces (nothing is prefetched there)."""
-    # Measured on torch 2.13: compiling a transform would drop _TracedMean's backward.
+    # Measured on torch 2.13: compiling a transform would drop the mean's backward.
     _mode.refuse_compiled_transform(
         "fdp.FullyShardedDataParallel",
         "gathering shards",
         lost="the reduce-scatter of the gradients",
     )
-    mean: torch.Tensor = _TracedMean.apply(shard, how)  # type: ignore[no-untyped-call]
+    mean = _differentiable.replicated(shard, replicas=how.replicas, total=how.total)
     return _differentiable.all_gather_flat(mean, how)
 
 
@@ -117,7 +119,7 @@ def gather(shard: torch.Tensor, how: Policy, ready: Ready | None = None) -> torc
     the world size), in the shard's dtype. ``ready``: that result, gathered
     before from ``shard`` as it is now (eager only).
     """
-    mean = _Mean.apply(shard, how)  # type: ignore[no-untyped-call]
+    mean = _differentiable.replicated(shard, replicas=how.replicas, total=how.total)
     return _differentiable.all_gather_flat(mean, how, done=None if ready is None else ready.flat)
 
 
@@ -152,7 +154,7 @@ def _unit_leaves_traced(
         "gathering shards",
         lost="the reduce-scatter of the gradients",
     )
-    mean = _TracedMean.apply(shard, how)  # type: ignore[no-untyped-call]
+    mean = _differentiable.replicated(shard, replicas=how.replicas, total=how.total)
 
     def region(part: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(bucket.split(_differentiable.all_gather_flat(part, how)))
@@ -186,50 +188,6 @@ def _recompute() -> Any:
     return checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
         lambda ctx, op, *args, **kwargs: checkpoint.CheckpointPolicy.MUST_RECOMPUTE
     )
-
-
-class _Identity(torch.autograd.Function):
-    """The identity forward (a view) over a shard, keeping its :class:`Policy`."""
-
-    @staticmethod
-    def forward(x: torch.Tensor, how: Policy) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.how = inputs[1]
-
-
-class _Mean(_Identity):
-    """The identity; backward the data-parallel mean of a shard's gradient.
-
-    Summed over HSDP's replicas (a psum, so every rule still holds) and
-    divided by every rank whose loss counts.
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        how: Policy = ctx.how
-        if how.replicas is not None:
-            grad = _differentiable.psum(grad, group=how.replicas)
-        return grad / how.total, None
-
-    @staticmethod
-    def jvp(ctx: Any, tangent: torch.Tensor, *_: Any) -> torch.Tensor:
-        return tangent.view_as(tangent)  # the forward returns a view, so must the jvp
-
-
-class _TracedMean(_Identity):
-    """:class:`_Mean` for ``torch.compile``: the functional all-reduce, no jvp (dynamo's limit)."""
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        how: Policy = ctx.how
-        if how.replicas is not None:
-            grad = _raw.all_reduce(grad, group=how.replicas)
-        return grad / how.total, None
 
 
 _WHAT = {
