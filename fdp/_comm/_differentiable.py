@@ -28,6 +28,14 @@ forward: dynamo cannot trace a Function with a custom ``jvp`` or ``vmap``).
   sharded units, ZeRO and the public ``fdp.all_gather``/``fdp.reduce_scatter``
   use them.
 - :func:`all_to_all_rows`: row ``j`` to rank ``j``, its own transpose.
+- :func:`replicated`: a value each rank holds a copy of, the identity
+  forward; its transpose is the data-parallel mean (a fully sharded shard).
+
+Besides this module, only DDP's compiled reduction (``fdp/_ddp/_traced.py``)
+puts a collective inside an ``autograd.Function`` of its own: its issue/wait
+split lets the compiler overlap the buckets with backward. ``ddp(params)``
+under a transform, ``sync_batch_norm``'s statistics and fully sharded units
+use the collectives here.
 
 A new collective is a raw forward in :mod:`fdp._comm._raw`, one
 :class:`Collective` line here and its ``def``.

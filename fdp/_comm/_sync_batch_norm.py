@@ -24,27 +24,33 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from fdp import _compat, _mode
-from fdp._comm import _differentiable, _raw, _training, _transforms
+from fdp._comm import _differentiable, _training, _transforms
 
 Group = _training.Group
 
 
 def _summed(t: torch.Tensor, group: Group) -> torch.Tensor:
-    """The sum over the ranks of ``group`` of ``t`` (a new tensor)."""
+    """The sum over the ranks of ``group`` of ``t`` (a new tensor).
+
+    ``_differentiable``'s collectives, as everywhere; inside this op's own
+    Function nothing records them (its backward is the rule).
+    """
     if isinstance(group, _training.Alone):
         return t
-    return _raw.all_reduce(t, group=group)
+    return _differentiable.psum(t, group=group)
 
 
 def _gathered(t: torch.Tensor, group: Group) -> torch.Tensor:
     """``t`` (1-d) from every rank of ``group``, one row per rank."""
     if isinstance(group, _training.Alone):
         return t.view(1, -1)
-    return _raw.all_gather(t, group=group).view(-1, t.numel())
+    policy = _differentiable.Policy(group, dist.get_world_size(group))
+    return _differentiable.all_gather_flat(t, policy).view(-1, t.numel())
 
 
 def _statistics(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, ...]:
