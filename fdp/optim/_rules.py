@@ -57,6 +57,7 @@ class SGD(Optimizer):
         donate: bool,
         lr: float | torch.Tensor,
     ) -> tuple[Lists, Mapping[str, Lists]]:
+        """SGD's update (momentum, dampening, Nesterov), as torch's foreach implementation."""
         if self.weight_decay:
             grads = ops("add", grads, params, alpha=self.weight_decay)
         new_slots: dict[str, Lists] = {}
@@ -112,6 +113,7 @@ class Adam(Optimizer):
         donate: bool,
         lr: float | torch.Tensor,
     ) -> tuple[Lists, Mapping[str, Lists]]:
+        """Adam's (or AdamW's) update, as torch's foreach implementation computes it."""
         beta1, beta2 = self.betas
         if self.weight_decay and self.decoupled:
             params = ops("mul", params, 1 - lr * self.weight_decay, own=donate)
