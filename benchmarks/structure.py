@@ -6,9 +6,10 @@ imports; an import inside a function is not an edge) and its depth, and the
 modules that ask "is dynamo tracing?" (``is_compiling()``, ``_mode.traced()``)
 and those that pair an eager and a traced form (``_mode.traced_as``), or call
 ``torch.distributed``'s collectives directly. Runtime figures come from two
-gloo ranks: the fdp modules one eager DDP step and one fully sharded step
-call into (rank 0, ``sys.setprofile``), in the order first entered, and how
-often the call sequence moves from one module to another.
+gloo ranks: the fdp modules that one public collective and one
+``data_parallel``, DDP, ZeRO and fully sharded step call into (rank 0,
+``sys.setprofile``), in the order first entered, and how often the call
+sequence moves from one module to another.
 
     python benchmarks/structure.py
     python benchmarks/structure.py --write-design   # docs/design.md's figures
@@ -252,7 +253,12 @@ def steps(rank: int) -> dict[str, Callable[[], Any]]:
         out = fdp.data_parallel(mlp, params, x, devices=["cpu", "cpu"])
         torch.autograd.backward(torch.nn.functional.cross_entropy(out, y))
 
+    def collective_step() -> None:
+        h = x.detach().requires_grad_()
+        torch.autograd.backward(fdp.all_gather(h).square().sum())  # and its reduce-scatter
+
     return {
+        "one public collective (fdp.all_gather, forward and backward)": collective_step,
         "one data_parallel step (2 CPU replicas)": data_parallel_step,
         "one eager DDP step": ddp_step,
         "one ZeRO step (AdamW)": zero_step,
