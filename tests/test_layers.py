@@ -17,7 +17,13 @@ import re
 from pathlib import Path
 
 FDP = Path(__file__).resolve().parent.parent / "fdp"
-LAYERS = {"_comm": "comm", "_ddp": "ddp", "_sharding": "sharding", "optim": "optim"}
+LAYERS = {
+    "_comm": "comm",
+    "_ddp": "ddp",
+    "_sharding": "sharding",
+    "optim": "optim",
+    "_ft": "ft",
+}
 # What each layer's modules may import (besides their own layer).
 ALLOWED = {
     "core": set(),
@@ -25,6 +31,7 @@ ALLOWED = {
     "optim": {"core", "comm"},
     "ddp": {"core", "comm"},
     "sharding": {"core", "comm", "optim"},
+    "ft": {"core", "comm", "optim"},
 }
 
 
@@ -165,3 +172,15 @@ def test_every_note_referred_to_is_defined_once() -> None:
     assert referred <= set(named), referred - set(named)
     unnamed = [t.count("Note: ") + t.count("# Note:") for t in texts]
     assert sum(unnamed) == 0, "a Note without a [name]"
+
+
+def test_only_one_module_imports_torchft_and_only_when_called() -> None:
+    """torchft is an optional extra: ``import fdp`` never imports it."""
+    importing = {
+        n for n, p in MODULES.items() if re.search(r"^\s*import torchft", p.read_text(), re.M)
+    }
+    assert importing == {"fdp._ft._torchft"}
+    top_level = re.search(
+        r"^import torchft|^from torchft", MODULES["fdp._ft._torchft"].read_text(), re.M
+    )
+    assert top_level is None

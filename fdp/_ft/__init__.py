@@ -1,0 +1,1 @@
+"""Training that survives lost replicas: torchft's Manager, LocalSGD and DiLoCo over trees."""

@@ -1,0 +1,155 @@
+"""One replica group of the fault-tolerance drill of ``tests/test_fault_tolerance.py``.
+
+Run as ``python -m tests.ft_replica --lighthouse ADDR --replica R --dir DIR``
+(one process per replica group). Trains a small regression with AdamW and a
+warm-up schedule through :class:`fdp.FaultTolerance`; each replica group's
+batch at a step is drawn from (data position, replica), and the data
+position is part of the training state, so a healed replica continues the
+peers' stream. Every attempted step appends one line to ``DIR/ledger-R``:
+the step before it, whether it was committed and how many replica groups
+took part; the last line is ``done``. ``--kill-at K --killer R`` SIGKILLs replica
+R inside its first step at or after step K, mid-step (the peers' all-reduce
+is waiting for it), unless ``--restarted``; ``--error-at J`` injects an error into this replica
+group's all-reduce at step J. The final state goes to ``DIR/final-R.pt``.
+
+The drill stops on the same step everywhere: the first committed step at
+or after ``--steps`` that all ``--replicas`` took part in, once a step
+after the kill ran without them (counted in the state, healed with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import fdp
+
+REPLICAS = 3
+STEPS = 12
+MAX_STEPS = 20000
+
+
+def init_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w1": torch.randn(6, 16, generator=g) / 6**0.5,
+        "b1": torch.zeros(16),
+        "w2": torch.randn(16, 3, generator=g) / 4,
+    }
+
+
+def batch(position: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * position + replica)
+    x = torch.randn(8, 6, generator=g)
+    return x, torch.sin(x[:, :3]) + 0.1 * torch.randn(8, 3, generator=g)
+
+
+def loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x @ params["w1"] + params["b1"])
+    return torch.nn.functional.mse_loss(h @ params["w2"], y)
+
+
+def optimizer() -> fdp.optim.Optimizer:
+    return fdp.optim.adamw(fdp.optim.linear_schedule(0.0, 0.02, 5), weight_decay=0.01)
+
+
+def initial_state() -> dict[str, Any]:
+    params = init_params()
+    return {"params": params, "opt": optimizer().init(params), "data": 0, "shrunk": 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--replica", type=int, required=True)
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--killer", type=int, default=-1)
+    parser.add_argument("--restarted", action="store_true")
+    parser.add_argument("--error-at", type=int, default=-1)
+    parser.add_argument("--replicas", type=int, default=REPLICAS)
+    args = parser.parse_args()
+    torch.manual_seed(1234 + args.replica)  # a healed replica must not need this
+    if not args.restarted:
+        _barrier(args.dir, args.replica, args.replicas)
+    import torchft
+
+    pg = _flaky(torchft.ProcessGroupGloo)(timeout=timedelta(seconds=10))
+    ft = fdp.FaultTolerance.connect(
+        args.lighthouse,
+        replica_id=f"replica_{args.replica}",
+        min_replicas=2,
+        timeout=timedelta(seconds=20),
+        pg=pg,
+    )
+    state, opt = initial_state(), optimizer()
+    ledger = (args.dir / f"ledger-{args.replica}").open("a")
+    seen: dict[str, Any] = {}
+
+    def train_step(s: dict[str, Any]) -> dict[str, Any]:
+        step = seen["step"] = ft.current_step()
+        seen["participants"] = ft.participants()
+        if args.replica == args.killer and not args.restarted and step >= args.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch(s["data"], args.replica)
+        grads = torch.func.grad(loss)(s["params"], x, y)
+        if step == args.error_at and not seen.get("injected"):
+            pg.armed = seen["injected"] = True
+        grads = ft.all_reduce_grads(grads)
+        params, opt_state = opt.update(grads, s["opt"], s["params"])
+        after_kill = args.kill_at >= 0 and step > args.kill_at
+        shrunk = s["shrunk"] + int(after_kill and seen["participants"] < args.replicas)
+        return {"params": params, "opt": opt_state, "data": s["data"] + 1, "shrunk": shrunk}
+
+    while True:
+        state = ft.step(train_step, state)
+        committed = ft.current_step() > seen["step"]
+        record = {"step": seen["step"], "committed": committed, "n": seen["participants"]}
+        ledger.write(json.dumps(record) + "\n")
+        ledger.flush()
+        done = (
+            committed and seen["step"] + 1 >= args.steps and seen["participants"] == args.replicas
+        )
+        if (done and (args.kill_at < 0 or state["shrunk"] > 0)) or seen["step"] > MAX_STEPS:
+            break
+    torch.save(state, args.dir / f"final-{args.replica}.pt")
+    ledger.write("done\n")
+    ledger.close()
+    ft.shutdown()
+
+
+def _flaky(base: Any) -> Any:
+    """torchft's gloo group whose next all-reduce, once armed, fails here (it ran everywhere)."""
+
+    class Flaky(base):  # type: ignore[misc]
+        armed = False
+
+        def allreduce(self, tensors: Any, opts: Any) -> Any:
+            work = super().allreduce(tensors, opts)
+            if not self.armed:
+                return work
+            self.armed = False
+            work.wait()
+            raise RuntimeError("injected by the drill: this replica group's all-reduce failed")
+
+    return Flaky
+
+
+def _barrier(where: Path, replica: int, replicas: int) -> None:
+    """Every replica group's first process starts its manager together (a restart does not wait)."""
+    (where / f"ready-{replica}").touch(exist_ok=True)
+    while sum((where / f"ready-{r}").exists() for r in range(replicas)) < replicas:
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""fdp.FaultTolerance on torchft: drills with a lighthouse and replica groups on 127.0.0.1.
+
+Each drill starts its own lighthouse on a free port and one process per
+replica group (``tests/ft_replica.py``), then checks, from each replica
+group's ledger of attempted steps and its final state:
+- the survivors never restart and every committed step is in their ledger;
+- every replica group ends bitwise equal to the others;
+- the final parameters equal one process replaying the committed steps
+  (each the average of the gradients of the replica groups that took part).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fdp
+from tests import ft_replica
+
+torchft = pytest.importorskip("torchft")
+
+ROOT = Path(__file__).resolve().parent.parent
+JOIN_TIMEOUT_S = 180.0
+
+
+@pytest.fixture(params=[2])
+def lighthouse(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A lighthouse on a free port that forms quorums of at least ``request.param`` groups."""
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=request.param,
+        join_timeout_ms=2000,
+        heartbeat_timeout_ms=1000,
+    )
+    try:
+        yield "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+    finally:
+        server.shutdown()
+
+
+class Drill:
+    """Replica-group processes of one drill, their logs and results in ``where``."""
+
+    def __init__(self, lighthouse: str, where: Path, *args: str) -> None:
+        self.lighthouse, self.where, self.args = lighthouse, where, args
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.starts = dict.fromkeys(range(ft_replica.REPLICAS), 0)
+
+    def start(self, replica: int, *extra: str) -> None:
+        self.starts[replica] += 1
+        command = [sys.executable, "-m", "tests.ft_replica", "--lighthouse", self.lighthouse]
+        command += ["--replica", str(replica), "--dir", str(self.where), *self.args, *extra]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.pop("MASTER_ADDR", None)
+        with (self.where / f"log-{replica}-{self.starts[replica]}").open("wb") as log:
+            self.procs[replica] = subprocess.Popen(
+                command, cwd=ROOT, stdout=log, stderr=log, env=env
+            )
+
+    def wait(self, replica: int) -> int:
+        try:
+            return self.procs[replica].wait(timeout=JOIN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"replica {replica} did not finish:\n{self.logs()}")
+
+    def kill(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def logs(self) -> str:
+        tails = [f"--- {p.name}\n" + p.read_text()[-3000:] for p in self.where.glob("log-*")]
+        return "\n".join(tails)
+
+    def ledger(self, replica: int) -> list[dict[str, Any]]:
+        lines = (self.where / f"ledger-{replica}").read_text().splitlines()
+        return [json.loads(line) for line in lines if line != "done"]
+
+    def final(self, replica: int) -> dict[str, Any]:
+        return torch.load(self.where / f"final-{replica}.pt", weights_only=False)  # type: ignore[no-any-return]
+
+
+def replay(committed: dict[int, list[int]]) -> dict[str, torch.Tensor]:
+    """One process: each committed step averages the gradients of the replicas that took part."""
+    state = ft_replica.initial_state()
+    params, opt_state, opt = state["params"], state["opt"], ft_replica.optimizer()
+    for step in sorted(committed):
+        grads = [
+            torch.func.grad(ft_replica.loss)(params, *ft_replica.batch(step, r))
+            for r in committed[step]
+        ]
+        mean = {k: torch.stack([g[k] for g in grads]).mean(0) for k in params}
+        params, opt_state = opt.update(mean, opt_state, params)
+    out: dict[str, torch.Tensor] = params
+    return out
+
+
+def committed_steps(drill: Drill) -> dict[int, list[int]]:
+    """Committed step -> the replica groups whose ledger has it (checked against its count)."""
+    steps: dict[int, list[int]] = {}
+    counts: dict[int, int] = {}
+    for r in range(ft_replica.REPLICAS):
+        for entry in drill.ledger(r):
+            if entry["committed"]:
+                steps.setdefault(entry["step"], []).append(r)
+                assert counts.setdefault(entry["step"], entry["n"]) == entry["n"]
+    assert sorted(steps) == list(range(len(steps))), "a committed step is missing"
+    for step, replicas in steps.items():
+        assert len(replicas) == counts[step], (step, replicas, counts[step])
+    return steps
+
+
+def check_equal_and_replayed(drill: Drill) -> dict[int, list[int]]:
+    finals = [drill.final(r) for r in range(ft_replica.REPLICAS)]
+    for other in finals[1:]:
+        for a, b in zip(*(fdp._tree.flatten(s)[0] for s in (finals[0], other)), strict=True):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    steps = committed_steps(drill)
+    expected = replay(steps)
+    for k, v in expected.items():
+        torch.testing.assert_close(finals[0]["params"][k], v, rtol=1e-6, atol=1e-6)
+    assert finals[0]["data"] == len(steps)
+    return steps
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_replica_group_heals_and_the_survivors_never_stop(
+    lighthouse: str, tmp_path: Path
+) -> None:
+    kill_at = 4
+    drill = Drill(lighthouse, tmp_path, "--kill-at", str(kill_at), "--killer", "1")
+    try:
+        for r in range(ft_replica.REPLICAS):
+            drill.start(r)
+        assert drill.wait(1) == -9, drill.logs()
+        drill.start(1, "--restarted")
+        codes = [drill.wait(r) for r in range(ft_replica.REPLICAS)]
+    finally:
+        drill.kill()
+    assert codes == [0, 0, 0], drill.logs()
+    assert drill.starts == {0: 1, 1: 2, 2: 1}  # the survivors ran once, without a restart
+    steps = check_equal_and_replayed(drill)
+    # The survivors committed every step from their first to the last (a
+    # replica group that joined the first quorum late healed into it), and
+    # the kill discarded the step it happened in, on both alike.
+    for r in (0, 2):
+        ledger = drill.ledger(r)
+        mine = [e["step"] for e in ledger if e["committed"]]
+        assert mine == list(range(mine[0], max(steps) + 1))
+        assert any(not e["committed"] and e["step"] >= kill_at for e in ledger)
+    # The restarted replica group healed into a step the survivors reached without it.
+    first_life = [e["step"] for e in drill.ledger(1) if e["committed"] and e["step"] < kill_at]
+    healed_at = min(s for s, rs in steps.items() if s > kill_at and 1 in rs)
+    assert any(len(rs) == 2 for s, rs in steps.items() if kill_at <= s < healed_at)
+    assert first_life
+    assert 1 not in steps[healed_at - 1]
+    assert steps[max(steps)] == [0, 1, 2]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lighthouse", [3], indirect=True)  # all three from the first step
+def test_an_error_in_one_replica_groups_all_reduce_discards_the_step_everywhere(
+    lighthouse: str, tmp_path: Path
+) -> None:
+    error_at = 3
+    drill = Drill(lighthouse, tmp_path)
+    try:
+        for r in range(ft_replica.REPLICAS):
+            drill.start(r, *(("--error-at", str(error_at)) if r == 2 else ()))
+        codes = [drill.wait(r) for r in range(ft_replica.REPLICAS)]
+    finally:
+        drill.kill()
+    assert codes == [0, 0, 0], drill.logs()
+    check_equal_and_replayed(drill)
+    for r in range(ft_replica.REPLICAS):
+        attempts = [(e["step"], e["committed"]) for e in drill.ledger(r)]
+        assert (error_at, False) in attempts, attempts
+        assert (error_at, True) in attempts, attempts
+
+
+def test_an_unreachable_lighthouse_is_named() -> None:
+    with pytest.raises(ConnectionError, match=r"lighthouse at `lighthouse` 'http://127.0.0.1:9'"):
+        fdp.FaultTolerance.connect(
+            "http://127.0.0.1:9",
+            replica_id="r0",
+            timeout=__import__("datetime").timedelta(seconds=2),
+        )
+
+
+def test_a_malformed_lighthouse_address_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"`lighthouse` expected an address like"):
+        fdp.FaultTolerance.connect("127.0.0.1:9", replica_id="r0")

@@ -1,0 +1,1 @@
+from torchft import ProcessGroupGloo as ProcessGroupGloo
