@@ -19,6 +19,8 @@ from fdp._comm._tree_collectives import broadcast_params as broadcast_params
 from fdp._data_parallel import data_parallel as data_parallel
 from fdp._ddp._ddp import DistributedDataParallel as DistributedDataParallel
 from fdp._ddp._ddp import overlap_options as overlap_options
+from fdp._ft._diloco import DiLoCo as DiLoCo
+from fdp._ft._diloco import LocalSGD as LocalSGD
 from fdp._ft._fault_tolerance import FaultTolerance as FaultTolerance
 from fdp._functional import make_functional as make_functional
 from fdp._parallel_apply import parallel_apply as parallel_apply
@@ -36,10 +38,12 @@ from fdp._version import __version__ as __version__
 
 __all__ = [
     "CommHook",
+    "DiLoCo",
     "DistributedDataParallel",
     "FaultTolerance",
     "FullyShardedDataParallel",
     "GradBucket",
+    "LocalSGD",
     "ZeroRedundancy",
     "ZeroState",
     "all_gather",

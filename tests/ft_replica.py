@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--restarted", action="store_true")
     parser.add_argument("--error-at", type=int, default=-1)
     parser.add_argument("--replicas", type=int, default=REPLICAS)
+    parser.add_argument("--diloco", action="store_true")
+    parser.add_argument("--ddp", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(1234 + args.replica)  # a healed replica must not need this
     if not args.restarted:
@@ -90,8 +92,17 @@ def main() -> None:
         min_replicas=2,
         timeout=timedelta(seconds=20),
         pg=pg,
+        init_sync=not args.diloco,
     )
+    if args.diloco:
+        diloco(ft, args)
+        return
     state, opt = initial_state(), optimizer()
+    reduce = (
+        _ddp_grads(ft)
+        if args.ddp
+        else lambda params, x, y: ft.all_reduce_grads(torch.func.grad(loss)(params, x, y))
+    )
     ledger = (args.dir / f"ledger-{args.replica}").open("a")
     seen: dict[str, Any] = {}
 
@@ -101,10 +112,9 @@ def main() -> None:
         if args.replica == args.killer and not args.restarted and step >= args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch(s["data"], args.replica)
-        grads = torch.func.grad(loss)(s["params"], x, y)
         if step == args.error_at and not seen.get("injected"):
             pg.armed = seen["injected"] = True
-        grads = ft.all_reduce_grads(grads)
+        grads = reduce(s["params"], x, y)
         params, opt_state = opt.update(grads, s["opt"], s["params"])
         after_kill = args.kill_at >= 0 and step > args.kill_at
         shrunk = s["shrunk"] + int(after_kill and seen["participants"] < args.replicas)
@@ -124,6 +134,42 @@ def main() -> None:
     torch.save(state, args.dir / f"final-{args.replica}.pt")
     ledger.write("done\n")
     ledger.close()
+    ft.shutdown()
+
+
+def _ddp_grads(ft: fdp.FaultTolerance) -> Any:
+    """fdp's DDP in a replica group of one process, its buckets averaged through the manager."""
+    import torch.distributed as dist
+
+    store: Any = dist.HashStore()  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    ddp = fdp.DistributedDataParallel(init_params(), bucket_cap_mb=1e-4)  # several buckets
+    ddp.register_comm_hook(ft, fdp.FaultTolerance.comm_hook)
+
+    def grads(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        loss(ddp(leaves), x, y).backward()  # type: ignore[no-untyped-call]
+        return {k: v.grad for k, v in leaves.items()}
+
+    return grads
+
+
+def diloco(ft: fdp.FaultTolerance, args: argparse.Namespace) -> None:
+    """tests/test_diloco.py's DiLoCo with the replica groups as its workers: syncs in ft.step."""
+    from tests import test_diloco as case
+
+    alg = case.algorithm("diloco", group=ft)
+    params = case.init_params()
+    state: dict[str, Any] = {"params": params, "opt": alg.init(params)}
+    for step in range(case.STEPS):
+        grads = case.grads_of("grad", state["params"], *case.batch(step, args.replica))
+
+        def update(s: dict[str, Any], grads: Any = grads) -> dict[str, Any]:
+            params, opt = alg.update(grads, s["opt"], s["params"])
+            return {"params": params, "opt": opt}
+
+        state = ft.step(update, state) if alg.syncs(state["opt"]) else update(state)
+    torch.save(state, args.dir / f"final-{args.replica}.pt")
     ft.shutdown()
 
 

@@ -51,10 +51,12 @@ def lighthouse(request: pytest.FixtureRequest) -> Iterator[str]:
 class Drill:
     """Replica-group processes of one drill, their logs and results in ``where``."""
 
-    def __init__(self, lighthouse: str, where: Path, *args: str) -> None:
+    def __init__(
+        self, lighthouse: str, where: Path, *args: str, replicas: int = ft_replica.REPLICAS
+    ) -> None:
         self.lighthouse, self.where, self.args = lighthouse, where, args
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self.starts = dict.fromkeys(range(ft_replica.REPLICAS), 0)
+        self.starts = dict.fromkeys(range(replicas), 0)
 
     def start(self, replica: int, *extra: str) -> None:
         self.starts[replica] += 1
@@ -171,11 +173,12 @@ def test_a_killed_replica_group_heals_and_the_survivors_never_stop(
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lighthouse", [3], indirect=True)  # all three from the first step
+@pytest.mark.parametrize("reduction", ["all_reduce_grads", "ddp"])
 def test_an_error_in_one_replica_groups_all_reduce_discards_the_step_everywhere(
-    lighthouse: str, tmp_path: Path
+    lighthouse: str, tmp_path: Path, reduction: str
 ) -> None:
     error_at = 3
-    drill = Drill(lighthouse, tmp_path)
+    drill = Drill(lighthouse, tmp_path, *(["--ddp"] if reduction == "ddp" else []))
     try:
         for r in range(ft_replica.REPLICAS):
             drill.start(r, *(("--error-at", str(error_at)) if r == 2 else ()))
@@ -188,6 +191,31 @@ def test_an_error_in_one_replica_groups_all_reduce_discards_the_step_everywhere(
         attempts = [(e["step"], e["committed"]) for e in drill.ledger(r)]
         assert (error_at, False) in attempts, attempts
         assert (error_at, True) in attempts, attempts
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lighthouse", [2], indirect=True)
+def test_diloco_across_replica_groups_equals_the_one_process_simulation(
+    lighthouse: str, tmp_path: Path
+) -> None:
+    from tests import test_diloco
+
+    drill = Drill(lighthouse, tmp_path, "--diloco", "--replicas", "2", replicas=2)
+    try:
+        for r in range(2):
+            drill.start(r)
+        codes = [drill.wait(r) for r in range(2)]
+    finally:
+        drill.kill()
+    assert codes == [0, 0], drill.logs()
+    expected = test_diloco.simulate("diloco", "grad", 2)
+    for r in range(2):
+        got = drill.final(r)
+        for key, tree in (("params", got["params"]), ("anchor", got["opt"]["anchor"])):
+            for a, b in zip(
+                fdp._tree.flatten(tree)[0], fdp._tree.flatten(expected[r][key])[0], strict=True
+            ):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_an_unreachable_lighthouse_is_named() -> None:

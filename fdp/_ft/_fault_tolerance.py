@@ -103,6 +103,7 @@ class FaultTolerance:
                 f"{call}: `bucket_cap_mb` expected a positive number; got {bucket_cap_mb!r}"
             )
         self.manager = manager
+        self.init_sync = _torchft.init_sync(manager)
         self._cap = max(1, int(bucket_cap_mb * _bucket.MB))
         self._heal = _healing.Healing()
         self._in_step = False
@@ -120,6 +121,7 @@ class FaultTolerance:
         group_world_size: int = 1,
         timeout: timedelta = timedelta(seconds=60),
         pg: Any = None,
+        init_sync: bool = True,
         bucket_cap_mb: float = _bucket.BUCKET_CAP_MB,
     ) -> FaultTolerance:
         """Joins the job of the torchft lighthouse at ``lighthouse`` (imports torchft).
@@ -134,6 +136,9 @@ class FaultTolerance:
             timeout: for connecting, the quorum and every collective.
             pg: the process group across replica groups (default: a
                 ``torchft.ProcessGroupGloo``).
+            init_sync: every replica group starts from one peer's state at the
+                first step, as DDP broadcasts at construction. ``False`` for
+                :class:`DiLoCo`, whose first step comes after local steps.
             bucket_cap_mb: as in the constructor.
 
         Raises:
@@ -148,6 +153,7 @@ class FaultTolerance:
             group_world_size=group_world_size,
             timeout=timeout,
             pg=pg,
+            init_sync=init_sync,
             call="fdp.FaultTolerance.connect",
         )
         ft = cls(manager, bucket_cap_mb=bucket_cap_mb)
@@ -239,10 +245,11 @@ class FaultTolerance:
         replica group leaves unused would be ``None`` there only); use
         :meth:`all_reduce_grads` when that cannot be promised.
         """
-        work = state.manager.allreduce(bucket.buffer())
-        work.wait()
+        flat = bucket.buffer()
+        _torchft.wait(state.manager, _torchft.sum_async(state.manager, flat))
+        flat.div_(state.manager.num_participants())
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        future.set_result(bucket.buffer())
+        future.set_result(flat)
         return future
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["make_manager", "sum_async", "wait"]
+__all__ = ["init_sync", "make_manager", "sum_async", "wait"]
 
 _INSTALL = "pip install 'fdp[ft]' (or pip install torchft)"
 
@@ -23,6 +23,7 @@ def make_manager(
     group_world_size: int,
     timeout: timedelta,
     pg: Any,
+    init_sync: bool,
     call: str,
 ) -> tuple[Any, Any]:
     """A torchft Manager with a synchronous quorum, and the TCP store made for it (or None)."""
@@ -51,6 +52,7 @@ def make_manager(
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timeout,
+            init_sync=init_sync,
         )
     except RuntimeError as e:
         if "failed to connect" in str(e):
@@ -75,6 +77,11 @@ def _store(group_world_size: int, call: str) -> tuple[Any, str, int]:
     tcp_store: Any = dist.TCPStore  # type: ignore[attr-defined]
     store = tcp_store("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     return store, "127.0.0.1", store.port
+
+
+def init_sync(manager: Any) -> bool:
+    """Whether the manager heals every replica group from one peer at step 0."""
+    return bool(getattr(manager, "_init_sync", True))
 
 
 def sum_async(manager: Any, tensor: Any) -> Any:

@@ -1,0 +1,158 @@
+"""fdp.DiLoCo and fdp.LocalSGD on 2 gloo ranks against a one-process simulation of the workers.
+
+The simulation keeps one parameter tree and one inner optimizer state per
+worker, steps each on its own batches, and every ``sync_every`` steps
+averages the pseudo-gradients ``anchor - params`` and steps the anchor with
+the outer optimizer, which every worker then continues from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import fdp
+from tests import ranks
+
+STEPS, SYNC_EVERY = 7, 3  # synchronisations after steps 3 and 6; step 7 stays local
+
+
+def init_params() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w1": torch.randn(5, 8, generator=g) / 5**0.5,
+        "b1": torch.zeros(8),
+        "head": [torch.randn(8, 2, generator=g) / 8**0.5, torch.zeros(2)],
+    }
+
+
+def batch(step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + worker)
+    x = torch.randn(6, 5, generator=g)
+    return x, torch.cos(x[:, :2])
+
+
+def loss(params: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x @ params["w1"] + params["b1"])
+    return torch.nn.functional.mse_loss(h @ params["head"][0] + params["head"][1], y)
+
+
+def grads_of(kind: str, params: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> Any:
+    if kind == "vmap":  # per-example gradients under vmap(grad), averaged
+        per = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(
+            params, x.unsqueeze(1), y.unsqueeze(1)
+        )
+        return torch.utils._pytree.tree_map(lambda g: None if g is None else g.mean(0), per)
+    return torch.func.grad(loss)(params, x, y)
+
+
+def algorithm(name: str, group: Any = None) -> fdp.DiLoCo:
+    inner = fdp.optim.adamw(0.05, weight_decay=0.01)
+    if name == "local_sgd":
+        return fdp.LocalSGD(fdp.optim.sgd(0.1), sync_every=SYNC_EVERY, group=group)
+    dtype = torch.bfloat16 if name == "diloco_bf16" else None
+    return fdp.DiLoCo(inner, sync_every=SYNC_EVERY, group=group, sync_dtype=dtype)
+
+
+def _train(rank: int, size: int, name: str, kind: str) -> dict[str, Any]:
+    params, alg = init_params(), algorithm(name)
+    state = alg.init(params)
+    for step in range(STEPS):
+        grads = grads_of(kind, params, *batch(step, rank))
+        params, state = alg.update(grads, state, params)
+    return {"params": params, "anchor": state["anchor"], "count": int(state["count"])}
+
+
+def simulate(name: str, kind: str, workers: int) -> list[dict[str, Any]]:
+    """The workers in one process: local inner steps, the averaged outer step every H."""
+    alg = algorithm(name)
+    opt, outer = alg.inner, alg.outer
+    params = [init_params() for _ in range(workers)]
+    inner = [opt.init(p) for p in params]
+    anchor = init_params()
+    outer_state = outer.init(anchor)
+    for step in range(STEPS):
+        for w in range(workers):
+            g = grads_of(kind, params[w], *batch(step, w))
+            params[w], inner[w] = opt.update(g, inner[w], params[w])
+        if (step + 1) % SYNC_EVERY == 0:
+            mean = fdp._tree.unflatten(
+                fdp._tree.flatten(anchor)[1],
+                [
+                    None
+                    if a is None
+                    else _mean_delta(name, a, [fdp._tree.flatten(p)[0][i] for p in params])
+                    for i, a in enumerate(fdp._tree.flatten(anchor)[0])
+                ],
+            )
+            anchor, outer_state = outer.update(mean, outer_state, anchor)
+            params = [
+                torch.utils._pytree.tree_map(lambda t: None if t is None else t.clone(), anchor)
+                for _ in range(workers)
+            ]
+    return [{"params": p, "anchor": anchor} for p in params]
+
+
+def _mean_delta(name: str, anchor: torch.Tensor, ps: list[torch.Tensor]) -> torch.Tensor:
+    if name == "diloco_bf16":  # each delta in bf16, scaled by 1/n, summed in bf16
+        parts = [((anchor - p).to(torch.bfloat16) * (1 / len(ps))).to(torch.bfloat16) for p in ps]
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total.to(anchor.dtype)
+    return torch.stack([anchor - p for p in ps]).mean(0)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("diloco", "grad"), ("local_sgd", "grad"), ("diloco_bf16", "grad"), ("diloco", "vmap")],
+)
+def test_workers_equal_the_one_process_simulation(name: str, kind: str) -> None:
+    got = ranks.world(2).run(_train, name, kind)
+    expected = simulate(name, kind, 2)
+    for rank in range(2):
+        assert got[rank]["count"] == STEPS
+        for key in ("params", "anchor"):
+            a, _ = fdp._tree.flatten(got[rank][key])
+            b, _ = fdp._tree.flatten(expected[rank][key])
+            for x, y in zip(a, b, strict=True):
+                if x is None:
+                    assert y is None
+                else:
+                    torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+    # Step 7 was local: the workers differ again, around the same anchor.
+    assert not torch.equal(got[0]["params"]["w1"], got[1]["params"]["w1"])
+    torch.testing.assert_close(got[0]["anchor"]["w1"], got[1]["anchor"]["w1"], rtol=0, atol=0)
+
+
+def _counts_differ(rank: int, size: int) -> str:
+    params, alg = init_params(), algorithm("diloco")
+    state = alg.init(params)
+    if rank == 1:  # resumed with another worker's count: its syncs pair with the wrong ones
+        state["count"] += SYNC_EVERY
+    try:
+        for step in range(SYNC_EVERY):
+            params, state = alg.update(grads_of("grad", params, *batch(step, rank)), state, params)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_workers_whose_counts_differ_are_refused_on_every_worker() -> None:
+    messages = ranks.world(2).run(_counts_differ)
+    for m in messages:
+        assert "fdp.DiLoCo.update: `state` expected the same step count on every worker" in m
+
+
+def test_bad_options_are_refused() -> None:
+    inner = fdp.optim.sgd(0.1)
+    with pytest.raises(
+        ValueError, match=r"fdp.DiLoCo: `sync_every` expected a positive int; got 0"
+    ):
+        fdp.DiLoCo(inner, sync_every=0)
+    with pytest.raises(TypeError, match=r"fdp.LocalSGD: `sync_dtype` expected a floating-point"):
+        fdp.LocalSGD(inner, sync_every=2, sync_dtype=torch.int8)
+    with pytest.raises(TypeError, match=r"fdp.DiLoCo: `inner` expected an fdp.optim optimizer"):
+        fdp.DiLoCo(torch.optim.SGD, sync_every=2)  # type: ignore[arg-type]
