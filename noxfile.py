@@ -192,6 +192,18 @@ def train_contrastive(session: nox.Session) -> None:
 
 
 @shared
+def train_fault_tolerant(session: nox.Session) -> None:
+    """The fault drill: a torchft lighthouse, 3 replica groups, one SIGKILLed and healed."""
+    run(session, "python", "examples/train_fault_tolerant.py", "--drill", *session.posargs)
+
+
+@shared
+def train_diloco(session: nox.Session) -> None:
+    """DiLoCo against DDP on 2 processes, same data and budget: accuracy and bytes."""
+    run(session, *TORCHRUN, "examples/train_diloco.py", *session.posargs)
+
+
+@shared
 def figures(session: nox.Session) -> None:
     """Redraws the docs' generated figures (docs/figures/) from measured runs."""
     run(session, "python", "benchmarks/figures.py")
@@ -233,6 +245,12 @@ def examples(session: nox.Session) -> None:
     contrastive = (*TORCHRUN, "examples/train_contrastive.py", "--epochs", "2")
     run(session, *contrastive, "--min-accuracy", "0")
     run(session, *contrastive, "--compile", "--min-accuracy", "0", env=COMPILE_CACHE)
+    # Per-step fault tolerance (torchft): a replica group killed at step 50 heals; 150 steps.
+    drill = ("examples/train_fault_tolerant.py", "--drill", "--steps", "150", "--kill-at", "50")
+    run(session, "python", *drill)
+    # DiLoCo against DDP: 200 steps, H=10, the pseudo-gradient in bf16.
+    diloco = ("examples/train_diloco.py", "--steps", "200", "--sync-every", "10")
+    run(session, *TORCHRUN, *diloco, "--sync-dtype", "bfloat16", "--min-accuracy", "0.85")
     for script in ("train_digits.py", "train_digits_ddp.py"):
         launch = ("python",) if script == "train_digits.py" else TORCHRUN
         run(
