@@ -79,10 +79,16 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=REPLICAS)
     parser.add_argument("--diloco", action="store_true")
     parser.add_argument("--ddp", action="store_true")
+    parser.add_argument("--group-size", type=int, default=1)
+    parser.add_argument("--group-rank", type=int, default=0)
+    parser.add_argument("--group-port", type=int, default=0)
     args = parser.parse_args()
-    torch.manual_seed(1234 + args.replica)  # a healed replica must not need this
+    args.suffix = f".{args.group_rank}" if args.group_rank else ""
+    args.worker = args.replica * args.group_size + args.group_rank
+    torch.manual_seed(1234 + args.worker)  # a healed replica must not need this
     if not args.restarted:
-        _barrier(args.dir, args.replica, args.replicas)
+        _barrier(args.dir, args.replica, args.replicas, args.group_size, args.suffix)
+    fsdp = _replica_group(args) if args.group_size > 1 else None
     import torchft
 
     pg = _flaky(torchft.ProcessGroupGloo)(timeout=timedelta(seconds=10))
@@ -93,17 +99,24 @@ def main() -> None:
         timeout=timedelta(seconds=20),
         pg=pg,
         init_sync=not args.diloco,
+        group_rank=args.group_rank,
+        group_world_size=args.group_size,
     )
     if args.diloco:
         diloco(ft, args)
         return
     state, opt = initial_state(), optimizer()
+    if fsdp is not None:  # HSDP: sharded inside the replica group, replicated across groups
+        state["params"] = fsdp.shard(state["params"])
+        state["opt"] = opt.init(state["params"])
     reduce = (
         _ddp_grads(ft)
         if args.ddp
-        else lambda params, x, y: ft.all_reduce_grads(torch.func.grad(loss)(params, x, y))
+        else lambda params, x, y: ft.all_reduce_grads(
+            torch.func.grad(lambda p: loss(p if fsdp is None else fsdp(p), x, y))(params)
+        )
     )
-    ledger = (args.dir / f"ledger-{args.replica}").open("a")
+    ledger = (args.dir / f"ledger-{args.replica}{args.suffix}").open("a")
     seen: dict[str, Any] = {}
 
     def train_step(s: dict[str, Any]) -> dict[str, Any]:
@@ -111,7 +124,7 @@ def main() -> None:
         seen["participants"] = ft.participants()
         if args.replica == args.killer and not args.restarted and step >= args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        x, y = batch(s["data"], args.replica)
+        x, y = batch(s["data"], args.worker)
         if step == args.error_at and not seen.get("injected"):
             pg.armed = seen["injected"] = True
         grads = reduce(s["params"], x, y)
@@ -131,7 +144,9 @@ def main() -> None:
         )
         if (done and (args.kill_at < 0 or state["shrunk"] > 0)) or seen["step"] > MAX_STEPS:
             break
-    torch.save(state, args.dir / f"final-{args.replica}.pt")
+    if fsdp is not None:  # every rank of the group takes part in gathering the whole tree
+        state["full"] = fsdp.full(state["params"])
+    torch.save(state, args.dir / f"final-{args.replica}{args.suffix}.pt")
     ledger.write("done\n")
     ledger.close()
     ft.shutdown()
@@ -190,10 +205,20 @@ def _flaky(base: Any) -> Any:
     return Flaky
 
 
-def _barrier(where: Path, replica: int, replicas: int) -> None:
-    """Every replica group's first process starts its manager together (a restart does not wait)."""
-    (where / f"ready-{replica}").touch(exist_ok=True)
-    while sum((where / f"ready-{r}").exists() for r in range(replicas)) < replicas:
+def _replica_group(args: argparse.Namespace) -> fdp.FullyShardedDataParallel:
+    """This replica group's process group (its own store, torchrun's way) and FSDP inside it."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.group_port))
+    os.environ.update(RANK=str(args.group_rank), WORLD_SIZE=str(args.group_size))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    return fdp.FullyShardedDataParallel(init_params())
+
+
+def _barrier(where: Path, replica: int, replicas: int, size: int, suffix: str) -> None:
+    """Every replica group's processes start their managers together (a restart does not wait)."""
+    (where / f"ready-{replica}{suffix}").touch(exist_ok=True)
+    while len(list(where.glob("ready-*"))) < replicas * size:
         time.sleep(0.05)
 
 

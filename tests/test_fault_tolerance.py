@@ -11,6 +11,7 @@ group's ledger of attempted steps and its final state:
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ import torch
 
 import fdp
 from tests import ft_replica
+from tests.ranks import free_port
 
 torchft = pytest.importorskip("torchft")
 
@@ -49,32 +51,48 @@ def lighthouse(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 class Drill:
-    """Replica-group processes of one drill, their logs and results in ``where``."""
+    """Replica groups of ``size`` processes each, their logs and results in ``where``."""
 
     def __init__(
-        self, lighthouse: str, where: Path, *args: str, replicas: int = ft_replica.REPLICAS
+        self,
+        lighthouse: str,
+        where: Path,
+        *args: str,
+        replicas: int = ft_replica.REPLICAS,
+        size: int = 1,
     ) -> None:
-        self.lighthouse, self.where, self.args = lighthouse, where, args
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.lighthouse, self.where, self.size = lighthouse, where, size
+        self.args = (*args, "--replicas", str(replicas), "--group-size", str(size))
+        self.replicas = replicas
+        self.procs: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
         self.starts = dict.fromkeys(range(replicas), 0)
 
     def start(self, replica: int, *extra: str) -> None:
+        """The replica group's processes, on a store of their own (torchrun's per group)."""
         self.starts[replica] += 1
-        command = [sys.executable, "-m", "tests.ft_replica", "--lighthouse", self.lighthouse]
-        command += ["--replica", str(replica), "--dir", str(self.where), *self.args, *extra]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        env.pop("MASTER_ADDR", None)
-        with (self.where / f"log-{replica}-{self.starts[replica]}").open("wb") as log:
-            self.procs[replica] = subprocess.Popen(
-                command, cwd=ROOT, stdout=log, stderr=log, env=env
-            )
+        port = free_port()
+        for k in range(self.size):
+            command = [sys.executable, "-m", "tests.ft_replica", "--lighthouse", self.lighthouse]
+            command += ["--replica", str(replica), "--dir", str(self.where), *self.args, *extra]
+            command += ["--group-rank", str(k), "--group-port", str(port)]
+            env = {**os.environ, "PYTHONPATH": str(ROOT)}
+            env.pop("MASTER_ADDR", None)
+            name = f"log-{replica}.{k}-{self.starts[replica]}"
+            with (self.where / name).open("wb") as log:
+                self.procs[replica, k] = subprocess.Popen(
+                    command, cwd=ROOT, stdout=log, stderr=log, env=env
+                )
 
-    def wait(self, replica: int) -> int:
-        try:
-            return self.procs[replica].wait(timeout=JOIN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"replica {replica} did not finish:\n{self.logs()}")
+    def wait(self, replica: int) -> list[int]:
+        """The exit codes of the replica group's processes."""
+        codes = []
+        for k in range(self.size):
+            try:
+                codes.append(self.procs[replica, k].wait(timeout=JOIN_TIMEOUT_S))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                pytest.fail(f"replica {replica}.{k} did not finish:\n{self.logs()}")
+        return codes
 
     def kill(self) -> None:
         for p in self.procs.values():
@@ -86,22 +104,25 @@ class Drill:
         tails = [f"--- {p.name}\n" + p.read_text()[-3000:] for p in self.where.glob("log-*")]
         return "\n".join(tails)
 
-    def ledger(self, replica: int) -> list[dict[str, Any]]:
-        lines = (self.where / f"ledger-{replica}").read_text().splitlines()
+    def ledger(self, replica: int, k: int = 0) -> list[dict[str, Any]]:
+        suffix = f".{k}" if k else ""
+        lines = (self.where / f"ledger-{replica}{suffix}").read_text().splitlines()
         return [json.loads(line) for line in lines if line != "done"]
 
-    def final(self, replica: int) -> dict[str, Any]:
-        return torch.load(self.where / f"final-{replica}.pt", weights_only=False)  # type: ignore[no-any-return]
+    def final(self, replica: int, k: int = 0) -> dict[str, Any]:
+        suffix = f".{k}" if k else ""
+        path = self.where / f"final-{replica}{suffix}.pt"
+        return torch.load(path, weights_only=False)  # type: ignore[no-any-return]
 
 
-def replay(committed: dict[int, list[int]]) -> dict[str, torch.Tensor]:
-    """One process: each committed step averages the gradients of the replicas that took part."""
+def replay(committed: dict[int, list[int]], size: int) -> dict[str, torch.Tensor]:
+    """One process: each committed step averages the gradients of the workers that took part."""
     state = ft_replica.initial_state()
     params, opt_state, opt = state["params"], state["opt"], ft_replica.optimizer()
     for step in sorted(committed):
+        workers = [r * size + k for r in committed[step] for k in range(size)]
         grads = [
-            torch.func.grad(ft_replica.loss)(params, *ft_replica.batch(step, r))
-            for r in committed[step]
+            torch.func.grad(ft_replica.loss)(params, *ft_replica.batch(step, w)) for w in workers
         ]
         mean = {k: torch.stack([g[k] for g in grads]).mean(0) for k in params}
         params, opt_state = opt.update(mean, opt_state, params)
@@ -113,7 +134,9 @@ def committed_steps(drill: Drill) -> dict[int, list[int]]:
     """Committed step -> the replica groups whose ledger has it (checked against its count)."""
     steps: dict[int, list[int]] = {}
     counts: dict[int, int] = {}
-    for r in range(ft_replica.REPLICAS):
+    for r in range(drill.replicas):
+        for k in range(drill.size):  # a group's processes agree on every step
+            assert drill.ledger(r, k) == drill.ledger(r)
         for entry in drill.ledger(r):
             if entry["committed"]:
                 steps.setdefault(entry["step"], []).append(r)
@@ -125,42 +148,51 @@ def committed_steps(drill: Drill) -> dict[int, list[int]]:
 
 
 def check_equal_and_replayed(drill: Drill) -> dict[int, list[int]]:
-    finals = [drill.final(r) for r in range(ft_replica.REPLICAS)]
-    for other in finals[1:]:
-        for a, b in zip(*(fdp._tree.flatten(s)[0] for s in (finals[0], other)), strict=True):
-            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    """Every group rank bitwise equal across replica groups; the whole tree equal to the replay."""
+    for k in range(drill.size):
+        finals = [drill.final(r, k) for r in range(drill.replicas)]
+        for other in finals[1:]:
+            pairs = zip(*(fdp._tree.flatten(s)[0] for s in (finals[0], other)), strict=True)
+            for a, b in pairs:
+                assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
     steps = committed_steps(drill)
-    expected = replay(steps)
-    for k, v in expected.items():
-        torch.testing.assert_close(finals[0]["params"][k], v, rtol=1e-6, atol=1e-6)
-    assert finals[0]["data"] == len(steps)
+    expected = replay(steps, drill.size)
+    first = drill.final(0)
+    whole = first["full"] if drill.size > 1 else first["params"]
+    for key, value in expected.items():
+        torch.testing.assert_close(whole[key], value, rtol=1e-6, atol=1e-6)
+    assert first["data"] == len(steps)
     return steps
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("size", [1, 2], ids=["ddp", "hsdp"])
 def test_a_killed_replica_group_heals_and_the_survivors_never_stop(
-    lighthouse: str, tmp_path: Path
+    lighthouse: str, tmp_path: Path, size: int
 ) -> None:
+    """size 2: HSDP, FSDP inside each replica group of 2 processes, the groups averaged."""
     kill_at = 4
-    drill = Drill(lighthouse, tmp_path, "--kill-at", str(kill_at), "--killer", "1")
+    drill = Drill(lighthouse, tmp_path, "--kill-at", str(kill_at), "--killer", "1", size=size)
     try:
         for r in range(ft_replica.REPLICAS):
             drill.start(r)
-        assert drill.wait(1) == -9, drill.logs()
+        assert drill.wait(1) == [-9] * size, drill.logs()
         drill.start(1, "--restarted")
         codes = [drill.wait(r) for r in range(ft_replica.REPLICAS)]
     finally:
         drill.kill()
-    assert codes == [0, 0, 0], drill.logs()
+    assert codes == [[0] * size] * 3, drill.logs()
     assert drill.starts == {0: 1, 1: 2, 2: 1}  # the survivors ran once, without a restart
     steps = check_equal_and_replayed(drill)
-    # The survivors committed every step from their first to the last (a
-    # replica group that joined the first quorum late healed into it), and
-    # the kill discarded the step it happened in, on both alike.
+    # The survivors stepped on to the last step (a replica group left out of
+    # a quorum, e.g. one that asked late, heals into the next one: the job's
+    # committed steps above have no gap), and the kill discarded the step it
+    # happened in, on both alike.
     for r in (0, 2):
         ledger = drill.ledger(r)
         mine = [e["step"] for e in ledger if e["committed"]]
-        assert mine == list(range(mine[0], max(steps) + 1))
+        assert mine == sorted(set(mine))
+        assert mine[-1] == max(steps)
         assert any(not e["committed"] and e["step"] >= kill_at for e in ledger)
     # The restarted replica group healed into a step the survivors reached without it.
     first_life = [e["step"] for e in drill.ledger(1) if e["committed"] and e["step"] < kill_at]
@@ -173,19 +205,19 @@ def test_a_killed_replica_group_heals_and_the_survivors_never_stop(
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lighthouse", [3], indirect=True)  # all three from the first step
-@pytest.mark.parametrize("reduction", ["all_reduce_grads", "ddp"])
+@pytest.mark.parametrize(("reduction", "size"), [("all_reduce_grads", 1), ("ddp", 1), ("hsdp", 2)])
 def test_an_error_in_one_replica_groups_all_reduce_discards_the_step_everywhere(
-    lighthouse: str, tmp_path: Path, reduction: str
+    lighthouse: str, tmp_path: Path, reduction: str, size: int
 ) -> None:
     error_at = 3
-    drill = Drill(lighthouse, tmp_path, *(["--ddp"] if reduction == "ddp" else []))
+    drill = Drill(lighthouse, tmp_path, *(["--ddp"] if reduction == "ddp" else []), size=size)
     try:
         for r in range(ft_replica.REPLICAS):
             drill.start(r, *(("--error-at", str(error_at)) if r == 2 else ()))
         codes = [drill.wait(r) for r in range(ft_replica.REPLICAS)]
     finally:
         drill.kill()
-    assert codes == [0, 0, 0], drill.logs()
+    assert codes == [[0] * size] * 3, drill.logs()
     check_equal_and_replayed(drill)
     for r in range(ft_replica.REPLICAS):
         attempts = [(e["step"], e["committed"]) for e in drill.ledger(r)]
@@ -200,14 +232,14 @@ def test_diloco_across_replica_groups_equals_the_one_process_simulation(
 ) -> None:
     from tests import test_diloco
 
-    drill = Drill(lighthouse, tmp_path, "--diloco", "--replicas", "2", replicas=2)
+    drill = Drill(lighthouse, tmp_path, "--diloco", replicas=2)
     try:
         for r in range(2):
             drill.start(r)
         codes = [drill.wait(r) for r in range(2)]
     finally:
         drill.kill()
-    assert codes == [0, 0], drill.logs()
+    assert codes == [[0], [0]], drill.logs()
     expected = test_diloco.simulate("diloco", "grad", 2)
     for r in range(2):
         got = drill.final(r)
@@ -223,7 +255,7 @@ def test_an_unreachable_lighthouse_is_named() -> None:
         fdp.FaultTolerance.connect(
             "http://127.0.0.1:9",
             replica_id="r0",
-            timeout=__import__("datetime").timedelta(seconds=2),
+            timeout=datetime.timedelta(seconds=2),
         )
 
 
