@@ -86,6 +86,7 @@ def cross_entropy(params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
 
 def replica(args: argparse.Namespace) -> int:
     """One replica group: steps until all groups took part in a step past ``--steps``."""
+    started = time.perf_counter()
     x_train, y_train, _, _ = load_data(args.seed)
     ft = fdp.FaultTolerance.connect(
         args.lighthouse,
@@ -94,7 +95,8 @@ def replica(args: argparse.Namespace) -> int:
         timeout=timedelta(seconds=30),
     )
     opt, state, info = optimizer(args), init_state(args), {}
-    started, first = time.perf_counter(), None
+    first_seconds = 0.0
+    first = None
 
     def train_step(s: dict[str, Any]) -> dict[str, Any]:
         info["step"], info["n"] = ft.current_step(), ft.participants()
@@ -109,7 +111,7 @@ def replica(args: argparse.Namespace) -> int:
         while True:
             state = ft.step(train_step, state)
             if first is None:  # the first step this process ran: 0, or the one it healed into
-                first = info["step"]
+                first, first_seconds = info["step"], time.perf_counter() - started
             progress.write(f"{ft.current_step()}\n")
             progress.flush()
             everyone = info["n"] == args.replicas and ft.current_step() >= args.steps
@@ -119,6 +121,7 @@ def replica(args: argparse.Namespace) -> int:
         {
             "state": state,
             "first_step": first,
+            "first_step_seconds": first_seconds,
             "step": ft.current_step(),
             "seconds": time.perf_counter() - started,
         },
@@ -201,6 +204,9 @@ def drill(args: argparse.Namespace) -> int:
         "healed_at_step": killed["finals"][1]["first_step"],
         "params_bitwise_equal_across_replicas": equal,
         "steps": killed["finals"][0]["step"],
+        # From the restarted process's start (torch imported) to its first committed step:
+        # joining the quorum, the peer's state over HTTP, one step.
+        "heal_seconds": round(killed["finals"][1]["first_step_seconds"], 3),
     }
     common.log(
         f"killed replica group 1 at step {args.kill_at}; it healed at step "
@@ -223,6 +229,7 @@ def _accuracy(params: Params, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
     if args.drill:
         return drill(args)
     if args.lighthouse is None or args.replica is None or args.out is None:
@@ -232,5 +239,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

@@ -75,7 +75,7 @@ class Drill:
             command = [sys.executable, "-m", "tests.ft_replica", "--lighthouse", self.lighthouse]
             command += ["--replica", str(replica), "--dir", str(self.where), *self.args, *extra]
             command += ["--group-rank", str(k), "--group-port", str(port)]
-            env = {**os.environ, "PYTHONPATH": str(ROOT)}
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "RUST_LOG": "warn"}
             env.pop("MASTER_ADDR", None)
             name = f"log-{replica}.{k}-{self.starts[replica]}"
             with (self.where / name).open("wb") as log:

@@ -191,6 +191,23 @@ def test_none_leaves_stay_none_and_integer_leaves_are_refused() -> None:
         ft.step(lambda s: ft.all_reduce_grads(s), {"n": torch.ones(2, dtype=torch.int64)})
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jvp"])
+def test_all_reduce_grads_under_a_transform_is_refused(transform: str) -> None:
+    ft = fdp.FaultTolerance(FakeManager())
+    x = torch.ones(3)
+
+    def inside(t: torch.Tensor) -> torch.Tensor:
+        return ft.all_reduce_grads({"g": t})["g"].sum()
+
+    run = {
+        "grad": lambda: torch.func.grad(inside)(x),
+        "vmap": lambda: torch.func.vmap(inside)(x.unsqueeze(1)),
+        "jvp": lambda: torch.func.jvp(inside, (x,), (x,)),
+    }[transform]
+    with pytest.raises(TypeError, match=r"`grads` expected gradients \(plain tensors\)"):
+        ft.step(lambda s: run(), None)
+
+
 @pytest.mark.compile
 def test_a_compiled_step_reduces_outside_the_graph() -> None:
     ft = fdp.FaultTolerance(FakeManager())

@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from fdp import _bucket, _compat, _tree
+from fdp import _bucket, _compat, _mode, _tree
 from fdp._comm._comm_hooks import GradBucket
 from fdp._ft import _healing, _torchft
 
@@ -262,6 +262,13 @@ def _all_reduce_eager(manager: ManagerLike, grads: T, cap: int, call: str) -> T:
     the error discards the step everywhere at the commit.
     """
     leaves, spec, tensors = _tree.tensor_leaves(grads, call=call, arg="grads", float_only=False)
+    if _mode.transformed(tensors):
+        raise TypeError(
+            f"{call}: `grads` expected gradients (plain tensors); got tensors a torch.func "
+            "transform is tracing. torchft's collectives have no derivative rules: call it "
+            "on the gradients the transform returns, e.g. "
+            "ft.all_reduce_grads(torch.func.grad(loss)(params, batch))"
+        )
     for i, t in enumerate(tensors):
         if t is not None and not (t.is_floating_point() or t.is_complex()):
             raise TypeError(
