@@ -199,13 +199,15 @@ def test_all_reduce_grads_under_a_transform_is_refused(transform: str) -> None:
     def inside(t: torch.Tensor) -> torch.Tensor:
         return ft.all_reduce_grads({"g": t})["g"].sum()
 
-    run = {
-        "grad": lambda: torch.func.grad(inside)(x),
-        "vmap": lambda: torch.func.vmap(inside)(x.unsqueeze(1)),
-        "jvp": lambda: torch.func.jvp(inside, (x,), (x,)),
-    }[transform]
+    def run(_: object) -> object:
+        if transform == "grad":
+            return torch.func.grad(inside)(x)
+        if transform == "vmap":
+            return torch.func.vmap(inside)(x.unsqueeze(1))
+        return torch.func.jvp(inside, (x,), (x,))
+
     with pytest.raises(TypeError, match=r"`grads` expected gradients \(plain tensors\)"):
-        ft.step(lambda s: run(), None)
+        ft.step(run, None)
 
 
 @pytest.mark.compile
