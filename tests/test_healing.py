@@ -17,15 +17,31 @@ import fdp
 
 
 class _Done:
+    """A collective's work that finished (or failed) at once."""
+
+    def __init__(self, tensors: list[torch.Tensor], error: Exception | None) -> None:
+        self.future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        if error is None:
+            self.future.set_result(tensors)
+        else:
+            self.future.set_exception(error)  # type: ignore[arg-type]
+
     def wait(self) -> bool:
+        self.future.wait()
         return True
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        return self.future
 
 
 class _OneProcessGroup:
-    """The sum over a quorum of one: the tensor itself."""
+    """The sum over a quorum of one: the tensor itself (``fail`` makes the next one fail)."""
+
+    fail: Exception | None = None
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Done:
-        return _Done()
+        error, self.fail = self.fail, None
+        return _Done(tensors, error)
 
 
 class FakeManager:
@@ -52,7 +68,7 @@ class FakeManager:
             self.step, self.peer = self.peer["torchft"]["step"], None
 
     def allreduce(self, tensor: torch.Tensor) -> _Done:
-        return _Done()
+        return _Done([tensor], None)
 
     def should_commit(self) -> bool:
         ok = self.error is None
@@ -189,6 +205,24 @@ def test_none_leaves_stay_none_and_integer_leaves_are_refused() -> None:
     torch.testing.assert_close(out["w"], torch.ones(2))
     with pytest.raises(TypeError, match=r"`grads` leaf grads\['n'\] expected a floating-point"):
         ft.step(lambda s: ft.all_reduce_grads(s), {"n": torch.ones(2, dtype=torch.int64)})
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_ddp_comm_hook_averages_in_a_future_and_a_failure_discards_the_step(
+    fail: bool,
+) -> None:
+    manager = FakeManager()
+    ft = fdp.FaultTolerance(manager)
+    flat = torch.arange(4.0)
+    bucket = fdp.GradBucket(flat, index=0, is_last=True, gradients=[flat], parameters=[flat])
+
+    def step(s: torch.Tensor) -> torch.Tensor:
+        manager._pg.fail = RuntimeError("lost a peer") if fail else None
+        return fdp.FaultTolerance.comm_hook(ft, bucket).wait() + s
+
+    out = ft.step(step, torch.zeros(4))
+    torch.testing.assert_close(out, torch.zeros(4) if fail else torch.arange(4.0))
+    assert ft.current_step() == int(not fail)
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap", "jvp"])

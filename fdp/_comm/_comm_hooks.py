@@ -167,8 +167,15 @@ def bf16_compress_hook(
     return _compressed(state, bucket, torch.bfloat16)
 
 
-# Hooks that issue their one collective when called (none from callbacks):
-# buckets reduced with them may be in flight together.
+def one_collective(hook: object) -> bool:
+    """Whether ``hook`` issues its one collective when called (none from callbacks).
+
+    Buckets reduced with such a hook may be in flight together. A hook of
+    another layer says so with ``hook.fdp_one_collective = True``.
+    """
+    return hook in ONE_COLLECTIVE or getattr(hook, "fdp_one_collective", False) is True
+
+
 ONE_COLLECTIVE = frozenset(
     [
         allreduce_hook,

@@ -70,7 +70,7 @@ class Reduction:
         differently on different ranks (measured: a hang). Hooks known to
         issue one collective up front keep the buckets overlapping.
         """
-        return self.hook is not None and self.hook not in _comm_hooks.ONE_COLLECTIVE
+        return self.hook is not None and not _comm_hooks.one_collective(self.hook)
 
     @property
     def prescale(self) -> float:

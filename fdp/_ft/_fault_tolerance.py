@@ -241,16 +241,18 @@ class FaultTolerance:
 
         For ``fdp.DistributedDataParallel`` (or torch's) inside a replica group
         of one process: ``ddp.register_comm_hook(ft, fdp.FaultTolerance.comm_hook)``.
-        Every leaf must get a gradient on every replica group (a leaf one
-        replica group leaves unused would be ``None`` there only); use
-        :meth:`all_reduce_grads` when that cannot be promised.
+        Each bucket's sum starts when the bucket is full and is waited for at
+        the end of backward, as DDP's own; a failure is the step's error (it
+        is discarded everywhere), not an exception. Every leaf must get a
+        gradient on every replica group (a leaf one replica group leaves
+        unused would be ``None`` there only); use :meth:`all_reduce_grads`
+        when that cannot be promised.
         """
-        flat = bucket.buffer()
-        _torchft.wait(state.manager, _torchft.sum_async(state.manager, flat))
-        flat.div_(state.manager.num_participants())
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        future.set_result(flat)
-        return future
+        return _torchft.mean_future(state.manager, bucket.buffer())
+
+
+# It issues its one sum when called: DDP may have several buckets in flight.
+FaultTolerance.comm_hook.fdp_one_collective = True  # type: ignore[attr-defined]
 
 
 def _all_reduce_eager(manager: ManagerLike, grads: T, cap: int, call: str) -> T:

@@ -7,9 +7,10 @@ import re
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["init_sync", "make_manager", "sum_async", "wait"]
+__all__ = ["init_sync", "make_manager", "mean_future", "sum_async", "wait"]
 
 _INSTALL = "pip install 'fdp[ft]' (or pip install torchft)"
 
@@ -99,6 +100,26 @@ def sum_async(manager: Any, tensor: Any) -> Any:
     except Exception as e:  # a broken group: this step is discarded
         manager.report_error(e)
         return None
+
+
+def mean_future(manager: Any, flat: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """``flat`` averaged over the quorum in place, as a future; a failure is reported."""
+    participants = manager.num_participants()
+    work = sum_async(manager, flat)
+
+    def averaged(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        try:
+            fut.wait()
+        except Exception as e:  # the step is discarded everywhere at the commit
+            manager.report_error(e)
+        return flat.div_(participants)
+
+    if work is None:
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        done.set_result(None)
+        return done.then(averaged)
+    future: torch.futures.Future[Any] = work.get_future()
+    return future.then(averaged)
 
 
 def wait(manager: Any, work: Any) -> None:
