@@ -6,6 +6,7 @@ from fdp._comm._comm_hooks import CommHook as CommHook
 from fdp._comm._comm_hooks import GradBucket as GradBucket
 from fdp._comm._comm_hooks import allreduce_hook as allreduce_hook
 from fdp._comm._comm_hooks import bf16_compress_hook as bf16_compress_hook
+from fdp._comm._comm_hooks import bf16_wire_hook as bf16_wire_hook
 from fdp._comm._comm_hooks import fp16_compress_hook as fp16_compress_hook
 from fdp._comm._launch import init_distributed as init_distributed
 from fdp._comm._sync_batch_norm import sync_batch_norm as sync_batch_norm
@@ -52,6 +53,7 @@ __all__ = [
     "all_to_all",
     "allreduce_hook",
     "bf16_compress_hook",
+    "bf16_wire_hook",
     "broadcast",
     "broadcast_params",
     "clear_caches",

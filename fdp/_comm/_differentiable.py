@@ -268,6 +268,9 @@ class Policy(NamedTuple):
     total: int = 0  # the ranks whose losses a gradient averages: world times the replicas
     # Wraps each eager collective, given its name: says what failed (ranks out of step).
     explain: Callable[[str], AbstractContextManager[None]] = _no_explanation
+    # What the reduce-scatter adds in: None, on the wire in reduce_dtype (a ring of
+    # rounded partial sums); else reduce_dtype's bytes, added in sum_dtype where they land.
+    sum_dtype: torch.dtype | None = None
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -288,7 +291,11 @@ def _gather_now(x: torch.Tensor, policy: Policy) -> torch.Tensor:
 
 
 def _scatter_now(y: torch.Tensor, policy: Policy) -> torch.Tensor:
-    out = _raw.reduce_scatter(_cast(y, policy.reduce_dtype), group=policy.group)
+    wire, wide = policy.reduce_dtype, policy.sum_dtype
+    if wide is not None and wire is not None and wide != wire:
+        out = _raw.reduce_scatter_wide(_cast(y, wide), wire=wire, group=policy.group)
+    else:
+        out = _raw.reduce_scatter(_cast(y, wire), group=policy.group)
     return _cast(out, policy.grad_dtype)  # Note [no-op casts in traced forwards]
 
 

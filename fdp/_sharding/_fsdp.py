@@ -87,6 +87,12 @@ class FullyShardedDataParallel:
             (e.g. ``torch.bfloat16``); ``None``: their own.
         reduce_dtype: the dtype gradients are reduce-scattered in (e.g.
             ``torch.float32``); ``None``: ``param_dtype``'s.
+        sum_dtype: the dtype the reduce-scatter adds in. ``None``: on the
+            wire, in ``reduce_dtype`` (torch's; every partial sum rounded, so
+            the error grows with the ranks). ``torch.float32`` with a bfloat16
+            ``reduce_dtype``: bfloat16's bytes, each rank's chunk added in
+            float32 where it lands (an all-to-all), one rounding per input
+            at any world size.
         unit_dtypes: a precision per unit, over ``param_dtype`` and
             ``reduce_dtype`` (torch applies a policy per ``fully_shard``
             call): unit name to a param dtype (``None``: the parameters'
@@ -130,6 +136,7 @@ class FullyShardedDataParallel:
         group: ProcessGroup | None = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        sum_dtype: torch.dtype | None = None,
         unit_dtypes: Mapping[str, Any] | None = None,
         reshard_after_forward: bool = True,
         prefetch: bool = True,
@@ -141,7 +148,8 @@ class FullyShardedDataParallel:
         leaves, _spec, tensors = _fsdp_plan.checked_params(call, params, group, self.replicas)
         tensors = _fsdp_plan.without_buffers(call, params, leaves, tensors, buffers)
         self.replicas_world = 1 if self.replicas is None else dist.get_world_size(self.replicas)
-        for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        dtypes = (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype))
+        for name, dtype in (*dtypes, ("sum_dtype", sum_dtype)):
             if dtype is not None and not (
                 isinstance(dtype, torch.dtype) and dtype.is_floating_point
             ):
@@ -164,7 +172,7 @@ class FullyShardedDataParallel:
         )
         total = self.world * self.replicas_world
         policy = _fsdp_gather.policy(
-            group, self.world, param_dtype, reduce_dtype, self.replicas, total
+            group, self.world, param_dtype, reduce_dtype, self.replicas, total, sum_dtype
         )
         policies = _fsdp_gather.per_unit(call, policy, unit_dtypes, self.unit_names)
         # Each unit's runtime state (fdp/_sharding/_fsdp_unit.py), in the order of its shards.

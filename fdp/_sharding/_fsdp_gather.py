@@ -41,10 +41,18 @@ def policy(
     reduce_dtype: torch.dtype | None,
     replicas: ProcessGroup | None,
     total: int,
+    sum_dtype: torch.dtype | None = None,
 ) -> Policy:
     """A FullyShardedDataParallel's policy; a ``None`` dtype: each bucket's (:func:`for_bucket`)."""
     return Policy(
-        group, world, param_dtype, reduce_dtype, replicas=replicas, total=total, explain=in_step
+        group,
+        world,
+        param_dtype,
+        reduce_dtype,
+        replicas=replicas,
+        total=total,
+        explain=in_step,
+        sum_dtype=sum_dtype,
     )
 
 
