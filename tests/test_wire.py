@@ -163,3 +163,49 @@ def test_a_bad_sum_dtype_is_refused() -> None:
 def _refused(rank: int, size: int) -> None:
     with pytest.raises(TypeError, match=r"`sum_dtype` expected a floating-point dtype"):
         fdp.FullyShardedDataParallel({"w": torch.ones(4)}, sum_dtype=torch.int32)
+
+
+def _zero(rank: int, size: int, stage: int, compiled: bool, sum_dtype: Any) -> Any:
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(13, 5, generator=g), "b": torch.randn(7, generator=g)}
+    zero = fdp.ZeroRedundancy(
+        fdp.optim.sgd(1.0),
+        params,
+        stage=stage,
+        bucket_cap_mb=1e-4,
+        reduce_dtype=torch.bfloat16,
+        sum_dtype=sum_dtype,
+    )
+    state = zero.init(params)
+    grads = {
+        k: data(10 * rank + i, v.numel()).view_as(v) for i, (k, v) in enumerate(params.items())
+    }
+    step = torch.compile(zero.step, backend="aot_eager") if compiled else zero.step
+    new, _ = step(grads, state, params)
+    return {k: params[k] - new[k] for k in params}  # the averaged gradient (lr 1)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_with_sum_dtype_steps_with_the_bf16_gradients_added_in_float32(
+    stage: int, compiled: bool
+) -> None:
+    got = ranks.world(2).run(_zero, stage, compiled, torch.float32)
+    plain = ranks.world(2).run(_zero, stage, False, None)
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(13, 5, generator=g), "b": torch.randn(7, generator=g)}
+    for i, (k, v) in enumerate(params.items()):
+        local = [data(10 * r + i, v.numel()).view_as(v) for r in range(2)]
+        rounded = [x.to(torch.bfloat16).float() for x in local]
+        expected = (rounded[0] + rounded[1]) / 2
+        exact = (local[0].double() + local[1].double()) / 2
+        for rank in range(2):
+            torch.testing.assert_close(got[rank][k], expected, rtol=1e-6, atol=1e-6)
+            wide_error = (got[rank][k].double() - exact).abs().max()
+            ring_error = (plain[rank][k].double() - exact).abs().max()
+            assert wide_error <= ring_error
+
+
+def test_zero_refuses_a_sum_dtype_without_a_reduce_dtype() -> None:
+    with pytest.raises(ValueError, match=r"`sum_dtype` expected a `reduce_dtype` to add up"):
+        fdp.ZeroRedundancy(fdp.optim.sgd(1.0), {"w": torch.ones(2)}, sum_dtype=torch.float32)

@@ -52,6 +52,12 @@ class ZeroRedundancy:
         group: the process group (default: the world).
         stage: 2 (reduce-scatter) or 1 (all-reduce, then slice).
         bucket_cap_mb: the size of a bucket in MiB.
+        reduce_dtype: the dtype gradients travel in (e.g. ``torch.bfloat16``:
+            half float32's bytes); ``None``: their own. Buckets already as
+            narrow (or complex) keep theirs.
+        sum_dtype: the dtype the reduction adds in (``torch.float32``: each
+            rank's chunk added where it lands, so the error does not grow
+            with the ranks); ``None``: on the wire, in ``reduce_dtype``.
 
     Example::
 
@@ -70,8 +76,11 @@ class ZeroRedundancy:
         group: ProcessGroup | None = None,
         stage: int = 2,
         bucket_cap_mb: float = _bucket.BUCKET_CAP_MB,
+        reduce_dtype: torch.dtype | None = None,
+        sum_dtype: torch.dtype | None = None,
     ) -> None:
         call = "fdp.ZeroRedundancy"
+        self._wire = _wire(call, reduce_dtype, sum_dtype)
         if not isinstance(optimizer, _base.OptimizerProtocol):
             raise TypeError(
                 f"{call}: `optimizer` expected an fdp.optim optimizer (slots, init and update: "
@@ -224,7 +233,7 @@ class ZeroRedundancy:
         call = "fdp.ZeroRedundancy.step"
         p, g = self._checked_step(call, grads, state, params, max_norm)
         s = self.shards
-        comm = _zero_comm.Traced(self.group, self.stage, s.rank, s.world)
+        comm = _zero_comm.Traced(self.group, self.stage, s.rank, s.world, self._wire)
         return self._run(call, comm, grads, state, p, g, donate, max_norm, checked=True)
 
     @_mode.traced_as(_step_traced)
@@ -247,9 +256,9 @@ class ZeroRedundancy:
             fingerprint.finish(
                 fingerprint.start(self.group), group=self.group, call=call, arg="grads"
             )
-            comm: Any = _zero_comm.Differentiable(self.group, s.rank, s.world)
+            comm: Any = _zero_comm.Differentiable(self.group, s.rank, s.world, self._wire)
             return self._run(call, comm, grads, state, p, g, donate, max_norm, checked=True)
-        comm = _zero_comm.Eager(self.group, self.stage, s.rank, s.world, self._pool)
+        comm = _zero_comm.Eager(self.group, self.stage, s.rank, s.world, self._pool, self._wire)
         return self._run(call, comm, grads, state, p, g, donate, max_norm, checked=False)
 
     def _run(
@@ -455,3 +464,20 @@ def _unpack(
         if leaf and p[i].requires_grad:  # a new leaf for the next loss.backward()
             new.requires_grad_()
         out[i] = new
+
+
+def _wire(
+    call: str, reduce_dtype: torch.dtype | None, sum_dtype: torch.dtype | None
+) -> _zero_comm.Wire | None:
+    """The checked ``reduce_dtype``/``sum_dtype`` pair, or None: each bucket in its own dtype."""
+    for name, dtype in (("reduce_dtype", reduce_dtype), ("sum_dtype", sum_dtype)):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"{call}: `{name}` expected a floating-point dtype; got {dtype!r}")
+    if reduce_dtype is None:
+        if sum_dtype is not None:
+            raise ValueError(
+                f"{call}: `sum_dtype` expected a `reduce_dtype` to add up (e.g. "
+                f"reduce_dtype=torch.bfloat16); got sum_dtype={sum_dtype} alone"
+            )
+        return None
+    return _zero_comm.Wire(reduce_dtype, sum_dtype)

@@ -15,7 +15,12 @@ is broadcast by its owner. Flat buffers are reused from step to step once
 nothing else views them: a fresh buffer costs page faults.
 
 Traced (``torch.compile``), the functional reduce-scatter (stage 1:
-all-reduce) and all-gather of :mod:`fdp._comm._raw`, whatever the backend."""
+all-reduce) and all-gather of :mod:`fdp._comm._raw`, whatever the backend.
+
+With a :class:`Wire` (``reduce_dtype``, ``sum_dtype``), a bucket wider than
+``reduce_dtype`` is reduce-scattered in it, at both stages and on every
+backend, eagerly and traced; with ``sum_dtype``, each rank's chunk travels in
+``reduce_dtype`` and is added in ``sum_dtype`` where it lands."""
 
 from __future__ import annotations
 
@@ -54,6 +59,25 @@ class Pool:
             self._kept.clear()
 
 
+class Wire(NamedTuple):
+    """What a bucket's reduction carries (``reduce``) and adds in (``sum``; None: on the wire)."""
+
+    reduce: torch.dtype
+    sum: torch.dtype | None
+
+    def applies(self, dtype: torch.dtype) -> bool:
+        """Whether a bucket of ``dtype`` narrows to the wire (complex and narrow ones do not)."""
+        return dtype.is_floating_point and dtype.itemsize > self.reduce.itemsize
+
+    def reduce_scatter(self, flat: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        """This rank's part of the sum of ``flat`` over ``group``, in ``flat``'s dtype."""
+        if self.sum is not None:
+            shard = _raw.reduce_scatter_wide(flat.to(self.sum), wire=self.reduce, group=group)
+        else:
+            shard = _raw.reduce_scatter(flat.to(self.reduce), group=group)
+        return shard.to(flat.dtype)
+
+
 class Pending(NamedTuple):
     """A collective in flight: the flat buffer it writes and the works to wait for."""
 
@@ -67,14 +91,27 @@ class Eager:
     traced = False
 
     def __init__(
-        self, group: ProcessGroup | None, stage: int, rank: int, world: int, pool: Pool
+        self,
+        group: ProcessGroup | None,
+        stage: int,
+        rank: int,
+        world: int,
+        pool: Pool,
+        wire: Wire | None = None,
     ) -> None:
         self.group, self.stage, self.rank, self.world, self.pool = group, stage, rank, world, pool
         self.gloo = is_gloo(group)
+        self.wire = wire
 
     def reduce(self, k: int, pieces: list[torch.Tensor]) -> Pending:
         total = sum(p.numel() for p in pieces)
         flat = torch.cat(pieces, out=self.pool.take(("grads", k), total, pieces[0]))
+        if self.wire is not None and self.wire.applies(flat.dtype):
+            size = total // self.world  # this rank's part of the buffer receives its slice
+            flat[self.rank * size : (self.rank + 1) * size] = self.wire.reduce_scatter(
+                flat, self.group
+            )
+            return Pending(flat, [])
         if self.stage == 1 or self.gloo:
             return Pending(flat, [dist.all_reduce(flat, group=self.group, async_op=True)])
         # In place: this rank's part of the packed buffer receives its reduced slice.
@@ -128,18 +165,30 @@ class Traced:
 
     traced = True
 
-    def __init__(self, group: ProcessGroup | None, stage: int, rank: int, world: int) -> None:
+    def __init__(
+        self,
+        group: ProcessGroup | None,
+        stage: int,
+        rank: int,
+        world: int,
+        wire: Wire | None = None,
+    ) -> None:
         self.group, self.stage, self.rank, self.world = group, stage, rank, world
+        self.wire = wire
 
     def reduce(self, k: int, pieces: list[torch.Tensor]) -> Any:
+        """The reduced bucket, and whether it is this rank's slice already."""
         flat = torch.cat(pieces)
+        if self.wire is not None and self.wire.applies(flat.dtype):
+            return self.wire.reduce_scatter(flat, self.group), True
         if self.stage == 1:
-            return _raw.all_reduce(flat, group=self.group)
-        return _raw.reduce_scatter(flat, group=self.group)
+            return _raw.all_reduce(flat, group=self.group), False
+        return _raw.reduce_scatter(flat, group=self.group), True
 
     def reduced(self, started: Any) -> torch.Tensor:
-        flat: torch.Tensor = started
-        if self.stage == 1:
+        flat: torch.Tensor
+        flat, sliced = started
+        if not sliced:
             size = flat.numel() // self.world
             flat = flat[self.rank * size : (self.rank + 1) * size]
         return flat / self.world
@@ -166,13 +215,21 @@ class Differentiable:
 
     traced = False
 
-    def __init__(self, group: ProcessGroup | None, rank: int, world: int) -> None:
+    def __init__(
+        self, group: ProcessGroup | None, rank: int, world: int, wire: Wire | None = None
+    ) -> None:
         self.group, self.rank, self.world = group, rank, world
         self.policy = _differentiable.Policy(group, world)  # in the tensors' own dtypes
+        self.wire = wire
 
     def reduce(self, k: int, pieces: list[torch.Tensor]) -> Any:
         flat = torch.cat(pieces)
-        return _differentiable.reduce_scatter_flat(flat, self.policy)
+        policy = self.policy
+        if self.wire is not None and self.wire.applies(flat.dtype):
+            policy = policy._replace(
+                reduce_dtype=self.wire.reduce, sum_dtype=self.wire.sum, grad_dtype=flat.dtype
+            )
+        return _differentiable.reduce_scatter_flat(flat, policy)
 
     def reduced(self, started: Any) -> torch.Tensor:
         mine: torch.Tensor = started
