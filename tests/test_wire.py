@@ -37,12 +37,13 @@ def rounded_sum(size: int, n: int = N) -> torch.Tensor:
 def _primitives(rank: int, size: int, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
     n = (N // size) * size
 
-    def both(x: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shard = _raw.reduce_scatter_wide(x, wire=torch.bfloat16, group=None)
-        return shard, _raw.all_reduce_wide(flat, wire=torch.bfloat16, group=None)
+    def wide(x: torch.Tensor) -> torch.Tensor:
+        return _raw.reduce_scatter_wide(x, wire=torch.bfloat16, group=None)
 
-    fn = torch.compile(both, backend="aot_eager", fullgraph=True) if compiled else both
-    return fn(data(rank, n), data(rank))
+    fn = torch.compile(wide, backend="aot_eager", fullgraph=True) if compiled else wide
+    flat = data(rank)
+    bucket = fdp.GradBucket(flat, index=0, is_last=True, gradients=[flat], parameters=[flat])
+    return fn(data(rank, n)), fdp.bf16_wire_hook(None, bucket).wait() * size
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -55,7 +56,10 @@ def test_wide_sums_add_the_rounded_inputs_in_float32(size: int, compiled: bool) 
         assert shard.dtype == whole.dtype == torch.float32
         expected_shard = rounded_sum(size, n)[rank * per : (rank + 1) * per]
         torch.testing.assert_close(shard, expected_shard, rtol=0, atol=0)
-        expected = rounded_sum(size).to(torch.bfloat16).float()
+        # The hook divides by the world before rounding: the sum of the rounded shares.
+        shares = torch.stack([(data(r) / size).to(torch.bfloat16).float() for r in range(size)])
+        shares = shares.cumsum(0)[-1]  # added in rank order, as the hook adds
+        expected = shares.to(torch.bfloat16).float() * size
         torch.testing.assert_close(whole, expected, rtol=0, atol=0)
 
 

@@ -21,8 +21,6 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from fdp._comm import _raw
-
 __all__ = [
     "CommHook",
     "GradBucket",
@@ -184,23 +182,49 @@ def bf16_wire_hook(
     :func:`bf16_compress_hook` all-reduces in bfloat16, so every partial sum
     on the way is rounded and the error grows with the number of ranks. This
     hook sends each rank's bfloat16 chunk of the bucket to the rank that sums
-    it (an all-to-all), adds the chunks in float32, and all-gathers the sums
-    in bfloat16: the same bytes as bf16's all-reduce, and two roundings at
-    any world size (docs/performance.md has the errors measured at 2, 4 and 8
-    ranks). It waits for the all-to-all before it returns, so a bucket
-    overlaps backward less than with one all-reduce.
+    it (an all-to-all, started when the bucket is full), adds the chunks in
+    float32, and all-gathers the sums in bfloat16 when backward ends: the
+    same bytes as bf16's all-reduce, and two roundings at any world size
+    (docs/performance.md has the errors measured at 2, 4 and 8 ranks). For
+    ``fdp.DistributedDataParallel`` (its result is computed when waited for,
+    in bucket order on every rank), eagerly.
 
     Example::
 
         ddp = fdp.DistributedDataParallel(params, comm_hook=fdp.bf16_wire_hook)
     """
-    flat = bucket.buffer()
-    averaged = _raw.all_reduce_wide(
-        flat.div(dist.get_world_size(state)), wire=torch.bfloat16, group=state
-    )
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(flat.copy_(averaged))
-    return future
+    return _WireSum(bucket.buffer(), state)  # type: ignore[return-value]
+
+
+class _WireSum:
+    """:func:`bf16_wire_hook`'s reduction: the all-to-all in flight, the rest at ``wait``."""
+
+    def __init__(self, flat: torch.Tensor, group: ProcessGroup | None) -> None:
+        self.flat, self.group = flat, group
+        world = dist.get_world_size(group)
+        n = flat.numel()
+        chunks = flat.new_zeros(n + -n % world, dtype=torch.bfloat16)
+        torch.div(flat, world, out=chunks[:n])  # divided in float32, rounded once
+        self.rows = torch.empty_like(chunks).view(world, -1)
+        self.work = dist.all_to_all_single(self.rows, chunks, group=group, async_op=True)
+        self.result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self.result is None:
+            self.work.wait()
+            mine = self.rows[0].float()
+            for row in self.rows[1:]:  # this rank's chunk of the sum, in float32, in rank order
+                mine += row
+            whole = torch.empty_like(self.rows)
+            dist.all_gather(list(whole.unbind()), mine.to(torch.bfloat16), group=self.group)
+            self.result = self.flat.copy_(whole.view(-1)[: self.flat.numel()])
+        return self.result
+
+    def value(self) -> torch.Tensor:
+        return self.wait()
+
+    def done(self) -> bool:
+        return self.result is not None
 
 
 def one_collective(hook: object) -> bool:
@@ -220,7 +244,9 @@ ONE_COLLECTIVE = frozenset(
         default_hooks.allreduce_hook,
         default_hooks.fp16_compress_hook,
         default_hooks.bf16_compress_hook,
-        bf16_wire_hook,  # its collectives are all issued (and waited for) when called
+        # Its all-to-all starts when called; its all-gather when waited for, which
+        # fdp's DDP does in bucket order on every rank.
+        bf16_wire_hook,
     ]
 )
 

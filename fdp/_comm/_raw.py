@@ -116,23 +116,6 @@ def reduce_scatter_wide(
     return rows.view(world, -1, *t.shape[1:]).to(t.dtype).sum(0)
 
 
-def all_reduce_wide(
-    flat: torch.Tensor, *, wire: torch.dtype, group: ProcessGroup | None
-) -> torch.Tensor:
-    """The sum of the 1-D ``flat`` over ``group``: ``wire`` bytes, sums in ``flat``'s dtype.
-
-    A :func:`reduce_scatter_wide` then an all-gather of the summed shards in
-    ``wire``: half of float32's bytes for bfloat16, and two roundings to
-    ``wire`` (each input, and the result) at any world size.
-    """
-    world = dist.get_world_size(group)
-    pad = -flat.numel() % world
-    padded = torch.nn.functional.pad(flat, (0, pad)) if pad else flat
-    shard = reduce_scatter_wide(padded, wire=wire, group=group)
-    whole = all_gather(shard.to(wire), group=group).to(flat.dtype)
-    return whole[: flat.numel()] if pad else whole
-
-
 def broadcast(t: torch.Tensor, *, src: int, group: ProcessGroup | None) -> torch.Tensor:
     """Rank ``src``'s ``t`` (``src`` a rank of ``group``)."""
     if _mode.traced():

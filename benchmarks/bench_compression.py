@@ -1,0 +1,167 @@
+"""Fewer bytes on the wire: bf16 reductions with float32 sums against float32, side by side.
+
+The training step of ``bench_ddp_step.py`` (8-layer 1024-wide tanh MLP, 33.6 MB
+of float32 parameters, batch 64 per rank, SGD), on 2 gloo ranks (1 intra-op
+thread each), every variant in the same processes, interleaved round by round:
+
+- DDP: ``fdp.DistributedDataParallel`` with the default hook (float32), with
+  ``bf16_compress_hook`` (bf16 on the wire, summed in bf16) and with
+  ``bf16_wire_hook`` (bf16 on the wire, summed in float32);
+- fully sharded: ``FullyShardedDataParallel`` with float32 reduce-scatters,
+  and with ``reduce_dtype=torch.bfloat16, sum_dtype=torch.float32``.
+
+Per row: the bytes each rank sends per step against the float32 variant's
+(counted at every collective fdp issues, with the ring algorithms' volumes:
+an all-reduce sends ``2 (w-1)/w`` of its buffer, a reduce-scatter, an
+all-gather and an all-to-all ``(w-1)/w`` of the whole), the step time
+against float32's, and the relative difference of the loss after the same
+steps on the same data. The last line is one JSON object ``{"rows": [...]}``.
+
+    python benchmarks/bench_compression.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from bench_ddp_step import data, make_params, mlp
+from timing import interleaved, run_ranks
+
+import fdp
+from fdp import _compat
+
+LR = 0.05
+SENT = {"bytes": 0.0}
+
+
+def _count(name: str, factor: Callable[[int], float], fn: Any, arg: int = 0) -> Any:
+    """``fn`` that first adds what this rank sends to ``SENT`` (argument ``arg``'s bytes)."""
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        t = args[arg]
+        tensors = t if isinstance(t, list) else [t]
+        size = sum(x.numel() * x.element_size() for x in tensors)
+        SENT["bytes"] += factor(dist.get_world_size(kwargs.get("group"))) * size
+        return fn(*args, **kwargs)
+
+    counted.__name__ = name
+    return counted
+
+
+def count_bytes() -> None:
+    """Wraps the collectives fdp issues eagerly (module attributes, read at each call)."""
+    ring = {"all_reduce": lambda w: 2 * (w - 1) / w, "all_to_all_single": lambda w: (w - 1) / w}
+    dist.all_reduce = _count("all_reduce", ring["all_reduce"], dist.all_reduce)
+    dist.all_to_all_single = _count("a2a", ring["all_to_all_single"], dist.all_to_all_single, 1)
+    dist.all_gather = _count("all_gather", lambda w: (w - 1) / w, dist.all_gather)  # the list
+    _compat.reduce_scatter_single = _count(
+        "reduce_scatter", lambda w: (w - 1) / w, _compat.reduce_scatter_single, 1
+    )
+
+
+def variants(rank: int) -> dict[str, Callable[[], float]]:
+    """Each variant's step on its own copy of the parameters; it returns the loss."""
+    x, y = data(rank)
+    steps: dict[str, Callable[[], float]] = {}
+    hooks = {
+        "ddp float32": fdp.allreduce_hook,
+        "ddp bf16 all-reduce (bf16 sums)": fdp.bf16_compress_hook,
+        "ddp bf16 all-reduce fp32 sum": fdp.bf16_wire_hook,
+    }
+    for name, hook in hooks.items():
+        params = make_params(0)
+        ddp = fdp.DistributedDataParallel(params, comm_hook=hook)
+
+        def ddp_step(params: Any = params, ddp: Any = ddp) -> float:
+            loss = F.cross_entropy(mlp(ddp(params), x), y)
+            torch.autograd.backward(loss)
+            with torch.no_grad():
+                for layer in params:
+                    for p in layer.values():
+                        p -= LR * p.grad
+                        p.grad = None
+            return float(loss)
+
+        steps[name] = ddp_step
+    policies: dict[str, dict[str, Any]] = {
+        "fsdp float32": {},
+        "fsdp bf16 reduce-scatter fp32 sum": {
+            "reduce_dtype": torch.bfloat16,
+            "sum_dtype": torch.float32,
+        },
+    }
+    for name, policy in policies.items():
+        full = [{k: v.detach() for k, v in layer.items()} for layer in make_params(0)]
+        fsdp = fdp.FullyShardedDataParallel(full, **policy)
+        opt = fdp.optim.sgd(LR)
+        shards = fsdp.shard(full)
+        box = {"shards": shards, "state": opt.init(shards)}
+
+        def fsdp_step(fsdp: Any = fsdp, box: Any = box, opt: Any = opt) -> float:
+            grads, loss = torch.func.grad_and_value(lambda s: F.cross_entropy(mlp(fsdp(s), x), y))(
+                box["shards"]
+            )
+            box["shards"], box["state"] = opt.update(grads, box["state"], box["shards"])
+            return float(loss)
+
+        steps[name] = fsdp_step
+    return steps
+
+
+def worker(rank: int, size: int, port: int, rounds: int, out: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+        timeout=datetime.timedelta(seconds=300),
+    )  # fmt: skip
+    count_bytes()
+    steps = variants(rank)
+    sent, losses = {}, {}
+    for name, step in steps.items():  # the same steps on the same data: the loss after them
+        SENT["bytes"] = 0.0
+        for _ in range(rounds):
+            losses[name] = step()
+        sent[name] = SENT["bytes"] / rounds
+    times = interleaved(steps, rounds=rounds, repeats=2)
+    if rank == 0:
+        out.put({"sent": sent, "losses": losses, "times": times})
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
+    args = parser.parse_args()
+    import multiprocessing as mp
+
+    queue = mp.get_context("spawn").Queue()
+    run_ranks(worker, 2, 4 if args.quick else 12, queue)
+    got = queue.get(timeout=60)
+    rows = []
+    for name in got["times"]:
+        family = "ddp float32" if name.startswith("ddp") else "fsdp float32"
+        row = {
+            "name": name,
+            "bytes_vs_fp32": got["sent"][name] / got["sent"][family],
+            "step_vs_fp32": got["times"][name] / got["times"][family],
+            "loss_rel_diff": abs(got["losses"][name] - got["losses"][family])
+            / got["losses"][family],
+        }
+        rows.append(row)
+        print(
+            f"{name}: bytes {row['bytes_vs_fp32']:.3f}x, step {row['step_vs_fp32']:.3f}x, "
+            f"loss after the steps {got['losses'][name]:.6f} (rel. diff {row['loss_rel_diff']:.2e})"
+        )
+    print("not measured: fsdp int8 all-gather (issue 49 item 3, not implemented yet)")
+    print(json.dumps({"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
