@@ -51,6 +51,12 @@ def check_cap(value: object, name: str, *, call: str) -> int:
     return max(1, int(value * 1024 * 1024))
 
 
+def check_dtype(value: object, name: str, *, call: str) -> None:
+    """Refuses a ``name`` option that is neither None nor a floating-point dtype."""
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise TypeError(f"{call}: `{name}` expected a floating-point dtype; got {value!r}")
+
+
 def signature(
     tree: Any, leaves: Sequence[Any], root: str, *, requires_grad: bool
 ) -> list[tuple[str, str]]:

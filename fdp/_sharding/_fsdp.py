@@ -30,6 +30,7 @@ from torch.autograd.profiler import record_function as _label
 from torch.distributed import ProcessGroup
 
 from fdp import _tree
+from fdp._comm import _agreement
 from fdp._sharding import (
     _fsdp_accumulate,
     _fsdp_chain,
@@ -148,12 +149,9 @@ class FullyShardedDataParallel:
         leaves, _spec, tensors = _fsdp_plan.checked_params(call, params, group, self.replicas)
         tensors = _fsdp_plan.without_buffers(call, params, leaves, tensors, buffers)
         self.replicas_world = 1 if self.replicas is None else dist.get_world_size(self.replicas)
-        dtypes = (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype))
-        for name, dtype in (*dtypes, ("sum_dtype", sum_dtype)):
-            if dtype is not None and not (
-                isinstance(dtype, torch.dtype) and dtype.is_floating_point
-            ):
-                raise TypeError(f"{call}: `{name}` expected a floating-point dtype; got {dtype!r}")
+        dtypes = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "sum_dtype": sum_dtype}
+        for name, dtype in dtypes.items():
+            _agreement.check_dtype(dtype, name, call=call)
         self.group, self.world = group, dist.get_world_size(group)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reshard_after_forward = reshard_after_forward

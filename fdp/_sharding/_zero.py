@@ -471,8 +471,7 @@ def _wire(
 ) -> _zero_comm.Wire | None:
     """The checked ``reduce_dtype``/``sum_dtype`` pair, or None: each bucket in its own dtype."""
     for name, dtype in (("reduce_dtype", reduce_dtype), ("sum_dtype", sum_dtype)):
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"{call}: `{name}` expected a floating-point dtype; got {dtype!r}")
+        _agreement.check_dtype(dtype, name, call=call)
     if reduce_dtype is None:
         if sum_dtype is not None:
             raise ValueError(
