@@ -276,6 +276,7 @@ def bench(session: nox.Session) -> None:
     run(session, "python", "benchmarks/bench_optim.py", *session.posargs, env=COMPILE_CACHE)
     run(session, "python", "benchmarks/bench_zero.py", *session.posargs)
     run(session, "python", "benchmarks/bench_fault_tolerance.py", *session.posargs)
+    run(session, "python", "benchmarks/bench_compression.py", *session.posargs)
     run(
         session,
         "python",
