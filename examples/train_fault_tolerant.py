@@ -22,7 +22,6 @@ docs/fault_tolerance.md.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import signal
@@ -37,8 +36,8 @@ from typing import Any, cast
 import common
 import optree
 import torch
-import torch.nn.functional as F
 from train_digits import Params, load_data, mlp
+from train_diloco import cross_entropy, init_params
 
 import fdp
 
@@ -65,23 +64,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def init_state(args: argparse.Namespace) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(args.seed)
-    sizes = [64, args.hidden, args.hidden, 10]
-    layers = [
-        {"w": torch.randn(i, o, generator=g) * (2.0 / i) ** 0.5, "b": torch.zeros(o)}
-        for i, o in itertools.pairwise(sizes)
-    ]
-    params: Params = {"layers": layers}
+    params = init_params(args)  # the digits MLP of train_diloco.py, He-initialised
     return {"params": params, "opt": optimizer(args).init(params), "data": 0, "shrunk": 0}
 
 
 def optimizer(args: argparse.Namespace) -> fdp.optim.Optimizer:
     schedule = fdp.optim.warmup_cosine_decay_schedule(0.0, args.lr, 20, 2 * args.steps)
     return fdp.optim.adamw(schedule, weight_decay=1e-4)
-
-
-def cross_entropy(params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(mlp(params, x), y)
 
 
 def replica(args: argparse.Namespace) -> int:
