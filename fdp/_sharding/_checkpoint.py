@@ -59,7 +59,8 @@ def save_checkpoint(
     written in pieces by the ranks that hold them. The directory is
     complete once ``path/.metadata`` exists (DCP writes it last); saving
     over a checkpoint first removes its ``.metadata``, so a save that dies
-    midway never leaves the old metadata over new data files.
+    midway never leaves the old metadata over new data files. Every rank
+    returns once every rank has finished (a barrier of ``group``).
 
     Args:
         path: a directory (created if needed).
@@ -99,6 +100,17 @@ def save_checkpoint(
             planner=planner,
             no_dist=not _distributed(),
         )
+    if _distributed():
+        # Note [a barrier after saving]: DCP's last collectives are gloo
+        # broadcasts of tensors that a gloo worker thread may still be
+        # releasing when the call returns, and DCP keeps the process group
+        # alive past destroy_process_group (torch 2.13). A script that saves,
+        # then exits, could have that thread take the GIL during interpreter
+        # finalization: SIGABRT ("terminate called without an active
+        # exception", 2 in 20 runs of train_lm_fsdp.py under load). The
+        # barrier runs after those collectives complete and gives the
+        # worker its round trip to let them go.
+        dist.barrier(group=group)
 
 
 def _check_parameters(call: str, state: Any, group: ProcessGroup | None) -> None:
