@@ -273,6 +273,7 @@ def bench(session: nox.Session) -> None:
         session.log("benchmarks/count_instructions.py skipped: it needs valgrind")
     run(session, "python", "benchmarks/bench_distributed.py", *session.posargs)
     run(session, "python", "benchmarks/bench_ddp_step.py", "--compiled", *session.posargs)
+    run(session, "python", "benchmarks/bench_ddp_call.py", *session.posargs)
     run(session, "python", "benchmarks/bench_optim.py", *session.posargs, env=COMPILE_CACHE)
     run(session, "python", "benchmarks/bench_zero.py", *session.posargs)
     run(session, "python", "benchmarks/bench_fault_tolerance.py", *session.posargs)

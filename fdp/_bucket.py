@@ -404,6 +404,7 @@ class Layout:
         self.where = {
             i: (k, j) for k, b in enumerate(self.buckets) for j, i in enumerate(b.indices)
         }
+        self.order = tuple(self.where)  # the bucketed leaves, bucket by bucket
         self._buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._lock = threading.Lock()
 

@@ -80,6 +80,8 @@ def transform_running() -> bool:
 
 def dual(tensors: Iterable[Any]) -> bool:
     """Whether a tensor among ``tensors`` carries a forward-mode tangent (a dual tensor)."""
+    if not _compat.dual_level_active():  # no tangents outside a level: skip the leaves
+        return False
     # Loops, not any(genexpr): dynamo 2.15 fails on a generator inside a traced Function.
     for t in tensors:  # noqa: SIM110
         if isinstance(t, torch.Tensor) and _compat.has_tangent(t):

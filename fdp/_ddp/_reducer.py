@@ -42,12 +42,11 @@ def hooked_leaves(layout: Layout, leaves: list[Any]) -> list[int]:
     """
     seen: set[int] = set()
     out = []
-    for bucket in layout.buckets:
-        for i in bucket.indices:
-            leaf = leaves[i]
-            if leaf.requires_grad and id(leaf) not in seen:
-                seen.add(id(leaf))
-                out.append(i)
+    for i in layout.order:
+        leaf = leaves[i]
+        if leaf.requires_grad and id(leaf) not in seen:
+            seen.add(id(leaf))
+            out.append(i)
     return out
 
 
@@ -80,15 +79,17 @@ class Reducer:
             for i in hooked:
                 leaf = leaves[i]
                 alias: Any
-                if sparse_ok:
-                    alias = _compat.apply_plain(_Alias, leaf)
-                    _compat.run_early(alias)
-                else:
-                    alias = _compat.early_alias(leaf)
                 # The hook holds the call (the leaves), never the alias: a
                 # reference from the node's hook back to its own output would
                 # be a cycle through C++ that Python's collector cannot free.
-                alias.register_hook(functools.partial(call.on_grad, i))
+                # A tensor hook, not the node's backward: it also runs when
+                # autograd.grad takes the aliases as its inputs (the node never runs).
+                if sparse_ok:
+                    alias = _APPLY_ALIAS(leaf)
+                    _compat.run_early(alias)
+                else:
+                    alias = _compat.early_alias(leaf)
+                _compat.add_grad_hook(alias, functools.partial(call.on_grad, i))
                 aliases[id(leaf)] = alias
         out = list(leaves)
         for i in self.reduction.layout.where:  # tied leaves share one alias
@@ -151,3 +152,6 @@ class _Alias(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> torch.Tensor | None:
         return grad
+
+
+_APPLY_ALIAS = _compat.plain_apply(_Alias)
