@@ -197,7 +197,8 @@ class _HeldInBackward(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         held = sum(r.storage.nbytes() > 0 for r in self.resharded)
-        if "reduce_scatter" in str(func):
+        # On CPU a reduce-scatter is an all-to-all and a sum (fdp/_comm/_raw.py).
+        if "reduce_scatter" in str(func) or "alltoall" in str(func):
             self.at_scatter.append(held)
         elif func is torch.ops.aten.cat.default and out.numel() in {
             r.numel for r in self.resharded

@@ -343,3 +343,132 @@ def test_a_contrastive_loss_with_ddp_has_the_single_process_gradient(size: int) 
         loss = torch.nn.functional.cross_entropy(queries @ keys.T / 0.1, torch.arange(4 * size))
         (want,) = torch.autograd.grad(loss, w)
         torch.testing.assert_close(grad, want)
+
+
+# ---------------------------------------------------------------------------
+# Agreeing once per call site: a remembered site's flag travels in the payload.
+
+
+_SITE_CALLS: dict[str, Callable[[Any, str, int], torch.Tensor]] = {
+    "all_reduce": lambda x, op, dim: fdp.all_reduce(x, op),
+    "all_gather": lambda x, op, dim: fdp.all_gather(x, dim=dim),
+    "reduce_scatter": lambda x, op, dim: fdp.reduce_scatter(x, op, dim=dim),
+    "all_to_all": lambda x, op, dim: fdp.all_to_all(x, split_dim=dim, concat_dim=1 - dim),
+    "broadcast": lambda x, op, dim: fdp.broadcast(x, 1),
+}
+
+
+def _site_args(case: str, rank: int, step: int) -> tuple[Any, str, int]:
+    """Steps 0-1 agree (the site is remembered); at step 2 ``case`` changes on some ranks."""
+    x: Any = _random((4, 6), rank, step)
+    op, dim = "sum", 0
+    if step != 2:
+        return x, op, dim
+    change = case.split(":")[1]
+    on = rank == 1
+    if change == "shape on one rank" and on:
+        x = _random((8, 6), rank, step)
+    elif change == "dtype on one rank" and on:
+        x = x.float()
+    elif change == "op on one rank" and on:
+        op = "max"
+    elif change == "dim on one rank" and on:
+        dim = 1
+    elif change == "an error on one rank" and on:
+        x = _random((5, 6), rank, step)  # not divisible by 2 ranks
+    elif change == "not a tensor on one rank" and on:
+        x = x.tolist()
+    elif change == "shape on every rank":
+        x = _random((2, 6), rank, step)
+    return x, op, dim
+
+
+def _site_reference(case: str, step: int, w: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``r``'s output, and its gradient of the sum over ranks of every output's sum."""
+    name = case.split(":")[0]
+    xs = [_site_args(case, q, step)[0].clone().requires_grad_() for q in range(w)]
+    refs: dict[str, Ref] = {
+        "all_reduce": _reduce_ref("sum"),
+        "all_gather": _cat_ref(0),
+        "reduce_scatter": _scatter_ref("sum", 0),
+        "all_to_all": _a2a_ref(0, 1),
+        "broadcast": _bcast_ref(1),
+    }
+    outs = refs[name](xs)
+    torch.autograd.backward(torch.stack([o.sum() for o in outs]).sum())
+    grad = xs[r].grad  # None: this rank's input reaches no output (a broadcast's)
+    return outs[r].detach(), torch.zeros_like(xs[r]) if grad is None else grad
+
+
+def _changed_site(rank: int, size: int, case: str) -> Any:
+    """Per step, this rank's error or whether its output and gradient are the reference's."""
+    call = _SITE_CALLS[case.split(":")[0]]
+    said: list[Any] = []
+    for step in range(4):
+        x, op, dim = _site_args(case, rank, step)
+        leaf = x.clone().requires_grad_() if isinstance(x, torch.Tensor) else x
+        try:
+            out = call(leaf, op, dim)  # every step's call from this one line: one site
+        except (TypeError, ValueError) as e:
+            said.append(f"{type(e).__name__}: {e}")
+            continue
+        torch.autograd.backward(out.sum())  # a backward through the fast path pairs too
+        want, grad = _site_reference(case, step, size, rank)
+        close = out.shape == want.shape and torch.allclose(out, want)
+        assert isinstance(leaf, torch.Tensor)
+        assert leaf.grad is not None
+        said.append(bool(close and torch.allclose(leaf.grad, grad)))
+    after = fdp.all_reduce(torch.ones(2)).tolist()  # still paired
+    return said, after
+
+
+SITE_CHANGES = {
+    "all_gather:shape on one rank": "`x` differs across ranks",
+    "all_reduce:dtype on one rank": "`x` differs across ranks",
+    "all_reduce:op on one rank": "`op` differs across ranks: rank 0 has 'sum', rank 1 has 'max'",
+    "all_gather:dim on one rank": "`dim` differs across ranks: rank 0 has 0, rank 1 has 1",
+    "reduce_scatter:an error on one rank": "the group's size 2 divides",
+    "broadcast:not a tensor on one rank": "`x` expected a torch.Tensor",
+    "all_to_all:shape on one rank": "`x` differs across ranks",
+}
+
+
+@pytest.mark.parametrize("case", list(SITE_CHANGES))
+def test_arguments_that_change_on_one_rank_at_a_remembered_site_raise_on_every_rank(
+    case: str,
+) -> None:
+    results = ranks.world(2).run(_changed_site, case)
+    for rank, (said, after) in enumerate(results):
+        assert said[:2] == [True, True], said  # agreed, then remembered
+        assert isinstance(said[2], str), f"rank {rank} did not raise at step 2: {said}"
+        assert said[2].startswith(("ValueError", "TypeError")), said[2]
+        assert SITE_CHANGES[case] in said[2] or rank == 0, said[2]
+        assert said[3] is True, said  # the site's old arguments pair again
+        assert after == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("name", list(_SITE_CALLS))
+def test_every_rank_changing_alike_at_a_remembered_site_gets_the_new_result(name: str) -> None:
+    # A last, smaller batch: every rank's flag is set, all agree, the call runs again.
+    for said, _ in ranks.world(2).run(_changed_site, f"{name}:shape on every rank"):
+        assert said == [True, True, True, True], said
+
+
+def _alternating(rank: int, size: int) -> Any:
+    from fdp._comm import _call_sites
+
+    ok = []
+    for step in range(8):
+        x = _random((2 + 2 * (step % 2), 3), rank, step)
+        out = fdp.all_gather(x)
+        want = torch.cat([_random(x.shape, q, step) for q in range(size)])
+        ok.append(bool(torch.equal(out, want)))
+    sites = _call_sites.SITES._of(None)
+    mine = [k for k in sites if k[0] == "fdp.all_gather" and k[1][0][1] == "_alternating"]
+    return ok, [sites[k] is None for k in mine]
+
+
+def test_a_site_whose_shapes_alternate_agrees_before_each_call_again() -> None:
+    for ok, forgotten in ranks.world(3).run(_alternating):
+        assert all(ok), ok
+        assert forgotten == [True]  # two misses in 8 calls: agree first from then on

@@ -136,17 +136,23 @@ def _device_for(group: ProcessGroup | None) -> torch.device:
 
 
 class Fingerprint:
-    """A 62-bit hash of a tree's signature; all ranks compare theirs in one all-reduce."""
+    """A 62-bit hash of a tree's signature; all ranks compare theirs in one all-reduce.
 
-    def __init__(self, described: list[tuple[str, str]]) -> None:
+    ``extra``: a second 62-bit number compared in the same all-reduce, whose
+    verdict :meth:`finish` returns (the call site, :mod:`fdp._comm._call_sites`).
+    """
+
+    def __init__(self, described: list[tuple[str, str]], *, extra: int = 0) -> None:
         self.described = described
         digest = hashlib.blake2b(repr(described).encode(), digest_size=8).digest()
         self.value = int.from_bytes(digest, "little") >> 2
+        self.extra = extra
 
     def start(self, group: ProcessGroup | None) -> tuple[torch.Tensor, Any]:
         """Launches the comparison: MAX over ranks of ``[h, -h]`` is ``[max, -min]``."""
         with _compat.functorch_disabled():
-            mine = torch.tensor([self.value, -self.value], dtype=torch.int64)
+            h, e = self.value, self.extra
+            mine = torch.tensor([h, -h, e, -e], dtype=torch.int64)
             mine = mine.to(_device_for(group))
             return mine, dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
@@ -158,14 +164,18 @@ class Fingerprint:
         call: str,
         arg: str,
         named: bool = False,
-    ) -> None:
-        """Waits; if any rank's hash differs, every rank raises the same detailed error."""
+    ) -> bool:
+        """Waits; if any rank's hash differs, every rank raises the same detailed error.
+
+        Returns whether every rank gave the same ``extra``.
+        """
         values, work = started
         work.wait()
-        high, neg_low = values.tolist()
+        high, neg_low, extra_high, extra_neg_low = values.tolist()
         if high != -neg_low:
             check(self.described, group=group, call=call, arg=arg, named=named)
             raise ValueError(f"{call}: `{arg}` differs across ranks (the tree signatures differ)")
+        return bool(extra_high == -extra_neg_low)
 
 
 SAME_START = (

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function as _label
 from torch.distributed import ProcessGroup
 
-from fdp import _mode
+from fdp import _compat, _mode
 from fdp._comm import _raw
 
 Rule = Callable[..., torch.Tensor]
@@ -121,7 +121,9 @@ def _eager_form(c: Collective) -> Rule:
         if done is not None:
             return done
         explain = contextlib.nullcontext() if c.explain is None else c.explain(*consts)
-        with explain, _label(f"fdp::{c.name}"):  # eager only: a profiler trace shows it
+        # Eager only: a profiler trace shows it (the label costs microseconds: only then).
+        label = _label(f"fdp::{c.name}") if _compat.profiling() else contextlib.nullcontext()
+        with explain, label:
             return c.forward(x, *consts)
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -144,7 +146,9 @@ def _eager_form(c: Collective) -> Rule:
     function = _function(f"_{c.name.title().replace('-', '')}", rules)
 
     def call(x: torch.Tensor, *consts: Any, done: torch.Tensor | None = None) -> torch.Tensor:
-        out: torch.Tensor = function.apply(x if c.linear else x.detach(), done, *consts)
+        out: torch.Tensor = _compat.apply_unbound(
+            function, x if c.linear else x.detach(), done, *consts
+        )
         return out
 
     return call
@@ -229,10 +233,15 @@ def pmax(t: torch.Tensor, op: str, group: ProcessGroup | None) -> torch.Tensor:
 
 def broadcast(t: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
     """Rank ``src``'s ``t`` (a group rank) on every rank; the transpose sums onto ``src``."""
+    return psum(sent(t, src, group), group=group)
+
+
+def sent(t: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
+    """What this rank adds to :func:`broadcast`'s psum: ``t`` on ``src``, zeros elsewhere."""
     # Zeros that depend on ``t``: every rank's psum then has the same
     # derivatives to run (zeros_like would give the other ranks none: a hang).
     mine = dist.get_rank(group) == src
-    return psum(t if mine else torch.where(torch.tensor(False), t, 0), group=group)
+    return t if mine else torch.where(torch.tensor(False), t, 0)
 
 
 def all_gather(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

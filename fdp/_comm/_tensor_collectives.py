@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from fdp import _mode
-from fdp._comm import _agreement, _differentiable, _transforms
+from fdp._comm import _agreement, _call_sites, _differentiable, _transforms
 
 __all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "reduce_scatter"]
 
@@ -49,11 +49,23 @@ def all_reduce(
         total = fdp.all_reduce(loss.detach(), "mean")  # the global batch's mean loss
     """
     call = "fdp.all_reduce"
-    _agree(call, group, x, {"op": op}, lambda: _check_op(call, op, x))
-    if op in ("max", "min"):
-        return _differentiable.pmax(x, op, group)
-    scale = 1.0 / dist.get_world_size(group) if op == "mean" else 1.0
-    return _differentiable.psum(x, scale=scale, group=group)
+
+    def check() -> str:
+        _check_op(call, op, x)
+        return op
+
+    # ``how``: the checked options, every rank's alike (a rank whose own
+    # differ runs the agreed ones, fdp/_comm/_call_sites.py).
+    def run(t: torch.Tensor, how: str, flag: torch.Tensor | None) -> Folded:
+        flat = _with(t.reshape(-1), flag, sign=-1 if how == "min" else 1)
+        if how in ("max", "min"):
+            out = _differentiable.pmax(flat, how, group)
+        else:
+            scale = 1.0 / dist.get_world_size(group) if how == "mean" else 1.0
+            out = _differentiable.psum(flat, scale=scale, group=group)
+        return _without(out, flag, t.shape)
+
+    return _collective(call, group, x, {"op": op}, check, run)
 
 
 @_transforms.eager_under_transforms("fdp.all_gather")
@@ -73,12 +85,18 @@ def all_gather(x: torch.Tensor, *, dim: int = 0, group: ProcessGroup | None = No
         keys = fdp.all_gather(encoder(views))  # every rank's embeddings: global negatives
     """
     call = "fdp.all_gather"
-    d = _agree(call, group, x, {"dim": dim}, lambda: _dim(call, "dim", dim, x))
-    world = dist.get_world_size(group)
-    moved = x.movedim(d, 0)
-    flat = _differentiable.Policy(group, world)
-    out = _differentiable.all_gather_flat(moved.reshape(-1), flat)
-    return out.view(world * moved.shape[0], *moved.shape[1:]).movedim(0, d)
+
+    def run(t: torch.Tensor, d: int, flag: torch.Tensor | None) -> Folded:
+        world = dist.get_world_size(group)
+        moved = t.movedim(d, 0)
+        policy = _differentiable.Policy(group, world)
+        out = _differentiable.all_gather_flat(_with(moved.reshape(-1), flag), policy)
+        rows, flags = _rows(out.view(world, -1), flag)
+        return rows.reshape(world * moved.shape[0], *moved.shape[1:]).movedim(0, d), flags
+
+    return _collective(
+        call, group, x, {"dim": dim}, lambda: _dim(call, "dim", dim, x), run, reduces=False
+    )
 
 
 @_transforms.eager_under_transforms("fdp.reduce_scatter")
@@ -102,20 +120,27 @@ def reduce_scatter(
     """
     call = "fdp.reduce_scatter"
 
-    def check() -> int:
+    def check() -> tuple[str, int]:
         _check_op(call, op, x)
-        return _divisible(call, "dim", _dim(call, "dim", dim, x), x, group)
+        return op, _divisible(call, "dim", _dim(call, "dim", dim, x), x, group)
 
-    d = _agree(call, group, x, {"op": op, "dim": dim}, check)
-    world = dist.get_world_size(group)
-    chunk = x.shape[d] // world
-    if op in ("max", "min"):
-        return _differentiable.pmax(x, op, group).narrow(d, dist.get_rank(group) * chunk, chunk)
-    moved = x.movedim(d, 0)
-    flat = _differentiable.Policy(group, world)
-    out = _differentiable.reduce_scatter_flat(moved.reshape(-1), flat)
-    out = out.view(chunk, *moved.shape[1:]).movedim(0, d)
-    return out / world if op == "mean" else out
+    def run(t: torch.Tensor, how: tuple[str, int], flag: torch.Tensor | None) -> Folded:
+        how_op, d = how
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        chunk = t.shape[d] // world
+        moved = t.movedim(d, 0)
+        if how_op in ("max", "min"):
+            flat = _with(moved.reshape(-1), flag, sign=-1 if how_op == "min" else 1)
+            out, flags = _without(_differentiable.pmax(flat, how_op, group), flag, moved.shape)
+            return out.narrow(0, rank * chunk, chunk).movedim(0, d), flags
+        rows = _columns(moved.reshape(world, -1), flag)
+        policy = _differentiable.Policy(group, world)
+        mine = _differentiable.reduce_scatter_flat(rows.reshape(-1), policy)
+        out, flags = _without(mine, flag, (chunk, *moved.shape[1:]))
+        out = out.movedim(0, d)
+        return (out / world if how_op == "mean" else out), flags
+
+    return _collective(call, group, x, {"op": op, "dim": dim}, check, run)
 
 
 @_transforms.eager_under_transforms("fdp.all_to_all")
@@ -149,13 +174,18 @@ def all_to_all(
         s = _divisible(call, "split_dim", _dim(call, "split_dim", split_dim, x), x, group)
         return s, _dim(call, "concat_dim", concat_dim, x)
 
-    s, c = _agree(call, group, x, {"split_dim": split_dim, "concat_dim": concat_dim}, check)
-    world = dist.get_world_size(group)
-    moved = x.movedim(s, 0)
-    chunk = moved.shape[0] // world
-    got = _differentiable.all_to_all_rows(moved.reshape(world, -1), group)
-    chunks = got.view(world, chunk, *moved.shape[1:]).movedim(1, s + 1)
-    return chunks.movedim(0, c).flatten(c, c + 1)
+    def run(t: torch.Tensor, dims: tuple[int, int], flag: torch.Tensor | None) -> Folded:
+        s, c = dims
+        world = dist.get_world_size(group)
+        moved = t.movedim(s, 0)
+        chunk = moved.shape[0] // world
+        got = _differentiable.all_to_all_rows(_columns(moved.reshape(world, -1), flag), group)
+        rows, flags = _rows(got, flag)
+        chunks = rows.reshape(world, chunk, *moved.shape[1:]).movedim(1, s + 1)
+        return chunks.movedim(0, c).flatten(c, c + 1), flags
+
+    options = {"split_dim": split_dim, "concat_dim": concat_dim}
+    return _collective(call, group, x, options, check, run, reduces=False)
 
 
 @_transforms.eager_under_transforms("fdp.broadcast")
@@ -176,31 +206,82 @@ def broadcast(x: torch.Tensor, src: int = 0, *, group: ProcessGroup | None = Non
         noise = fdp.broadcast(torch.randn(shape))  # rank 0's draw on every rank
     """
     call = "fdp.broadcast"
-    _agree(call, group, x, {"src": src}, lambda: _src(call, src, group))
-    return _differentiable.broadcast(x, src, group)
+
+    def check() -> int:
+        _src(call, src, group)
+        return src
+
+    def run(t: torch.Tensor, root: int, flag: torch.Tensor | None) -> Folded:
+        if flag is None:
+            return _differentiable.broadcast(t, root, group), None
+        sent = _differentiable.sent(t, root, group).reshape(-1)
+        return _without(_differentiable.psum(_with(sent, flag), group=group), flag, t.shape)
+
+    return _collective(call, group, x, {"src": src}, check, run)
 
 
 # ---------------------------------------------------------------------------
-# Checks, shared with every rank.
+# Agreement: once per call site for small tensors (a flag folded into the
+# payload, fdp/_comm/_call_sites.py), else one tiny all-reduce first.
+
+# A collective's result and, where a flag travelled with it, the flags it came back as.
+Folded = tuple[torch.Tensor, "torch.Tensor | None"]
 
 
-def _agree_traced(
-    call: str, group: ProcessGroup | None, x: Any, options: dict[str, Any], check: Callable[[], Any]
-) -> Any:
+def _with(flat: torch.Tensor, flag: torch.Tensor | None, *, sign: int = 1) -> torch.Tensor:
+    """``flat`` with the flag appended (negated for a min: the extreme of the flags shows it)."""
+    return flat if flag is None else torch.cat([flat, flag if sign > 0 else -flag])
+
+
+def _without(out: torch.Tensor, flag: torch.Tensor | None, shape: Any) -> Folded:
+    """A flat result's payload, shaped, and its last element, the flags' reduction."""
+    if flag is None:
+        return out.view(shape), None
+    return out[:-1].view(shape), out[-1:]
+
+
+def _columns(rows: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor:
+    """Each rank's row with the flag appended (every rank receives every flag)."""
+    return rows if flag is None else torch.cat([rows, flag.expand(rows.shape[0], 1)], dim=1)
+
+
+def _rows(got: torch.Tensor, flag: torch.Tensor | None) -> Folded:
+    """The rows received, without the flag column, and the flags."""
+    return (got, None) if flag is None else (got[:, :-1], got[:, -1])
+
+
+def _collective_traced(
+    call: str,
+    group: ProcessGroup | None,
+    x: Any,
+    options: dict[str, Any],
+    check: Callable[[], Any],
+    run: Callable[..., Folded],
+    *,
+    reduces: bool = True,
+) -> torch.Tensor:
     """While dynamo traces, the local checks only: a graph cannot compare ranks."""
     _tensor(call, x)
-    return check()
+    return run(x, check(), None)[0]
 
 
-@_mode.traced_as(_agree_traced)
-def _agree(
-    call: str, group: ProcessGroup | None, x: Any, options: dict[str, Any], check: Callable[[], Any]
-) -> Any:
-    """``check()``'s value once every rank agrees on ``x``'s shape, dtype and ``options``.
+@_mode.traced_as(_collective_traced)
+def _collective(
+    call: str,
+    group: ProcessGroup | None,
+    x: Any,
+    options: dict[str, Any],
+    check: Callable[[], Any],
+    run: Callable[..., Folded],
+    *,
+    reduces: bool = True,
+) -> torch.Tensor:
+    """``run(x, check(), flag)``'s result once every rank agrees on ``x`` and ``options``.
 
     A rank whose arguments are wrong (its ``check`` raises) still takes part
-    in the comparison, with its error appended, so every rank raises: that
-    rank its own error, the others one that names it.
+    in the agreement, with its error, so every rank raises: that rank its
+    own error, the others one that names it. ``reduces``: the collective
+    reduces (the flag must survive a sum, max or min).
     """
     _agreement.require_member(call, group)
     error: Exception | None = None
@@ -210,21 +291,95 @@ def _agree(
         value = check()
     except (TypeError, ValueError) as e:
         error = e
+    if dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return run(x, value, None)[0]
+    site = (call, _call_sites.here())
+    known, agreed = _call_sites.SITES.lookup(group, site)
+    if agreed is None:
+        first = _agree_first(call, group, x, options, error, site)
+        if not known and first:  # every rank's verdict: the same site, the same arguments
+            _remember(group, site, x, options, value, reduces=reduces)
+        return run(x, value, None)[0]
+    ok = error is None and _key(x, options) == agreed.key
+    args = (x, value) if ok else (agreed.stand_in(), agreed.value)
+    out, flags = run(*args, agreed.flag(not ok))
+    agreed.calls += 1
+    if flags is None or not _call_sites.flagged(flags):
+        return out
+    # A rank's arguments differ from what this site agreed on: the full
+    # comparison raises on every rank, or all changed alike (a last batch).
+    agreed.misses += 1
+    _raise_unless_agreed(call, group, x, options, error)
+    _remember(group, site, x, options, value, reduces=reduces, were=agreed)
+    return run(x, value, None)[0]
+
+
+def _agree_first(
+    call: str,
+    group: ProcessGroup | None,
+    x: Any,
+    options: dict[str, Any],
+    error: Exception | None,
+    site: Any,
+) -> bool:
+    """One tiny all-reduce; raises unless every rank agrees; whether every site is the same."""
+    described = _described(x, options, error)
+    fingerprint = _agreement.Fingerprint(described, extra=_call_sites.site_hash(*site))
+    started = fingerprint.start(group)
+    try:
+        same_site = fingerprint.finish(started, group=group, call=call, arg="x", named=True)
+    except ValueError as differs:
+        if error is not None:
+            raise error from differs
+        raise
+    if error is not None:
+        raise error
+    return same_site
+
+
+def _raise_unless_agreed(
+    call: str, group: ProcessGroup | None, x: Any, options: dict[str, Any], error: Exception | None
+) -> None:
+    try:
+        _agreement.check(_described(x, options, error), group=group, call=call, arg="x", named=True)
+    except ValueError as differs:
+        if error is not None:
+            raise error from differs
+        raise
+    if error is not None:
+        raise error
+
+
+def _remember(
+    group: ProcessGroup | None,
+    site: Any,
+    x: torch.Tensor,
+    options: dict[str, Any],
+    value: Any,
+    *,
+    reduces: bool,
+    were: _call_sites.Agreed | None = None,
+) -> None:
+    """What every rank agreed on at ``site``; None (agree first) where no flag can travel."""
+    agreed = None
+    if _call_sites.foldable(x, reduces=reduces) and not (were is not None and were.unstable()):
+        agreed = _call_sites.Agreed(_key(x, options), tuple(x.shape), x.dtype, x.device, value)
+        if were is not None:
+            agreed.calls, agreed.misses = were.calls, were.misses
+    _call_sites.SITES.put(group, site, agreed)
+
+
+def _key(x: torch.Tensor, options: dict[str, Any]) -> tuple[Any, ...]:
+    return (tuple(x.shape), x.dtype, x.device.type, *options.items())
+
+
+def _described(x: Any, options: dict[str, Any], error: Exception | None) -> list[tuple[str, str]]:
     described = [("x", _describe(x)), *((k, repr(v)) for k, v in options.items())]
     if error is not None:
         described.append((_agreement.ERROR, f"{type(error).__name__}: {error}"))
-    if dist.get_world_size(group) > 1:
-        fingerprint = _agreement.Fingerprint(described)
-        started = fingerprint.start(group)
-        try:
-            fingerprint.finish(started, group=group, call=call, arg="x", named=True)
-        except ValueError as differs:
-            if error is not None:
-                raise error from differs
-            raise
-    if error is not None:
-        raise error
-    return value
+    return described
 
 
 def _tensor(call: str, x: Any) -> None:
