@@ -360,14 +360,16 @@ _SITE_CALLS: dict[str, Callable[[Any, str, int], torch.Tensor]] = {
 
 def _site_args(case: str, rank: int, step: int) -> tuple[Any, str, int]:
     """Steps 0-1 agree (the site is remembered); at step 2 ``case`` changes on some ranks."""
-    x: Any = _random((4, 6), rank, step)
+    change = case.split(":")[1]
+    rows, cols = (512, 300) if change.startswith("large") else (4, 6)  # 1.2 MB: a flag beside
+    change = change.removeprefix("large, ")
+    x: Any = _random((rows, cols), rank, step)
     op, dim = "sum", 0
     if step != 2:
         return x, op, dim
-    change = case.split(":")[1]
     on = rank == 1
     if change == "shape on one rank" and on:
-        x = _random((8, 6), rank, step)
+        x = _random((2 * rows, cols), rank, step)
     elif change == "dtype on one rank" and on:
         x = x.float()
     elif change == "op on one rank" and on:
@@ -379,7 +381,7 @@ def _site_args(case: str, rank: int, step: int) -> tuple[Any, str, int]:
     elif change == "not a tensor on one rank" and on:
         x = x.tolist()
     elif change == "shape on every rank":
-        x = _random((2, 6), rank, step)
+        x = _random((rows // 2, cols), rank, step)
     return x, op, dim
 
 
@@ -430,6 +432,8 @@ SITE_CHANGES = {
     "reduce_scatter:an error on one rank": "the group's size 2 divides",
     "broadcast:not a tensor on one rank": "`x` expected a torch.Tensor",
     "all_to_all:shape on one rank": "`x` differs across ranks",
+    "all_gather:large, shape on one rank": "`x` differs across ranks",
+    "all_reduce:large, op on one rank": "`op` differs across ranks",
 }
 
 
@@ -447,10 +451,13 @@ def test_arguments_that_change_on_one_rank_at_a_remembered_site_raise_on_every_r
         assert after == [2.0, 2.0]
 
 
+@pytest.mark.parametrize("size", ["", "large, "])
 @pytest.mark.parametrize("name", list(_SITE_CALLS))
-def test_every_rank_changing_alike_at_a_remembered_site_gets_the_new_result(name: str) -> None:
+def test_every_rank_changing_alike_at_a_remembered_site_gets_the_new_result(
+    name: str, size: str
+) -> None:
     # A last, smaller batch: every rank's flag is set, all agree, the call runs again.
-    for said, _ in ranks.world(2).run(_changed_site, f"{name}:shape on every rank"):
+    for said, _ in ranks.world(2).run(_changed_site, f"{name}:{size}shape on every rank"):
         assert said == [True, True, True, True], said
 
 

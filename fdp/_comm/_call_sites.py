@@ -19,9 +19,10 @@ new arguments and runs the collective again).
 
 What every rank remembers is the same because it changes only on verdicts
 every rank reaches together. A site whose arguments keep changing (two
-shapes alternating) goes back to agreeing before every call. Payloads above
-:data:`FOLD_BYTES` always agree first: there the extra round trip is a few
-per cent of the transfer, and appending the flag would copy the payload.
+shapes alternating) goes back to agreeing before every call. Above
+:data:`FOLD_BYTES` (or for a reduction in a dtype whose sum of flags could
+wrap) the flag travels beside the payload instead, in a tiny all-reduce
+started just before it: appending would copy the payload.
 
 What it gives up: the ranks must run the same program. Ranks that call
 collectives at *different* remembered sites with different sizes were
@@ -93,6 +94,7 @@ class Agreed:
     dtype: torch.dtype
     device: torch.device
     value: Any  # the call's checked options (a normalised dim)
+    folded: bool  # the flag travels in the payload; else in an all-reduce beside it
     calls: int = 0
     misses: int = 0
 
@@ -103,6 +105,12 @@ class Agreed:
     def flag(self, raised: bool) -> torch.Tensor:
         """One element of the agreed dtype: 1 where this rank's arguments differ."""
         return torch.full((1,), int(raised), dtype=self.dtype, device=self.device)
+
+    def beside(self, raised: bool, group: ProcessGroup | None) -> tuple[torch.Tensor, Any]:
+        """The flag in a tiny all-reduce (MAX) started now, before the payload's collective."""
+        with _compat.functorch_disabled():
+            flag = torch.full((1,), int(raised), dtype=torch.int32, device=self.device)
+            return flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
     def unstable(self) -> bool:
         """Whether the site's arguments change often enough to agree before each call."""
@@ -138,9 +146,13 @@ class Sites:
 SITES = Sites()
 
 
-def foldable(x: Any, *, reduces: bool) -> bool:
-    """Whether a flag can travel appended to ``x`` (small; for a reduction, an exact dtype)."""
-    if not isinstance(x, torch.Tensor) or x.numel() * x.element_size() > FOLD_BYTES:
+def foldable(x: torch.Tensor, *, reduces: bool) -> bool:
+    """Whether a flag can travel appended to ``x`` (small; for a reduction, an exact dtype).
+
+    Otherwise it travels beside the payload: appending would copy a large
+    payload, and a tiny all-reduce started just before it overlaps with it.
+    """
+    if x.numel() * x.element_size() > FOLD_BYTES:
         return False
     return x.dtype in _REDUCIBLE if reduces else not x.is_quantized
 

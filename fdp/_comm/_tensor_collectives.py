@@ -304,7 +304,12 @@ def _collective(
         return run(x, value, None)[0]
     ok = error is None and _key(x, options) == agreed.key
     args = (x, value) if ok else (agreed.stand_in(), agreed.value)
-    out, flags = run(*args, agreed.flag(not ok))
+    if agreed.folded:
+        out, flags = run(*args, agreed.flag(not ok))
+    else:
+        flags, work = agreed.beside(not ok, group)
+        out = run(*args, None)[0]
+        work.wait()
     agreed.calls += 1
     if flags is None or not _call_sites.flagged(flags):
         return out
@@ -362,10 +367,12 @@ def _remember(
     reduces: bool,
     were: _call_sites.Agreed | None = None,
 ) -> None:
-    """What every rank agreed on at ``site``; None (agree first) where no flag can travel."""
+    """What every rank agreed on at ``site``; None (agree first) once the site is unstable."""
     agreed = None
-    if _call_sites.foldable(x, reduces=reduces) and not (were is not None and were.unstable()):
-        agreed = _call_sites.Agreed(_key(x, options), tuple(x.shape), x.dtype, x.device, value)
+    if not (were is not None and were.unstable()):
+        folded = _call_sites.foldable(x, reduces=reduces)
+        key, shape = _key(x, options), tuple(x.shape)
+        agreed = _call_sites.Agreed(key, shape, x.dtype, x.device, value, folded)
         if were is not None:
             agreed.calls, agreed.misses = were.calls, were.misses
     _call_sites.SITES.put(group, site, agreed)
