@@ -64,6 +64,10 @@ def count_bytes() -> None:
     _compat.reduce_scatter_single = _count(
         "reduce_scatter", lambda w: (w - 1) / w, _compat.reduce_scatter_single, 1
     )
+    # Into one buffer (argument 0, the whole output): FSDP's gathers and prefetches.
+    _compat.all_gather_single = _count(
+        "all_gather_single", lambda w: (w - 1) / w, _compat.all_gather_single
+    )
 
 
 def variants(rank: int) -> dict[str, Callable[[], float]]:
