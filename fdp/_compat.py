@@ -437,7 +437,8 @@ def apply_unbound(fn: type[torch.autograd.Function], *args: Any) -> Any:
 
 def profiling() -> bool:
     """Whether the autograd profiler records now (``record_function`` labels show)."""
-    return bool(torch.autograd.profiler._is_profiler_enabled)
+    # If the flag goes, label always (the cost of a label, never a missing one).
+    return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", True))
 
 
 def in_backward() -> bool:
