@@ -466,10 +466,14 @@ def _alternating(rank: int, size: int) -> Any:
 
     ok = []
     for step in range(8):
-        x = _random((2 + 2 * (step % 2), 3), rank, step)
+        x = _random((2 + 2 * (step % 2), 3), rank, step).requires_grad_()
         out = fdp.all_gather(x)
+        torch.autograd.backward((out * (rank + 1)).sum())
         want = torch.cat([_random(x.shape, q, step) for q in range(size)])
-        ok.append(bool(torch.equal(out, want)))
+        # Each rank's output scaled by rank + 1, summed: d/dx = sum over ranks of (q + 1).
+        grad = torch.full_like(want[: x.shape[0]], size * (size + 1) / 2)
+        assert x.grad is not None
+        ok.append(bool(torch.equal(out, want) and torch.equal(x.grad, grad)))
     sites = _call_sites.SITES._of(None)
     mine = [k for k in sites if k[0] == "fdp.all_gather" and k[1][0][1] == "_alternating"]
     return ok, [sites[k] is None for k in mine]
@@ -479,3 +483,50 @@ def test_a_site_whose_shapes_alternate_agrees_before_each_call_again() -> None:
     for ok, forgotten in ranks.world(3).run(_alternating):
         assert all(ok), ok
         assert forgotten == [True]  # two misses in 8 calls: agree first from then on
+
+
+def _dtypes_at_sites(rank: int, size: int) -> Any:
+    """Remembered sites in dtypes whose flag travels in the payload or beside it."""
+    ok = []
+    for step in range(3):
+        z = torch.complex(_random((4, 3), rank, step), _random((4, 3), rank, 9 + step))
+        leaf = z.to(torch.complex64).requires_grad_()
+        out = fdp.all_reduce(leaf)  # complex: the flag in the payload
+        torch.autograd.backward(out.real.sum() + 2 * out.imag.sum())
+        zs = [
+            torch.complex(_random((4, 3), q, step), _random((4, 3), q, 9 + step))
+            .to(torch.complex64)
+            .requires_grad_()
+            for q in range(size)
+        ]
+        want = torch.stack(zs).sum(0)
+        # Every rank's loss of the same sum: the one-process reference's gradient.
+        torch.autograd.backward(size * (want.real.sum() + 2 * want.imag.sum()))
+        grad = zs[rank].grad
+        assert leaf.grad is not None
+        assert grad is not None
+        ok.append(bool(torch.allclose(out, want.detach()) and torch.allclose(leaf.grad, grad)))
+        b = torch.arange(6).remainder(rank + 2) == 0
+        got = fdp.all_gather(b)  # bool: in the payload
+        ok.append(
+            bool(
+                torch.equal(
+                    got, torch.cat([torch.arange(6).remainder(q + 2) == 0 for q in range(size)])
+                )
+            )
+        )
+        i8 = torch.full((5,), rank + step, dtype=torch.int8)
+        summed = fdp.all_reduce(i8)  # int8: beside (a sum of flags could wrap)
+        ok.append(
+            bool(
+                torch.equal(
+                    summed, torch.full((5,), sum(range(size)) + size * step, dtype=torch.int8)
+                )
+            )
+        )
+    return ok
+
+
+def test_remembered_sites_in_complex_bool_and_int8_match_one_process() -> None:
+    for ok in ranks.world(2).run(_dtypes_at_sites):
+        assert all(ok), ok
