@@ -54,7 +54,7 @@ from torch.autograd.profiler import record_function as _label
 from torch.distributed import ProcessGroup
 
 from fdp import _compat, _mode
-from fdp._comm import _raw
+from fdp._comm import _quantized, _raw
 
 Rule = Callable[..., torch.Tensor]
 
@@ -76,7 +76,9 @@ class Collective:
         explain: ``consts -> context``, wrapped around each eager forward
             (names what failed when ranks are out of step).
 
-    :attr:`transpose` is the collective itself until :func:`transposes` pairs it.
+    :attr:`transpose` is the collective itself until :func:`transposes` pairs it;
+    :attr:`tangent`, the collective the jvp applies to a tangent, is itself
+    unless set (an int8 gather's tangent travels exact).
 
     Example:
         >>> double = Collective("double", lambda x: 2 * x, batch=lambda x: 2 * x)
@@ -96,6 +98,7 @@ class Collective:
         self.name, self.forward, self.batch, self.linear = name, forward, batch, linear
         self.explain = explain
         self.transpose: Collective = self
+        self.tangent: Collective = self
         self._call = _mode.by_mode(_eager_form(self), _traced_form(self))
 
     def __call__(self, x: torch.Tensor, *consts: Any, done: torch.Tensor | None = None) -> Any:
@@ -136,7 +139,7 @@ def _eager_form(c: Collective) -> Rule:
         return (c.transpose(grad, *ctx.consts) if c.linear else None, *nothing)
 
     def jvp(ctx: Any, tangent: torch.Tensor, *_: Any) -> Any:
-        return c(tangent, *ctx.consts)
+        return c.tangent(tangent, *ctx.consts)
 
     def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, done: Any, *consts: Any) -> Any:
         return c.batched(in_dims[0], x, *consts)
@@ -280,6 +283,9 @@ class Policy(NamedTuple):
     # What the reduce-scatter adds in: None, on the wire in reduce_dtype (a ring of
     # rounded partial sums); else reduce_dtype's bytes, added in sum_dtype where they land.
     sum_dtype: torch.dtype | None = None
+    # What the all-gather of parameters sends, if not param_dtype: torch.int8, blocks
+    # with a scale each (fdp/_comm/_quantized.py), decoded to param_dtype where they land.
+    gather_dtype: torch.dtype | None = None
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -333,6 +339,28 @@ _reduce_scatter_flat = Collective(
 transposes(_all_gather_flat, _reduce_scatter_flat)
 
 
+def _gather_int8_now(x: torch.Tensor, policy: Policy) -> torch.Tensor:
+    dtype = x.dtype if policy.param_dtype is None else policy.param_dtype
+    return _quantized.all_gather(x, group=policy.group, dtype=dtype)
+
+
+def _gather_int8_batch(rows: torch.Tensor, policy: Policy) -> torch.Tensor:
+    # Each row in blocks of its own, as it would be alone: one gather per row.
+    return torch.stack([all_gather_flat(row, policy) for row in rows.unbind(0)])
+
+
+# The weights are rounded, not their derivatives: the vjp is the reduce-scatter of the
+# gradient with respect to the decoded weights (exact w.r.t. them), the jvp the exact
+# gather of the tangent, and the reduce-scatter's own transpose stays the exact gather.
+_all_gather_int8 = Collective(
+    "int8-all-gather",
+    _gather_int8_now,
+    batch=_gather_int8_batch,
+    explain=lambda p: p.explain("all-gather"),
+)
+_all_gather_int8.transpose, _all_gather_int8.tangent = _reduce_scatter_flat, _all_gather_flat
+
+
 def all_gather_flat(
     x: torch.Tensor, policy: Policy, *, done: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -340,9 +368,12 @@ def all_gather_flat(
 
     In ``policy.param_dtype``; the derivative (vjp) is :func:`reduce_scatter_flat`,
     in ``policy.reduce_dtype``, returned in ``policy.grad_dtype``. ``done``:
-    the result, gathered before (eagerly only: a prefetch).
+    the result, gathered before (eagerly only: a prefetch). With
+    ``policy.gather_dtype`` ``torch.int8``, ``x`` travels block-wise quantized
+    and the result is its decoded values (only ``x``: tangents travel exact).
     """
-    out: torch.Tensor = _all_gather_flat(x, policy, done=done)
+    gather = _all_gather_flat if policy.gather_dtype is None else _all_gather_int8
+    out: torch.Tensor = gather(x, policy, done=done)
     return out
 
 

@@ -30,7 +30,6 @@ from torch.autograd.profiler import record_function as _label
 from torch.distributed import ProcessGroup
 
 from fdp import _tree
-from fdp._comm import _agreement
 from fdp._sharding import (
     _fsdp_accumulate,
     _fsdp_chain,
@@ -94,11 +93,17 @@ class FullyShardedDataParallel:
             ``reduce_dtype``: bfloat16's bytes, each rank's chunk added in
             float32 where it lands (an all-to-all), one rounding per input
             at any world size.
-        unit_dtypes: a precision per unit, over ``param_dtype`` and
-            ``reduce_dtype`` (torch applies a policy per ``fully_shard``
-            call): unit name to a param dtype (``None``: the parameters'
-            own) or to a pair ``(param_dtype, reduce_dtype)``, e.g.
-            ``{"head": torch.float32}`` for a float32 head on a bfloat16 body.
+        gather_dtype: ``torch.int8``: parameters travel block-wise quantized
+            on the all-gather (ZeRO++'s qwZ: 256 values per float32 scale,
+            0.27x float32's bytes), decoded to ``param_dtype``: what the
+            function sees and what is trained (the gradient is exact with
+            respect to the decoded weights). ``None``: in ``param_dtype``.
+        unit_dtypes: a precision per unit (torch applies a policy per
+            ``fully_shard`` call): unit name to a param dtype (``None``: the
+            parameters' own), a pair ``(param_dtype, reduce_dtype)``, or a
+            dict of ``param_dtype``, ``reduce_dtype`` and ``gather_dtype``,
+            e.g. ``{"head": torch.float32}`` for a float32 head on a
+            bfloat16 body, ``{"embed": {"gather_dtype": None}}``.
         mesh: instead of ``group``, a 2-D ``torch.distributed`` device mesh
             for hybrid sharding (HSDP): shards are cut across its second
             dimension and replicated across its first, whose ranks all-reduce
@@ -138,6 +143,7 @@ class FullyShardedDataParallel:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         sum_dtype: torch.dtype | None = None,
+        gather_dtype: torch.dtype | None = None,
         unit_dtypes: Mapping[str, Any] | None = None,
         reshard_after_forward: bool = True,
         prefetch: bool = True,
@@ -149,9 +155,6 @@ class FullyShardedDataParallel:
         leaves, _spec, tensors = _fsdp_plan.checked_params(call, params, group, self.replicas)
         tensors = _fsdp_plan.without_buffers(call, params, leaves, tensors, buffers)
         self.replicas_world = 1 if self.replicas is None else dist.get_world_size(self.replicas)
-        dtypes = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "sum_dtype": sum_dtype}
-        for name, dtype in dtypes.items():
-            _agreement.check_dtype(dtype, name, call=call)
         self.group, self.world = group, dist.get_world_size(group)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reshard_after_forward = reshard_after_forward
@@ -169,10 +172,10 @@ class FullyShardedDataParallel:
             _spec, [t.detach().to("meta") if isinstance(t, torch.Tensor) else t for t in leaves]
         )
         total = self.world * self.replicas_world
-        policy = _fsdp_gather.policy(
-            group, self.world, param_dtype, reduce_dtype, self.replicas, total, sum_dtype
-        )
-        policies = _fsdp_gather.per_unit(call, policy, unit_dtypes, self.unit_names)
+        dtypes = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
+        dtypes |= {"sum_dtype": sum_dtype, "gather_dtype": gather_dtype}
+        where = {"group": group, "world": self.world, "replicas": self.replicas, "total": total}
+        policies = _fsdp_gather.policies(call, self.unit_names, dtypes, unit_dtypes, **where)
         # Each unit's runtime state (fdp/_sharding/_fsdp_unit.py), in the order of its shards.
         self._states = {u.name: _fsdp_unit.UnitState(u, policies[u.name]) for u in self.units}
         self._prefetch = _fsdp_prefetch.Prefetcher(self.unit_names, enabled=prefetch)

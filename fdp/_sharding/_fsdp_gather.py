@@ -13,7 +13,9 @@ replicas, then divided by every rank) and the flat all-gather and its
 transpose (``all_gather_flat``). What is fully sharded's own is here: the
 dtype policy per bucket (the shard is cast to ``param_dtype`` before the
 all-gather, a cotangent to ``reduce_dtype`` before the reduce-scatter, and
-the shard's gradient comes back in the shard's own dtype), the leaves'
+the shard's gradient comes back in the shard's own dtype; ``gather_dtype``
+``torch.int8``: the shard travels block-wise quantized, :func:`start` for
+the asynchronous gathers), the leaves'
 views of a gathered unit, and the explanation of a collective that failed
 (:func:`in_step`).
 """
@@ -30,7 +32,7 @@ from torch.distributed import ProcessGroup
 from torch.utils import checkpoint
 
 from fdp import _bucket, _compat, _mode
-from fdp._comm import _differentiable
+from fdp._comm import _agreement, _differentiable, _quantized, _raw
 from fdp._comm._differentiable import Policy as Policy
 
 
@@ -41,7 +43,9 @@ def policy(
     reduce_dtype: torch.dtype | None,
     replicas: ProcessGroup | None,
     total: int,
+    *,
     sum_dtype: torch.dtype | None = None,
+    gather_dtype: torch.dtype | None = None,
 ) -> Policy:
     """A FullyShardedDataParallel's policy; a ``None`` dtype: each bucket's (:func:`for_bucket`)."""
     return Policy(
@@ -53,19 +57,93 @@ def policy(
         total=total,
         explain=in_step,
         sum_dtype=sum_dtype,
+        gather_dtype=gather_dtype,
     )
+
+
+def policies(
+    call: str,
+    names: Sequence[str],
+    dtypes: Mapping[str, Any],
+    unit_dtypes: Any,
+    **where: Any,
+) -> dict[str, Policy]:
+    """Each unit's policy, checked here and the same on every rank, or every rank raises.
+
+    ``dtypes``: the ``param_dtype``, ``reduce_dtype``, ``sum_dtype`` and
+    ``gather_dtype`` options; ``where``: :func:`policy`'s ``group``, ``world``,
+    ``replicas`` and ``total``. A rank whose options differ would gather or
+    reduce other bytes than its peers (an abort or a hang): refused at construction.
+    """
+    error: Exception | None = None
+    found: dict[str, Policy] = {}
+    try:
+        for name in ("param_dtype", "reduce_dtype", "sum_dtype"):
+            _agreement.check_dtype(dtypes[name], name, call=call)
+        check_gather_dtype(dtypes["gather_dtype"], "gather_dtype", call=call)
+        base = policy(**where, **dtypes)
+        found = per_unit(call, base, unit_dtypes, names)
+    except (TypeError, ValueError) as err:
+        error = err
+    described = [(k, str(v)) for k, v in dtypes.items()] + [("unit_dtypes", _said(unit_dtypes))]
+    if error is not None:
+        described.append((_agreement.ERROR, f"{type(error).__name__}: {error}"))
+    replicas = where["replicas"]
+    for among in (where["group"],) if replicas is None else (where["group"], replicas):
+        _agreement.check(described, group=among, call=call, arg="options", named=True)
+    if error is not None:
+        raise error
+    return found
+
+
+def _said(unit_dtypes: Any) -> str:
+    """``unit_dtypes`` as words that are the same on every rank that gave the same."""
+    if not isinstance(unit_dtypes, Mapping):
+        return type(unit_dtypes).__name__
+    return repr(sorted((str(k), repr(v)) for k, v in unit_dtypes.items()))
+
+
+def check_gather_dtype(value: object, name: str, *, call: str) -> None:
+    """Refuses a ``gather_dtype`` that is neither None nor ``torch.int8``."""
+    if value is not None and value != torch.int8:
+        raise ValueError(
+            f"{call}: `{name}` expected None (parameters travel in param_dtype) or "
+            f"torch.int8 (block-wise quantized, dequantized to param_dtype); got {value!r}"
+        )
 
 
 def for_bucket(
     policy: Policy, bucket: _bucket.Bucket, shard: torch.Tensor, *, exact: bool = False
 ) -> Policy:
     """How ``shard`` (of ``bucket``) travels: every dtype set; ``exact``: the bucket's own."""
-    dtype = policy.param_dtype
-    # torch has no bfloat16 complex: complex leaves keep their dtype.
+    dtype, wire = policy.param_dtype, policy.gather_dtype
+    # torch has no bfloat16 complex: complex leaves keep their dtype. On an int8
+    # wire their real and imaginary parts (the bucket's values) are rounded alike.
     if exact or dtype is None or any(bucket.complex_):
         dtype = bucket.dtype
+    if exact:
+        wire = None
     reduce = dtype if policy.reduce_dtype is None else policy.reduce_dtype
-    return policy._replace(param_dtype=dtype, reduce_dtype=reduce, grad_dtype=shard.dtype)
+    return policy._replace(
+        param_dtype=dtype, reduce_dtype=reduce, grad_dtype=shard.dtype, gather_dtype=wire
+    )
+
+
+def start(
+    shard: torch.Tensor, how: Policy, *, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, Any]:
+    """Starts the all-gather of ``shard`` as ``how`` has it (eager); returns the result and work.
+
+    The result (``out``, new if ``None``) holds every rank's shard in
+    ``how.param_dtype`` once the work's ``wait()`` returns: prefetches and
+    refills gather what :func:`gather` would.
+    """
+    if how.gather_dtype is None:
+        part = shard.detach().to(how.param_dtype)
+        return _raw.all_gather_start(part, group=how.group, out=out)
+    dtype = shard.dtype if how.param_dtype is None else how.param_dtype
+    pending = _quantized.all_gather_start(shard, group=how.group, dtype=dtype, out=out)
+    return pending.out, pending
 
 
 def per_unit(
@@ -77,22 +155,46 @@ def per_unit(
         return policies
     if not isinstance(unit_dtypes, Mapping):
         raise TypeError(
-            f"{call}: `unit_dtypes` expected a dict from unit name to a dtype or a pair "
-            f"(param_dtype, reduce_dtype); got {type(unit_dtypes).__name__}"
+            f"{call}: `unit_dtypes` expected a dict from unit name to a dtype, a pair "
+            f"(param_dtype, reduce_dtype) or a dict of dtypes; got {type(unit_dtypes).__name__}"
         )
     for name, value in unit_dtypes.items():
         if name not in policies:
             raise ValueError(
                 f"{call}: `unit_dtypes` key expected one of the units {list(names)}; got {name!r}"
             )
-        pair = value if isinstance(value, tuple) else (value, policy.reduce_dtype)
-        if len(pair) != 2 or not all(_float_dtype(d) for d in pair):
-            raise TypeError(
-                f"{call}: `unit_dtypes[{name!r}]` expected a floating-point dtype, None, or a "
-                f"pair of them (param_dtype, reduce_dtype); got {value!r}"
-            )
-        policies[name] = policy._replace(param_dtype=pair[0], reduce_dtype=pair[1])
+        policies[name] = _unit_policy(call, policy, name, value)
     return policies
+
+
+_UNIT_KEYS = ("param_dtype", "reduce_dtype", "gather_dtype")
+
+
+def _unit_policy(call: str, policy: Policy, name: str, value: Any) -> Policy:
+    """``policy`` with unit ``name``'s dtypes: a param dtype, a pair, or a dict of them."""
+    where = f"`unit_dtypes[{name!r}]`"
+    if isinstance(value, Mapping):
+        unknown = [k for k in value if k not in _UNIT_KEYS]
+        if unknown:
+            raise ValueError(
+                f"{call}: {where} expected keys among {list(_UNIT_KEYS)}; got {unknown[0]!r}"
+            )
+        changes = dict(value)
+        check_gather_dtype(changes.get("gather_dtype"), f"unit_dtypes[{name!r}]", call=call)
+        pair = (
+            changes.get("param_dtype", policy.param_dtype),
+            changes.get("reduce_dtype", policy.reduce_dtype),
+        )
+    else:
+        changes = {}
+        pair = value if isinstance(value, tuple) else (value, policy.reduce_dtype)
+    if len(pair) != 2 or not all(_float_dtype(d) for d in pair):
+        raise TypeError(
+            f"{call}: {where} expected a floating-point dtype, None, a pair of them "
+            f"(param_dtype, reduce_dtype) or a dict of {list(_UNIT_KEYS)}; got {value!r}"
+        )
+    wire = changes.get("gather_dtype", policy.gather_dtype)
+    return policy._replace(param_dtype=pair[0], reduce_dtype=pair[1], gather_dtype=wire)
 
 
 def _float_dtype(dtype: object) -> bool:

@@ -28,7 +28,6 @@ import torch
 from torch.autograd.profiler import record_function as _label
 
 from fdp import _mode
-from fdp._comm import _raw
 from fdp._sharding import _fsdp_gather, _fsdp_reshard, _fsdp_unit
 
 
@@ -50,12 +49,8 @@ class Started:
         self.name, self.shards = state.name, tuple(shards)
         hows = [state.policy_for(k, t) for k, t in enumerate(shards)]
         self.versions = tuple(t._version for t in shards)
-        self.parts = [t.detach().to(how.param_dtype) for t, how in zip(shards, hows, strict=True)]
         with _label(f"fdp::fsdp.all_gather {self.name}"):  # eager only: a profiler trace shows it
-            started = [
-                _raw.all_gather_start(part, group=how.group)
-                for part, how in zip(self.parts, hows, strict=True)
-            ]
+            started = [_fsdp_gather.start(t, how) for t, how in zip(shards, hows, strict=True)]
         self.flats = [flat for flat, _ in started]
         self.works = [work for _, work in started]
 

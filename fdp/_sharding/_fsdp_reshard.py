@@ -34,7 +34,6 @@ import torch
 from torch.autograd.profiler import record_function as _label
 
 from fdp import _compat, _mode, _tree
-from fdp._comm import _raw
 from fdp._sharding import _fsdp_gather
 
 
@@ -92,8 +91,7 @@ class Resharded:
         self.storage.resize_(self.nbytes)
         alias = torch.empty(0, dtype=self.dtype, device=self.device)
         alias.set_(self.storage, 0, (self.numel,), (1,))
-        part = self.shard.to(self.how.param_dtype)
-        _, self.work = _raw.all_gather_start(part, group=self.how.group, out=alias)
+        _, self.work = _fsdp_gather.start(self.shard, self.how, out=alias)
 
     def refill(self) -> None:
         self.start()
