@@ -8,14 +8,18 @@ thread each), every variant in the same processes, interleaved round by round:
   ``bf16_compress_hook`` (bf16 on the wire, summed in bf16) and with
   ``bf16_wire_hook`` (bf16 on the wire, summed in float32);
 - fully sharded: ``FullyShardedDataParallel`` with float32 reduce-scatters,
-  and with ``reduce_dtype=torch.bfloat16, sum_dtype=torch.float32``.
+  with ``reduce_dtype=torch.bfloat16, sum_dtype=torch.float32``, and with
+  ``gather_dtype=torch.int8`` (the parameters' all-gather block-wise int8).
 
 Per row: the bytes each rank sends per step against the float32 variant's
 (counted at every collective fdp issues, with the ring algorithms' volumes:
 an all-reduce sends ``2 (w-1)/w`` of its buffer, a reduce-scatter, an
 all-gather and an all-to-all ``(w-1)/w`` of the whole), the step time
 against float32's, and the relative difference of the loss after the same
-steps on the same data. The last line is one JSON object ``{"rows": [...]}``.
+steps on the same data. The int8 row's ``bytes_vs_fp32`` is its all-gathers'
+bytes (what the option changes) and ``step_bytes_vs_fp32`` the whole step's;
+the other rows', both the whole step's. The last line is one JSON object
+``{"rows": [...]}``.
 
     python benchmarks/bench_compression.py [--quick]
 """
@@ -38,7 +42,7 @@ import fdp
 from fdp import _compat
 
 LR = 0.05
-SENT = {"bytes": 0.0}
+SENT = {"bytes": 0.0, "gather": 0.0}  # all collectives; the parameters' all-gathers
 
 
 def _count(name: str, factor: Callable[[int], float], fn: Any, arg: int = 0) -> Any:
@@ -48,7 +52,9 @@ def _count(name: str, factor: Callable[[int], float], fn: Any, arg: int = 0) -> 
         t = args[arg]
         tensors = t if isinstance(t, list) else [t]
         size = sum(x.numel() * x.element_size() for x in tensors)
-        SENT["bytes"] += factor(dist.get_world_size(kwargs.get("group"))) * size
+        sent = factor(dist.get_world_size(kwargs.get("group"))) * size
+        SENT["bytes"] += sent
+        SENT["gather"] += sent if name == "all_gather_single" else 0.0
         return fn(*args, **kwargs)
 
     counted.__name__ = name
@@ -91,7 +97,7 @@ def variants(rank: int) -> dict[str, Callable[[], float]]:
                     for p in layer.values():
                         p -= LR * p.grad
                         p.grad = None
-            return float(loss)
+            return float(loss.detach())
 
         steps[name] = ddp_step
     policies: dict[str, dict[str, Any]] = {
@@ -100,6 +106,7 @@ def variants(rank: int) -> dict[str, Callable[[], float]]:
             "reduce_dtype": torch.bfloat16,
             "sum_dtype": torch.float32,
         },
+        "fsdp int8 all-gather": {"gather_dtype": torch.int8},
     }
     for name, policy in policies.items():
         full = [{k: v.detach() for k, v in layer.items()} for layer in make_params(0)]
@@ -113,7 +120,7 @@ def variants(rank: int) -> dict[str, Callable[[], float]]:
                 box["shards"]
             )
             box["shards"], box["state"] = opt.update(grads, box["state"], box["shards"])
-            return float(loss)
+            return float(loss.detach())
 
         steps[name] = fsdp_step
     return steps
@@ -127,15 +134,15 @@ def worker(rank: int, size: int, port: int, rounds: int, out: Any) -> None:
     )  # fmt: skip
     count_bytes()
     steps = variants(rank)
-    sent, losses = {}, {}
+    sent, gathered, losses = {}, {}, {}
     for name, step in steps.items():  # the same steps on the same data: the loss after them
-        SENT["bytes"] = 0.0
+        SENT["bytes"] = SENT["gather"] = 0.0
         for _ in range(rounds):
             losses[name] = step()
-        sent[name] = SENT["bytes"] / rounds
+        sent[name], gathered[name] = SENT["bytes"] / rounds, SENT["gather"] / rounds
     times = interleaved(steps, rounds=rounds, repeats=2)
     if rank == 0:
-        out.put({"sent": sent, "losses": losses, "times": times})
+        out.put({"sent": sent, "gathered": gathered, "losses": losses, "times": times})
     dist.destroy_process_group()
 
 
@@ -151,19 +158,25 @@ def main() -> None:
     rows = []
     for name in got["times"]:
         family = "ddp float32" if name.startswith("ddp") else "fsdp float32"
+        step_bytes = got["sent"][name] / got["sent"][family]
+        gather = "int8" in name  # what the option changes: the all-gathers
         row = {
             "name": name,
-            "bytes_vs_fp32": got["sent"][name] / got["sent"][family],
+            "bytes_vs_fp32": got["gathered"][name] / got["gathered"][family]
+            if gather
+            else step_bytes,
+            "step_bytes_vs_fp32": step_bytes,
             "step_vs_fp32": got["times"][name] / got["times"][family],
             "loss_rel_diff": abs(got["losses"][name] - got["losses"][family])
             / got["losses"][family],
         }
         rows.append(row)
+        what = "all-gather bytes" if gather else "bytes"
         print(
-            f"{name}: bytes {row['bytes_vs_fp32']:.3f}x, step {row['step_vs_fp32']:.3f}x, "
+            f"{name}: {what} {row['bytes_vs_fp32']:.3f}x (step's {step_bytes:.3f}x), "
+            f"step {row['step_vs_fp32']:.3f}x, "
             f"loss after the steps {got['losses'][name]:.6f} (rel. diff {row['loss_rel_diff']:.2e})"
         )
-    print("not measured: fsdp int8 all-gather (issue 49 item 3, not implemented yet)")
     print(json.dumps({"rows": rows}))
 
 
