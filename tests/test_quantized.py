@@ -290,6 +290,44 @@ def test_jvp_carries_exact_tangents_and_vmap_rounds_each_row_alone(size: int) ->
         tree_allclose(tree_map(lambda t: t[1], rows), doubled, rtol=0, atol=0)
 
 
+def _second_order(rank: int, size: int) -> Any:
+    """A Hessian-vector product w.r.t. the shards, forward-over-reverse and reverse-over-reverse."""
+    params = make_params()
+    fsdp = fdp.FullyShardedDataParallel(params, gather_dtype=torch.int8)
+    x, y = data(size)
+    shards = tree_map(lambda t: t.detach(), fsdp.shard(params))
+    g = torch.Generator().manual_seed(20 + rank)
+    v = tree_map(lambda t: torch.randn(t.shape, generator=g, dtype=t.dtype), shards)
+
+    def loss(s: Shards) -> torch.Tensor:
+        return local_loss(fsdp(s), mine(x, rank), mine(y, rank))
+
+    hvp = torch.func.jvp(torch.func.grad(loss), (shards,), (v,))[1]
+
+    def along_v(s: Shards) -> torch.Tensor:
+        grads = torch.func.grad(loss)(s)
+        dots = [(a * b).sum() for k in grads for a, b in zip(grads[k], v[k], strict=True)]
+        partial = torch.stack(dots).sum().reshape(1)  # a sum over ranks of partial dots
+        return fdp.all_reduce_grads({"dot": partial}, average=False)["dot"].sum()
+
+    rr = torch.func.grad(along_v)(shards)
+    return decoded(fsdp, shards), fsdp.full(hvp), fsdp.full(rr), fsdp.full(v)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_second_order_gathers_travel_exact(size: int) -> None:
+    """The Hessian at the decoded weights along the exact direction: no tangent is rounded."""
+    x, y = data(size)
+    for weights, hvp, rr, direction in ranks.world(size).run(_second_order):
+
+        def mean_loss(w: Any) -> torch.Tensor:
+            return sum(local_loss(w, mine(x, r), mine(y, r)) for r in range(size)) / size  # type: ignore[return-value]
+
+        expected = torch.func.jvp(torch.func.grad(mean_loss), (weights,), (direction,))[1]
+        tree_allclose(hvp, expected, **TOL)
+        tree_allclose(rr, expected, **TOL)
+
+
 def _compiled(rank: int, size: int) -> Any:
     params = make_params()
     fsdp = fdp.FullyShardedDataParallel(params, gather_dtype=torch.int8)
