@@ -8,7 +8,9 @@ position is part of the training state, so a healed replica continues the
 peers' stream. Every attempted step appends one line to ``DIR/ledger-R``:
 the step before it, whether it was committed and how many replica groups
 took part; the last line is ``done``. ``--kill-at K --killer R`` SIGKILLs replica
-R inside its first step at or after step K, mid-step (the peers' all-reduce
+group R (every process of it: the drill starts each group in a Unix process
+group of its own) inside its first step at or after step K that follows a
+committed step of its own, mid-step (the peers' all-reduce
 is waiting for it), unless ``--restarted``; ``--error-at J`` injects an error into this replica
 group's all-reduce at step J. The final state goes to ``DIR/final-R.pt``.
 
@@ -122,8 +124,11 @@ def main() -> None:
     def train_step(s: dict[str, Any]) -> dict[str, Any]:
         step = seen["step"] = ft.current_step()
         seen["participants"] = ft.participants()
-        if args.replica == args.killer and not args.restarted and step >= args.kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+        # Once it has taken part in a step: a group that started late (a loaded machine)
+        # and healed first dies in a later step, never before its first life counted.
+        lived = seen.get("lived", 0) > 0
+        if args.replica == args.killer and not args.restarted and step >= args.kill_at and lived:
+            _kill_replica_group()
         x, y = batch(s["data"], args.worker)
         if step == args.error_at and not seen.get("injected"):
             pg.armed = seen["injected"] = True
@@ -136,6 +141,7 @@ def main() -> None:
     while True:
         state = ft.step(train_step, state)
         committed = ft.current_step() > seen["step"]
+        seen["lived"] = seen.get("lived", 0) + int(committed)
         record = {"step": seen["step"], "committed": committed, "n": seen["participants"]}
         ledger.write(json.dumps(record) + "\n")
         ledger.flush()
@@ -213,6 +219,15 @@ def _replica_group(args: argparse.Namespace) -> fdp.FullyShardedDataParallel:
     os.environ.update(RANK=str(args.group_rank), WORLD_SIZE=str(args.group_size))
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     return fdp.FullyShardedDataParallel(init_params())
+
+
+def _kill_replica_group() -> None:
+    """SIGKILLs this replica group's processes at once, as a lost machine (the drill starts
+    each group in a Unix process group of its own; otherwise this process alone)."""
+    mine = os.getpgrp()
+    if mine != os.getpgid(os.getppid()):  # never the launcher's group
+        os.killpg(mine, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _barrier(where: Path, replica: int, replicas: int, size: int, suffix: str) -> None:

@@ -106,9 +106,9 @@ def decode(
     ``out``: a 1-D tensor of ``world * n`` to write into (eager only: no temporary).
 
     Example:
-        >>> x = torch.tensor([1.0, -2.0, 0.5])
-        >>> decode(encode(x)[None], 3, torch.float32).tolist()
-        [1.0, -2.0, 0.5]
+        >>> x = torch.tensor([254.0, -2.0, 5.0])  # the scale: 254 / 127 = 2
+        >>> decode(encode(x)[None], 3, torch.float32).tolist()  # 5 / 2 rounds to even
+        [254.0, -2.0, 4.0]
     """
     world, whole = rows.shape[0], n // BLOCK  # whole blocks; the rest is one partial block
     q = rows[:, :n].view(torch.int8)
