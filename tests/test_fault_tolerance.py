@@ -12,6 +12,7 @@ group's ledger of attempted steps and its final state:
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -82,10 +83,15 @@ class Drill:
             name = f"log-{replica}.{k}-{self.starts[replica]}"
             # One process group per replica group: a kill takes the whole group at once, as
             # a lost machine does (a process killed alone would break its peers' next call).
-            unix_group = 0 if k == 0 else self.procs[replica, 0].pid
+            leader = 0 if k == 0 else self.procs[replica, 0].pid  # 0: a new group of its own
             with (self.where / name).open("wb") as log:
                 self.procs[replica, k] = subprocess.Popen(
-                    command, cwd=ROOT, stdout=log, stderr=log, env=env, process_group=unix_group
+                    command,
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=log,
+                    env=env,
+                    preexec_fn=functools.partial(os.setpgid, 0, leader),
                 )
 
     def wait(self, replica: int) -> list[int]:
