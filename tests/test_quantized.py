@@ -360,18 +360,45 @@ def _mixed(rank: int, size: int) -> Any:
         unit_dtypes={"head": {"gather_dtype": None}, "blocks.1": {"param_dtype": torch.float32}},
     )
     shards = fsdp.shard(params)
-    return decoded(fsdp, shards), tree_map(lambda t: t.detach(), fsdp(shards))
+    x, y = data(size)
+    xs, ys = mine(x, rank), mine(y, rank)
+    grads = torch.func.grad(lambda s: mixed_loss(fsdp(s), xs, ys))(shards)
+    return decoded(fsdp, shards), tree_map(lambda t: t.detach(), fsdp(shards)), fsdp.full(grads)
+
+
+def mixed_loss(params: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``local_loss`` with each unit computing in its weights' dtype."""
+    h = x.to(params["embed"].dtype) @ params["embed"]
+    for block in params["blocks"]:
+        h = torch.tanh(h.to(block["w"].dtype) @ block["w"] + block["b"])
+    head = params["head"]
+    out = h.to(head["w"].dtype) @ head["w"] + head["phase"].abs().to(head["w"].dtype)
+    return (out.float() - y).square().mean()
 
 
 def test_per_unit_gather_dtypes_and_a_bf16_param_dtype() -> None:
     exact = tree_map(lambda t: t.detach(), make_params())
-    for weights, gathered in ranks.world(2).run(_mixed):
+    x, y = data(2)
+
+    def mean_loss(w: Any) -> torch.Tensor:
+        return sum(mixed_loss(w, mine(x, r), mine(y, r)) for r in range(2)) / 2  # type: ignore[return-value]
+
+    for weights, gathered, grads in ranks.world(2).run(_mixed):
+        # One process at the gathered weights, in their dtypes; the shards' gradients
+        # come back in the master's float32 (reduce-scattered in bfloat16 where gathered so).
+        expected = tree_map(lambda g: g.to(grads_dtype(g)), torch.func.grad(mean_loss)(gathered))
+        tree_allclose(grads, expected, rtol=2e-2, atol=2e-3)
         assert gathered["embed"].dtype == torch.bfloat16
         tree_allclose(gathered["embed"], weights["embed"].to(torch.bfloat16), rtol=0, atol=0)
         assert gathered["blocks"][1]["w"].dtype == torch.float32  # decoded to float32
         tree_allclose(gathered["blocks"][1], weights["blocks"][1], rtol=0, atol=0)
         assert gathered["head"]["w"].dtype == torch.bfloat16  # exact, cast as param_dtype
         tree_allclose(gathered["head"]["w"], exact["head"]["w"].to(torch.bfloat16), rtol=0, atol=0)
+
+
+def grads_dtype(g: torch.Tensor) -> torch.dtype:
+    """The master copy's dtype of a gradient computed in ``g.dtype``."""
+    return g.dtype if g.is_complex() else torch.float32
 
 
 def _bytes_sent(rank: int, size: int, gather_dtype: Any) -> float:
