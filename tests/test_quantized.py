@@ -372,7 +372,7 @@ def mixed_loss(params: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> torc
     for block in params["blocks"]:
         h = torch.tanh(h.to(block["w"].dtype) @ block["w"] + block["b"])
     head = params["head"]
-    out = h.to(head["w"].dtype) @ head["w"] + head["phase"].abs().to(head["w"].dtype)
+    out: torch.Tensor = h.to(head["w"].dtype) @ head["w"] + head["phase"].abs().to(head["w"].dtype)
     return (out.float() - y).square().mean()
 
 
@@ -381,7 +381,7 @@ def test_per_unit_gather_dtypes_and_a_bf16_param_dtype() -> None:
     x, y = data(2)
 
     def mean_loss(w: Any) -> torch.Tensor:
-        return sum(mixed_loss(w, mine(x, r), mine(y, r)) for r in range(2)) / 2  # type: ignore[return-value]
+        return torch.stack([mixed_loss(w, mine(x, r), mine(y, r)) for r in range(2)]).mean()
 
     for weights, gathered, grads in ranks.world(2).run(_mixed):
         # One process at the gathered weights, in their dtypes; the shards' gradients
