@@ -124,7 +124,8 @@ def decode(
     wide = torch.promote_types(dtype, torch.float32)  # what in-place scaling computes in
     body = q[:, : whole * BLOCK].reshape(world, whole, BLOCK).to(wide) * body_scales
     tail = q[:, whole * BLOCK :].to(wide) * tail_scale
-    return torch.cat([body.reshape(world, whole * BLOCK), tail], 1).reshape(-1).to(dtype)
+    flat = torch.cat([body.reshape(world, whole * BLOCK), tail], 1).reshape(-1)
+    return flat if flat.dtype == dtype else flat.to(dtype)  # Note [no-op casts in traced forwards]
 
 
 def all_gather(x: torch.Tensor, *, group: ProcessGroup | None, dtype: torch.dtype) -> torch.Tensor:
