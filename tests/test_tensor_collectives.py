@@ -530,3 +530,70 @@ def _dtypes_at_sites(rank: int, size: int) -> Any:
 def test_remembered_sites_in_complex_bool_and_int8_match_one_process() -> None:
     for ok in ranks.world(2).run(_dtypes_at_sites):
         assert all(ok), ok
+
+
+# Each result takes in-place ops and second-order derivatives, as any output does:
+# at a remembered site the eager all-gather and sum/mean all-reduce fill their
+# buffer after the Function that carries the derivative is made
+# (fdp/_comm/_differentiable.py), and a raw all-gather's view of its buffer made
+# inside a Function refused in-place ops on the result.
+_IN_PLACE: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Ref]] = {
+    "all_gather dim 0": (lambda x: fdp.all_gather(x), _cat_ref(0)),
+    "all_gather dim 1": (lambda x: fdp.all_gather(x, dim=1), _cat_ref(1)),
+    "all_reduce sum": (lambda x: fdp.all_reduce(x), _reduce_ref("sum")),
+    "all_reduce mean": (lambda x: fdp.all_reduce(x, "mean"), _reduce_ref("mean")),
+    "all_reduce max": (lambda x: fdp.all_reduce(x, "max"), _reduce_ref("max")),
+    "reduce_scatter sum": (lambda x: fdp.reduce_scatter(x), _scatter_ref("sum", 0)),
+    "all_to_all": (lambda x: fdp.all_to_all(x, concat_dim=1), _a2a_ref(0, 1)),
+    "broadcast": (lambda x: fdp.broadcast(x, 1), _bcast_ref(1)),
+}
+
+
+def _second_order(outs: list[torch.Tensor], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """d/dx of the sum of dL/dx; L sums over ranks each output, doubled in place, squared."""
+    for out in outs:
+        out.mul_(2)
+    loss = torch.stack([(out**2).sum() for out in outs]).sum()
+    # A broadcast's input on another rank than ``src`` reaches no output.
+    grads = torch.autograd.grad(loss, xs, create_graph=True, allow_unused=True)
+    used = [g.sum() for g in grads if g is not None and g.requires_grad]
+    if used:  # linear collectives: the first derivatives may be constants
+        torch.autograd.backward(torch.stack(used).sum())
+    return [x.grad if x.grad is not None else torch.zeros_like(x) for x in xs]
+
+
+def _in_place(rank: int, size: int, name: str) -> list[bool]:
+    call, ref = _IN_PLACE[name]
+    ok = []
+    for step in range(3):  # agreed, then remembered: the last two take the fast path
+        x = _random((4, 4), rank, step).requires_grad_()
+        out = call(x)  # one line: one site
+        mine = _second_order([out], [x])[0]
+        xs = [_random((4, 4), q, step).requires_grad_() for q in range(size)]
+        refs = [o.clone() for o in ref(xs)]  # the reference repeats one tensor per rank
+        want = _second_order(refs, xs)[rank]
+        ok.append(bool(torch.allclose(out, refs[rank]) and torch.allclose(mine, want)))
+    return ok
+
+
+@pytest.mark.parametrize("name", list(_IN_PLACE))
+def test_a_result_takes_in_place_ops_and_second_derivatives(name: str) -> None:
+    for ok in ranks.world(2).run(_in_place, name):
+        assert ok == [True, True, True], ok
+
+
+def _bool_dim_at_a_site(rank: int, size: int) -> list[str]:
+    said = []
+    for dim in (1, 1, True):  # True == 1, but is no dimension
+        try:
+            fdp.all_gather(torch.ones(2, 3), dim=dim)  # one line: one site
+            said.append("ok")
+        except TypeError as e:
+            said.append(str(e))
+    return said
+
+
+def test_a_bool_dim_at_a_site_that_agreed_on_an_int_is_refused() -> None:
+    for said in ranks.world(2).run(_bool_dim_at_a_site):
+        assert said[:2] == ["ok", "ok"]
+        assert "`dim` expected an int; got True" in said[2], said

@@ -36,7 +36,7 @@ import hashlib
 import os
 import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -97,14 +97,21 @@ class Agreed:
     folded: bool  # the flag travels in the payload; else in an all-reduce beside it
     calls: int = 0
     misses: int = 0
+    _flags: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def stand_in(self) -> torch.Tensor:
         """Zeros of the agreed shape: what a rank whose arguments differ sends."""
         return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
 
     def flag(self, raised: bool) -> torch.Tensor:
-        """One element of the agreed dtype: 1 where this rank's arguments differ."""
-        return torch.full((1,), int(raised), dtype=self.dtype, device=self.device)
+        """One element of the agreed dtype: 1 where this rank's arguments differ.
+
+        Made once per site (only ever copied into a payload, never written).
+        """
+        if self._flags is None:
+            both = torch.tensor([0, 1], dtype=self.dtype, device=self.device)
+            self._flags = (both[:1], both[1:])
+        return self._flags[int(raised)]
 
     def beside(self, raised: bool, group: ProcessGroup | None) -> tuple[torch.Tensor, Any]:
         """The flag in a tiny all-reduce (MAX) started now, before the payload's collective."""
@@ -160,6 +167,6 @@ def foldable(x: torch.Tensor, *, reduces: bool) -> bool:
 def flagged(flags: torch.Tensor) -> bool:
     """Whether any rank set its flag (read under any ``torch.func`` wrappers)."""
     if not _mode.transform_running() and not flags.requires_grad:
-        return bool(flags.any())
+        return any(flags.tolist())  # a few flags: cheaper read as numbers than reduced
     with torch.no_grad(), _compat.functorch_disabled():
         return bool(_compat.unwrap_all_functorch(flags).detach().ne(0).any().item())

@@ -99,7 +99,8 @@ class Collective:
         self.explain = explain
         self.transpose: Collective = self
         self.tangent: Collective = self
-        self._call = _mode.by_mode(_eager_form(self), _traced_form(self))
+        self.eager = _eager_form(self)
+        self._call = _mode.by_mode(self.eager, _traced_form(self))
 
     def __call__(self, x: torch.Tensor, *consts: Any, done: torch.Tensor | None = None) -> Any:
         """The collective of ``x``; ``done``: its result, issued before (eagerly only)."""
@@ -122,7 +123,9 @@ def _eager_form(c: Collective) -> Rule:
 
     def forward(x: torch.Tensor, done: torch.Tensor | None, *consts: Any) -> torch.Tensor:
         if done is not None:
-            return done
+            # Not ``done`` itself: an input returned as-is would be a view of it,
+            # and its buffer may still be filling (fdp.all_gather writes it after).
+            return done.detach()
         explain = contextlib.nullcontext() if c.explain is None else c.explain(*consts)
         # Eager only: a profiler trace shows it (the label costs microseconds: only then).
         label = _label(f"fdp::{c.name}") if _compat.profiling() else contextlib.nullcontext()
@@ -206,6 +209,32 @@ def psum(t: torch.Tensor, *, scale: float = 1.0, group: ProcessGroup | None = No
     """``scale`` times the sum of ``t`` over the ranks of ``group``, differentiable at any depth."""
     out: torch.Tensor = _all_reduce(t, scale, group)
     return out
+
+
+def psum_flagged(
+    flat: torch.Tensor, flag: torch.Tensor, *, scale: float, group: ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`psum` of 1-D ``flat`` with its one-element ``flag`` appended: the sum and flags.
+
+    The sum is differentiable as :func:`psum`'s, the flags (scaled too) a
+    constant. Eagerly outside a transform the payload is reduced outside
+    autograd and the sum enters it through one Function given its buffer
+    while the bytes are in flight (as :func:`all_gather_flagged`).
+    """
+    if _mode.traced() or _mode.transformed([flat]):
+        out = psum(torch.cat([flat, flag]), scale=scale, group=group)
+        return out[:-1], out[-1:]
+    n = flat.numel()
+    payload = torch.cat([flat.detach(), flag])
+    work = _raw.all_reduce_start(payload, group=group)
+    out = payload[:n]
+    if flat.requires_grad and torch.is_grad_enabled():
+        # Its output aliases ``payload`` (reduced below, before anything can save it).
+        out = _all_reduce.eager(flat, scale, group, done=out)
+    work.wait()
+    if scale != 1.0:
+        payload.mul_(scale)
+    return out, payload[n:]
 
 
 _extreme: Collective = Collective(
@@ -375,6 +404,37 @@ def all_gather_flat(
     gather = _all_gather_flat if policy.gather_dtype is None else _all_gather_int8
     out: torch.Tensor = gather(x, policy, done=done)
     return out
+
+
+def all_gather_flagged(
+    flat: torch.Tensor, flag: torch.Tensor, policy: Policy
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's 1-D ``flat`` with its one-element ``flag``: the rows ``(world, n)`` and flags.
+
+    One all-gather of ``flat`` with ``flag`` appended; the rows are
+    differentiable as :func:`all_gather_flat`'s result, the flags a constant.
+    Eagerly outside a transform the payload travels outside autograd, and
+    the rows enter it through one Function given their buffer while the
+    bytes are in flight: the public all-gather's latency (Python that runs
+    before the wait, with its peers waiting, costs the most).
+    """
+    world, n = policy.world, flat.numel()
+    if _mode.traced() or _mode.transformed([flat]):
+        grid = all_gather_flat(torch.cat([flat, flag]), policy).view(world, n + 1)
+        return grid[:, :n], grid[:, n]
+    payload = _cast(torch.cat([flat.detach(), flag]), policy.param_dtype)
+    grid, work = _raw.all_gather_start(
+        payload, group=policy.group, out=payload.new_empty(world * (n + 1))
+    )
+    table = grid.view(world, n + 1)
+    rows = grid.new_empty(world * n)
+    out = rows
+    if flat.requires_grad and torch.is_grad_enabled():
+        # Its output aliases ``rows`` (filled below, before anything can save it).
+        out = _all_gather_flat.eager(flat, policy, done=rows)
+    work.wait()
+    rows.view(world, n).copy_(table[:, :n])
+    return out.view(world, n), table[:, n]
 
 
 def reduce_scatter_flat(y: torch.Tensor, policy: Policy) -> torch.Tensor:

@@ -45,33 +45,46 @@ def all_reduce(
         return plain if scale == 1.0 else plain.mul_(scale)
 
 
+def all_reduce_start(t: torch.Tensor, *, group: ProcessGroup | None) -> Any:
+    """Starts summing ``t`` in place over ``group``; returns the work. Eager only, on a
+    plain tensor the caller owns (outside autograd and ``torch.func``)."""
+    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
 def all_gather(t: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tensor:
     """Every rank's ``t``, concatenated along dim 0 in rank order."""
     if _mode.traced():
         out: torch.Tensor = funcol.all_gather_tensor(t, 0, resolve(group))
         return out
-    with torch.no_grad(), _compat.functorch_disabled():
-        plain = _compat.unwrap_functorch(t).contiguous().reshape(-1)
-        world = dist.get_world_size(group)
-        rows = plain.new_empty(world * plain.numel())
-        _compat.all_gather_single(rows, plain, group).wait()  # one buffer: less than a list
-        return rows.view(world * t.shape[0], *t.shape[1:]) if t.dim() else rows
+    rows, work = all_gather_start(t, group=group)
+    work.wait()  # one buffer: less than a list
+    # A 1-D result is the buffer itself: a view made inside a Function's forward
+    # would refuse in-place ops on every view of the Function's output.
+    return rows.view(-1, *t.shape[1:]) if t.dim() > 1 else rows
 
 
 def all_gather_start(
     t: torch.Tensor, *, group: ProcessGroup | None, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, Any]:
-    """Starts gathering every rank's 1-D ``t`` into ``out`` (new if ``None``); eager only.
+    """Starts gathering every rank's ``t``, flat, into ``out`` (new if ``None``); eager only.
 
     Returns ``out`` and the work; ``out`` holds the result once the work's
     ``wait()`` returns. Outside autograd: prefetching, whose result enters
     autograd later (``fdp/_sharding/_fsdp_prefetch.py``).
     """
+    if not (t.requires_grad or _compat.functorch_active() or _compat.is_transformed(t)):
+        return _start_gather(t, group, out)  # nothing to step under or keep out of autograd
     with torch.no_grad(), _compat.functorch_disabled():
-        part = _compat.unwrap_functorch(t).detach().contiguous()
-        if out is None:
-            out = part.new_empty(dist.get_world_size(group) * part.numel())
-        return out, _compat.all_gather_single(out, part, group)
+        return _start_gather(_compat.unwrap_functorch(t).detach(), group, out)
+
+
+def _start_gather(
+    t: torch.Tensor, group: ProcessGroup | None, out: torch.Tensor | None
+) -> tuple[torch.Tensor, Any]:
+    part = t.contiguous().reshape(-1)
+    if out is None:
+        out = part.new_empty(dist.get_world_size(group) * part.numel())
+    return out, _compat.all_gather_single(out, part, group)
 
 
 def reduce_scatter(t: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tensor:

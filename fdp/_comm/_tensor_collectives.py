@@ -57,13 +57,14 @@ def all_reduce(
     # ``how``: the checked options, every rank's alike (a rank whose own
     # differ runs the agreed ones, fdp/_comm/_call_sites.py).
     def run(t: torch.Tensor, how: str, flag: torch.Tensor | None) -> Folded:
-        flat = _with(t.reshape(-1), flag, sign=-1 if how == "min" else 1)
         if how in ("max", "min"):
-            out = _differentiable.pmax(flat, how, group)
-        else:
-            scale = 1.0 / dist.get_world_size(group) if how == "mean" else 1.0
-            out = _differentiable.psum(flat, scale=scale, group=group)
-        return _without(out, flag, t.shape)
+            flat = _with(t.reshape(-1), flag, sign=-1 if how == "min" else 1)
+            return _without(_differentiable.pmax(flat, how, group), flag, t.shape)
+        scale = 1.0 / dist.get_world_size(group) if how == "mean" else 1.0
+        if flag is None:
+            return _differentiable.psum(t, scale=scale, group=group), None
+        out, flags = _differentiable.psum_flagged(t.reshape(-1), flag, scale=scale, group=group)
+        return out.view(t.shape), flags
 
     return _collective(call, group, x, {"op": op}, check, run)
 
@@ -86,17 +87,24 @@ def all_gather(x: torch.Tensor, *, dim: int = 0, group: ProcessGroup | None = No
     """
     call = "fdp.all_gather"
 
-    def run(t: torch.Tensor, d: int, flag: torch.Tensor | None) -> Folded:
-        world = dist.get_world_size(group)
-        moved = t.movedim(d, 0)
-        policy = _differentiable.Policy(group, world)
-        out = _differentiable.all_gather_flat(_with(moved.reshape(-1), flag), policy)
-        rows, flags = _rows(out.view(world, -1), flag)
-        return rows.reshape(world * moved.shape[0], *moved.shape[1:]).movedim(0, d), flags
+    def check() -> tuple[int, _differentiable.Policy]:
+        # The policy too: a remembered site's calls reuse it (fdp/_comm/_call_sites.py).
+        d = _dim(call, "dim", dim, x)
+        return d, _differentiable.Policy(group, dist.get_world_size(group))
 
-    return _collective(
-        call, group, x, {"dim": dim}, lambda: _dim(call, "dim", dim, x), run, reduces=False
-    )
+    def run(t: torch.Tensor, how: tuple[int, Any], flag: torch.Tensor | None) -> Folded:
+        d, policy = how
+        world = policy.world
+        moved = t.movedim(d, 0) if d else t
+        flags = None
+        if flag is None:
+            rows = _differentiable.all_gather_flat(moved.reshape(-1), policy)
+        else:
+            rows, flags = _differentiable.all_gather_flagged(moved.reshape(-1), flag, policy)
+        out = rows.reshape(world * moved.shape[0], *moved.shape[1:])
+        return (out.movedim(0, d) if d else out), flags
+
+    return _collective(call, group, x, {"dim": dim}, check, run, reduces=False)
 
 
 @_transforms.eager_under_transforms("fdp.reduce_scatter")
@@ -284,6 +292,13 @@ def _collective(
     reduces (the flag must survive a sum, max or min).
     """
     _agreement.require_member(call, group)
+    site = (call, _call_sites.here())
+    known, agreed = _call_sites.SITES.lookup(group, site)
+    if agreed is not None and isinstance(x, torch.Tensor) and _key(x, options) == agreed.key:
+        # The arguments this site agreed on: their checks passed then, and give the same now.
+        return _at_site(
+            call, group, site, agreed, (x, options, agreed.value, None, True), run, reduces
+        )
     error: Exception | None = None
     value = None
     try:
@@ -295,14 +310,27 @@ def _collective(
         if error is not None:
             raise error
         return run(x, value, None)[0]
-    site = (call, _call_sites.here())
-    known, agreed = _call_sites.SITES.lookup(group, site)
     if agreed is None:
         first = _agree_first(call, group, x, options, error, site)
         if not known and first:  # every rank's verdict: the same site, the same arguments
             _remember(group, site, x, options, value, reduces=reduces)
         return run(x, value, None)[0]
     ok = error is None and _key(x, options) == agreed.key
+    return _at_site(call, group, site, agreed, (x, options, value, error, ok), run, reduces)
+
+
+def _at_site(
+    call: str,
+    group: ProcessGroup | None,
+    site: Any,
+    agreed: _call_sites.Agreed,
+    given: tuple[Any, dict[str, Any], Any, Exception | None, bool],
+    run: Callable[..., Folded],
+    reduces: bool,
+) -> torch.Tensor:
+    """The collective at a remembered site; ``given``: the call's arguments, their checks'
+    value or error, and whether they are the agreed ones (else this rank sets its flag)."""
+    x, options, value, error, ok = given
     args = (x, value) if ok else (agreed.stand_in(), agreed.value)
     if agreed.folded:
         out, flags = run(*args, agreed.flag(not ok))
@@ -379,7 +407,8 @@ def _remember(
 
 
 def _key(x: torch.Tensor, options: dict[str, Any]) -> tuple[Any, ...]:
-    return (tuple(x.shape), x.dtype, x.device.type, *options.items())
+    # Each option's type too: True == 1, but dim=True is refused where dim=1 is not.
+    return (x.shape, x.dtype, x.device.type, *((k, type(v), v) for k, v in options.items()))
 
 
 def _described(x: Any, options: dict[str, Any], error: Exception | None) -> list[tuple[str, str]]:
