@@ -84,9 +84,13 @@ def run(rank: int, size: int, port: int, quick: bool) -> None:
     )  # fmt: skip
     for label, (rows, cols) in SIZES.items():
         fns = variants(rows, cols)
-        # Many calls between barriers for small tensors: the barrier's own latency is noise.
-        repeats = 5 if rows * cols > 1 << 16 else 40
-        times = interleaved(fns, rounds=5 if quick else 15, repeats=repeats, sync=dist.barrier)
+        if rows * cols > 1 << 16:
+            times = interleaved(fns, rounds=5 if quick else 15, repeats=5, sync=dist.barrier)
+        else:
+            # Small: each call timed alone, the order rotating call by call, the median
+            # of hundreds (the collectives keep the ranks in step). Rounds of 40 calls
+            # caught the machine's drift: torch's path measured below the floor.
+            times = interleaved(fns, rounds=150 if quick else 600, repeats=1)
         if rank == 0:
             print(f"{label}, float32, {size} gloo ranks (median us per call):")
             for op in ("all_gather", "all_reduce"):
