@@ -72,7 +72,7 @@ def all_gather_start(
     ``wait()`` returns. Outside autograd: prefetching, whose result enters
     autograd later (``fdp/_sharding/_fsdp_prefetch.py``).
     """
-    if not (t.requires_grad or _compat.functorch_active() or _compat.is_transformed(t)):
+    if not (t.requires_grad or _mode.transform_running() or _mode.wrapped([t])):
         return _start_gather(t, group, out)  # nothing to step under or keep out of autograd
     with torch.no_grad(), _compat.functorch_disabled():
         return _start_gather(_compat.unwrap_functorch(t).detach(), group, out)
