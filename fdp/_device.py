@@ -7,6 +7,8 @@ from typing import Union
 
 import torch
 
+from fdp import _mode
+
 DeviceLike = Union[torch.device, str, int]  # noqa: UP007 (a runtime alias, py3.10)
 """A device as users write it: ``torch.device``, ``"cuda:1"``, ``"cpu"``, or a CUDA index."""
 
@@ -49,7 +51,14 @@ def as_device(device: object, *, call: str, arg: str) -> torch.device:
 
 
 def _available(dev: torch.device, *, call: str, arg: str) -> torch.device:
-    """``dev`` itself, if this torch build and machine have it."""
+    """``dev`` itself, if this torch build and machine have it.
+
+    Not asked while dynamo traces: it cannot trace ``torch.cuda.device_count``
+    (a non-tensor result; ``fullgraph=True`` raised on CUDA replicas). The
+    eager call, which compiling starts from, has checked the same devices.
+    """
+    if _mode.traced():
+        return dev
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

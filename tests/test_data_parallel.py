@@ -281,6 +281,33 @@ def test_cuda_devices_match_cpu_reference() -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_replicas_compile_with_fullgraph() -> None:
+    # Before: dynamo could not trace the devices' check (torch.cuda.device_count).
+    g = torch.Generator().manual_seed(0)
+    cpu = {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)}
+    params = {k: v.cuda().requires_grad_() for k, v in cpu.items()}
+    ref_params = {k: v.clone().requires_grad_() for k, v in cpu.items()}
+    x = torch.randn(12, 16, generator=g)
+
+    def fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ p["w"] + p["b"])
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fdp.data_parallel(fn, p, x, devices=["cuda:0", "cuda:0"]).square().mean()
+
+    loss(params, x.cuda())  # eager first: the devices are checked there
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    out = compiled(params, x.cuda())
+    grads = torch.autograd.grad(out, list(params.values()))
+    ref = fn(ref_params, x).square().mean()  # one CPU device, the whole batch
+    ref_grads = torch.autograd.grad(ref, list(ref_params.values()))
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-5)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_cuda_replicate_across_devices() -> None:
     w = torch.randn(100, 10, device="cuda:0", requires_grad=True)
