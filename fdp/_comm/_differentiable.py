@@ -78,7 +78,8 @@ class Collective:
 
     :attr:`transpose` is the collective itself until :func:`transposes` pairs it;
     :attr:`tangent`, the collective the jvp applies to a tangent, is itself
-    unless set (an int8 gather's tangent travels exact).
+    unless set (an int8 gather's tangent travels exact). :attr:`eager` is the
+    eager form alone, for callers that know dynamo is not tracing.
 
     Example:
         >>> double = Collective("double", lambda x: 2 * x, batch=lambda x: 2 * x)
