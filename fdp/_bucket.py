@@ -28,6 +28,9 @@ BUCKET_CAP_MB = 25.0
 FIRST_BUCKET_CAP_MB = 1.0
 # Broadcasts are rare (initial weights, buffers): one per device and dtype.
 BROADCAST_CAP_BYTES = 250 * MB
+# DDP's aliases: one autograd node for a run of a bucket's leaves up to this
+# size together (fdp/_ddp/_reducer.py, Note [one node a run]).
+ALIAS_RUN_CAP_BYTES = 1 * MB
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,17 @@ def grads(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
     return {k: v.grad for k, v in params.items()}
 
 
+# Bucket caps for the chain's three 6x6 float32 leaves (144 bytes each). One
+# node aliases a run of a bucket's leaves (fdp/_ddp/_reducer.py), so a bucket
+# of several leaves meets what one of one leaf never does: a node run for
+# some of its leaves only (a nested backward, backward(inputs=...), an
+# undefined gradient) and hooks on outputs the backward did not reach.
+CAPS: dict[str, dict[str, Any]] = {
+    "a bucket per leaf": TINY,
+    "w2 and w1 in one bucket": {"bucket_cap_mb": 288 / 2**20, "first_bucket_cap_mb": 288 / 2**20},
+}
+
+
 # --------------------------------------------------------------- checkpointing
 
 
@@ -61,9 +72,9 @@ def data(size: int) -> torch.Tensor:
     return batch(size * PER_RANK)[0]
 
 
-def _checkpointed(rank: int, size: int, where: str, reentrant: bool) -> Any:
+def _checkpointed(rank: int, size: int, where: str, reentrant: bool, caps: str) -> Any:
     params = chain_params()
-    ddp = fdp.DistributedDataParallel(params, **TINY)
+    ddp = fdp.DistributedDataParallel(params, **CAPS[caps])
     for _ in range(2):  # two steps: nothing stale carries over
         for p in params.values():
             p.grad = None
@@ -71,11 +82,12 @@ def _checkpointed(rank: int, size: int, where: str, reentrant: bool) -> Any:
     return grads(params)
 
 
+@pytest.mark.parametrize("caps", list(CAPS))
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("where", ["last", "middle"])
-def test_activation_checkpointing(where: str, reentrant: bool) -> None:
+def test_activation_checkpointing(where: str, reentrant: bool, caps: str) -> None:
     size = 2
-    results = ranks.world(size).run(_checkpointed, where, reentrant)
+    results = ranks.world(size).run(_checkpointed, where, reentrant, caps)
     params = chain_params()
     x = data(size)
     # The reference: the mean over ranks of each rank's loss, on one process.
@@ -161,9 +173,9 @@ def test_grads_live_in_their_bucket_as_soon_as_packed() -> None:
 # --------------------------------------------------------------- create_graph
 
 
-def _gradient_penalty(rank: int, size: int) -> tuple[Any, Any, str]:
+def _gradient_penalty(rank: int, size: int, caps: str) -> tuple[Any, Any, str]:
     params = chain_params()
-    ddp = fdp.DistributedDataParallel(params, **TINY)
+    ddp = fdp.DistributedDataParallel(params, **CAPS[caps])
     loss = chain(ddp(params), shard(data(size), rank), "last", reentrant=False)
     torch.autograd.backward(loss, create_graph=True)
     reduced = {k: v.grad for k, v in params.items()}
@@ -182,7 +194,8 @@ def _gradient_penalty(rank: int, size: int) -> tuple[Any, Any, str]:
     return first, grads(params), str(info.value).split(" reached ")[0]
 
 
-def test_a_gradient_penalty_through_backward_create_graph() -> None:
+@pytest.mark.parametrize("caps", list(CAPS))
+def test_a_gradient_penalty_through_backward_create_graph(caps: str) -> None:
     # torch's test_ddp_create_graph runs create_graph=True: the reduced .grad
     # carries the psum's graph, so a penalty on it differentiates the global
     # batch's gradient (before: refused).
@@ -193,7 +206,7 @@ def test_a_gradient_penalty_through_backward_create_graph() -> None:
     g = torch.autograd.grad(loss.mean(), list(params.values()), create_graph=True)
     penalty = torch.stack([(t**2).sum() for t in g]).sum()
     penalty_grads = torch.autograd.grad(penalty, list(params.values()))
-    for first, second, message in ranks.world(size).run(_gradient_penalty):
+    for first, second, message in ranks.world(size).run(_gradient_penalty, caps):
         for name, expected in zip(params, g, strict=True):
             torch.testing.assert_close(first[name], expected.detach(), **TOL, msg=name)
         for name, expected in zip(params, penalty_grads, strict=True):
@@ -287,9 +300,9 @@ def test_grads_keep_the_parameters_memory_layout() -> None:
 # --------------------------------------------------------------- undefined and sparse grads
 
 
-def _undefined(rank: int, size: int) -> Any:
+def _undefined(rank: int, size: int, caps: str) -> Any:
     params = chain_params()
-    ddp = fdp.DistributedDataParallel(params, **TINY)
+    ddp = fdp.DistributedDataParallel(params, **CAPS[caps])
     p = ddp(params)
     x = shard(data(size), rank)
     # w0's gradient is undefined (never materialised as zeros) on every rank.
@@ -299,8 +312,9 @@ def _undefined(rank: int, size: int) -> Any:
     return grads(params)
 
 
-def test_undefined_gradients() -> None:
-    results = ranks.world(2).run(_undefined)
+@pytest.mark.parametrize("caps", list(CAPS))
+def test_undefined_gradients(caps: str) -> None:
+    results = ranks.world(2).run(_undefined, caps)
     params = chain_params()
     x = data(2)
     for r in range(2):
@@ -483,9 +497,9 @@ def _reduced_grads(xs: list[torch.Tensor], size: int) -> dict[str, torch.Tensor 
     return grads(params)
 
 
-def _pattern(rank: int, size: int, pattern: str) -> Any:
+def _pattern(rank: int, size: int, pattern: str, caps: str = "a bucket per leaf") -> Any:
     params = chain_params()
-    ddp = fdp.DistributedDataParallel(params, **TINY)
+    ddp = fdp.DistributedDataParallel(params, **CAPS[caps])
     x1, x2 = shard(data(size), rank), shard(batch(size * PER_RANK, seed=7)[0], rank)
     out: dict[str, Any] = {}
     if pattern == "local_after":  # a DDP step, then a local one on rank 0 only
@@ -521,6 +535,15 @@ def _pattern(rank: int, size: int, pattern: str) -> Any:
         got = torch.autograd.grad(_chain_loss(armed, x1), list(armed.values()))
         out["ddp"] = dict(zip(params, got, strict=True))
         assert all(v.grad is None for v in params.values())
+    elif pattern in ("grad_wrt_one_output", "grad_wrt_one_leaf"):  # w1, beside w2 in a bucket
+        armed = ddp(params)
+        of = armed if pattern == "grad_wrt_one_output" else params
+        (one,) = torch.autograd.grad(_chain_loss(armed, x1), [of["w1"]])
+        out["ddp"] = {"w1": one}
+        assert all(v.grad is None for v in params.values())
+    elif pattern == "backward_inputs_one_leaf":  # w1's .grad only, as locally
+        torch.autograd.backward(_chain_loss(ddp(params), x1), inputs=[params["w1"]])
+        out["ddp"] = grads(params)
     return out
 
 
@@ -539,22 +562,30 @@ def test_a_backward_that_never_called_ddp_is_local(when: str) -> None:
             torch.testing.assert_close(out["ddp"][key], expected, **TOL, msg=key)
 
 
+ONE_LEAF = ["grad_wrt_one_output", "grad_wrt_one_leaf", "backward_inputs_one_leaf"]
+
+
+@pytest.mark.parametrize("caps", list(CAPS))
 @pytest.mark.parametrize(
-    "pattern", ["retain_graph", "two_forwards", "one_backward_two_calls", "grad_wrt_outputs"]
+    "pattern",
+    ["retain_graph", "two_forwards", "one_backward_two_calls", "grad_wrt_outputs", *ONE_LEAF],
 )
-def test_every_backward_through_a_call_is_reduced_once(pattern: str) -> None:
+def test_every_backward_through_a_call_is_reduced_once(pattern: str, caps: str) -> None:
     size = 2
     x1, x2 = data(size), batch(size * PER_RANK, seed=7)[0]
-    xs = {
-        "retain_graph": [x1, x1],
-        "two_forwards": [x1, x2],
-        "one_backward_two_calls": [x1, x2],
-        "grad_wrt_outputs": [x1],
-    }[pattern]
-    expected = _reduced_grads(xs, size)
-    for out in ranks.world(size).run(_pattern, pattern):
+    xs = {"retain_graph": [x1, x1], "two_forwards": [x1, x2], "one_backward_two_calls": [x1, x2]}
+    expected = _reduced_grads(xs.get(pattern, [x1]), size)
+    if pattern in ONE_LEAF:  # w1's gradient only; w0 and w2 get none
+        expected = {"w1": expected["w1"]}
+        if pattern == "backward_inputs_one_leaf":
+            expected |= {"w0": None, "w2": None}
+    for out in ranks.world(size).run(_pattern, pattern, caps):
+        assert set(out["ddp"]) == set(expected)
         for key, e in expected.items():
-            torch.testing.assert_close(out["ddp"][key], e, **TOL, msg=key)
+            if e is None:
+                assert out["ddp"][key] is None, key
+            else:
+                torch.testing.assert_close(out["ddp"][key], e, **TOL, msg=key)
 
 
 def _reused_across_steps(rank: int, size: int, steps: int) -> dict[str, torch.Tensor]:
@@ -586,7 +617,7 @@ def test_a_call_reused_across_steps_reduces_every_step() -> None:
             torch.testing.assert_close(got[key], e.detach(), **TOL, msg=key)
 
 
-def _launch_order(rank: int, size: int) -> list[str]:
+def _launch_order(rank: int, size: int, caps: str) -> list[str]:
     params = chain_params()
     events: list[str] = []
 
@@ -594,7 +625,7 @@ def _launch_order(rank: int, size: int) -> list[str]:
         events.append(f"launch {bucket.index()}")
         return fdp.allreduce_hook(state, bucket)
 
-    ddp = fdp.DistributedDataParallel(params, comm_hook=hook, **TINY)
+    ddp = fdp.DistributedDataParallel(params, comm_hook=hook, **CAPS[caps])
     h = shard(data(size), rank)
     p = ddp(params)
     for i, name in enumerate(("w0", "w1", "w2")):
@@ -604,10 +635,11 @@ def _launch_order(rank: int, size: int) -> list[str]:
     return events
 
 
-def test_buckets_launch_while_backward_runs() -> None:
-    # The last layer's bucket is all-reduced before the first layer's
+@pytest.mark.parametrize("caps", list(CAPS))
+def test_buckets_launch_while_backward_runs(caps: str) -> None:
+    # The last layers' bucket is all-reduced before the first layer's
     # activation gradient exists: the reduction overlaps backward.
-    for events in ranks.world(2).run(_launch_order):
+    for events in ranks.world(2).run(_launch_order, caps):
         assert events.index("launch 0") < events.index("activation 0"), events
 
 

@@ -11,13 +11,13 @@ issues no collective. A call's output reused for several backwards
 (``retain_graph``, ``p = ddp(params)`` kept across steps, several forwards
 then several backwards) is reduced in each of them, as torch's DDP does.
 
-Note [alias priority]: why the alias's node is given the top priority. The engine runs the
-ready node created last first; an alias made before the model's forward
-would run only when backward ends, and every bucket would launch then. Given
-a sequence number just below the leaves' own (``_compat.run_early``), each
-alias's node runs, and its hook packs the gradient, as soon as the gradient
-is complete, which is what lets a bucket's all-reduce start while the rest
-of backward is still running.
+Note [alias priority]: why the aliases' nodes are given the top priority. The engine
+runs the ready node created last first; an alias made before the model's
+forward would run only when backward ends, and every bucket would launch
+then. Given a sequence number just below the leaves' own
+(``_compat.run_early``), a bucket's node runs, and its outputs' hooks pack
+the gradients, as soon as the bucket's gradients are complete, which is what
+lets a bucket's all-reduce start while the rest of backward is still running.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fdp import _compat, _mode
+from fdp import _bucket, _compat, _mode
 from fdp._bucket import Layout
 from fdp._ddp._step import Reduction, Step
 
@@ -40,14 +40,31 @@ def hooked_leaves(layout: Layout, leaves: list[Any]) -> list[int]:
     A tensor at several leaves gets one alias and one hook; its other leaves
     reduce zeros and get the same ``.grad``.
     """
-    seen: set[int] = set()
-    out = []
-    for i in layout.order:
-        leaf = leaves[i]
-        if leaf.requires_grad and id(leaf) not in seen:
-            seen.add(id(leaf))
-            out.append(i)
-    return out
+    out = [i for i in layout.order if leaves[i].requires_grad]
+    if len({id(leaves[i]) for i in out}) == len(out):
+        return out
+    first: dict[int, int] = {}  # a tied tensor's first leaf
+    for i in out:
+        first.setdefault(id(leaves[i]), i)
+    return [i for i in out if first[id(leaves[i])] == i]
+
+
+def alias_runs(layout: Layout) -> dict[int, int]:
+    """Each bucketed leaf's run: consecutive leaves of a bucket, up to 1 MiB together.
+
+    A leaf larger than that is a run of its own. See Note [one node a run].
+    """
+    runs: dict[int, int] = {}
+    run = -1
+    for bucket in layout.buckets:
+        size: int | None = None  # a bucket starts a run
+        for j, i in enumerate(bucket.indices):
+            nbytes = bucket.width(j) * bucket.dtype.itemsize
+            if size is None or size + nbytes > _bucket.ALIAS_RUN_CAP_BYTES:
+                run, size = run + 1, 0
+            runs[i] = run
+            size += nbytes
+    return runs
 
 
 class Reducer:
@@ -62,41 +79,63 @@ class Reducer:
         self.reduction = reduction
         self.open: Step | None = None
         self.lock = threading.Lock()
+        self.runs = alias_runs(reduction.layout)
+        # Per device, a leaf that every alias node takes: see Step._decide.
+        self.probes = {
+            b.device: torch.empty(0, device=b.device, requires_grad=True)
+            for b in reduction.layout.buckets
+        }
 
     def arm(self, leaves: list[Any], *, prescale: float | None, always_count: bool) -> list[Any]:
         """``leaves`` with an armed alias in place of each leaf a backward reduces."""
         if self.open is not None and not _compat.in_backward():
             self.open = None  # an earlier backward failed before its end: start afresh
-        hooked = hooked_leaves(self.reduction.layout, leaves)
+        layout = self.reduction.layout
+        hooked = hooked_leaves(layout, leaves)
         # A custom Function cannot run with functorch's keys disabled: inside
         # a transform of the inputs, the reshape alias (no sparse gradients).
         sparse_ok = not _mode.transform_running()
         call = _Call(self, leaves, hooked, prescale, always_count, sparse_ok)
-        aliases: dict[int, torch.Tensor] = {}
         # Plain leaves, also inside a transform of the inputs (jvp, vmap):
         # their aliases belong to ordinary autograd, as the leaves do.
         with _compat.functorch_disabled():
-            for i in hooked:
-                leaf = leaves[i]
-                alias: Any
-                # The hook holds the call (the leaves), never the alias: a
-                # reference from the node's hook back to its own output would
-                # be a cycle through C++ that Python's collector cannot free.
-                # A tensor hook, not the node's backward: it also runs when
-                # autograd.grad takes the aliases as its inputs (the node never runs).
-                if sparse_ok:
-                    alias = _APPLY_ALIAS(leaf)
-                    _compat.run_early(alias)
-                else:
-                    alias = _compat.early_alias(leaf)
-                _compat.add_grad_hook(alias, functools.partial(call.on_grad, i))
-                aliases[id(leaf)] = alias
+            if sparse_ok:
+                aliases = self._run_aliases(leaves, hooked)
+            else:
+                aliases = [_compat.early_alias(leaves[i]) for i in hooked]
+        # The hook holds the call (the leaves), never the alias: a reference
+        # from the node's hook back to its own output would be a cycle
+        # through C++ that Python's collector cannot free. A tensor hook, not
+        # the node's backward: it also runs when autograd.grad takes the
+        # aliases as its inputs (the node never runs).
+        on_grad = call.on_grad
+        _compat.add_grad_hooks(aliases, [functools.partial(on_grad, i) for i in hooked])
         out = list(leaves)
-        for i in self.reduction.layout.where:  # tied leaves share one alias
-            shared = aliases.get(id(leaves[i]))
-            if shared is not None:
-                out[i] = shared
+        for i, alias in zip(hooked, aliases, strict=True):
+            out[i] = alias
+        if len(hooked) < len(layout.where):  # tied leaves share one alias
+            by_id = {id(leaves[i]): out[i] for i in hooked}
+            for i in layout.where:
+                shared = by_id.get(id(leaves[i]))
+                if shared is not None:
+                    out[i] = shared
         return out
+
+    def _run_aliases(self, leaves: list[Any], hooked: list[int]) -> list[torch.Tensor]:
+        """An alias of each hooked leaf, one node per run (see Note [one node a run])."""
+        layout, runs = self.reduction.layout, self.runs
+        aliases: list[torch.Tensor] = []
+        start = 0
+        while start < len(hooked):
+            run, end = runs[hooked[start]], start + 1
+            while end < len(hooked) and runs[hooked[end]] == run:
+                end += 1
+            device = layout.buckets[layout.where[hooked[start]][0]].device
+            made = _APPLY_ALIASES(self.probes[device], *[leaves[i] for i in hooked[start:end]])
+            _compat.run_early(made[0])
+            aliases.extend(made)
+            start = end
+        return aliases
 
     def step(self, call: _Call) -> Step:
         with self.lock:
@@ -106,6 +145,7 @@ class Reducer:
                     call.leaves,
                     call.hooked,
                     sparse_ok=call.sparse_ok,
+                    probes=self.probes if call.sparse_ok else None,
                     prescale=call.prescale,
                     always_count=call.always_count,
                     done=self._closed,
@@ -132,26 +172,38 @@ class _Call:
         return self.reducer.step(self).on_grad(i, grad)
 
 
-class _Alias(torch.autograd.Function):
-    """An alias of a leaf (its memory, not an autograd view) whose node passes any gradient on.
+class _Aliases(torch.autograd.Function):
+    """Aliases of a bucket's leaves (their memory, not views), whose node passes any gradient on.
 
-    Not a view: a view's node is made anew (without its hooks) once its base
+    Not views: a view's node is made anew (without its hooks) once its base
     is changed in place, as an optimizer step does, so hooks on a view would
     reduce the first backward only. A sparse gradient passes too, which
     ``_compat.early_alias``'s node (a reshape) refuses. The old ``ctx``-in-
     ``forward`` style costs a third of the ``setup_context`` one per call
     (6.6 against 17 us a leaf); it cannot run under ``torch.func``, where
     :meth:`Reducer.arm` takes ``early_alias`` instead.
+
+    Note [one node a run]: one node for a run of a bucket's leaves up to 1 MiB
+    together (:func:`alias_runs`), not one per leaf: a node costs about 4 us
+    a leaf more than an output does, 0.8 ms of a 200-leaf ``ddp(params)``
+    (docs/performance.md). The node runs, and its outputs' hooks pack the
+    gradients, once every gradient of the run is complete; until then the
+    engine holds the run's local gradients, and the bucket cannot launch
+    anyway. The cap keeps that to a megabyte held and a megabyte's copy
+    before a launch; a large leaf keeps a node of its own. Outputs that a
+    backward does not reach give their hooks ``None``: the step packs those
+    at the launch (see ``Step._decide`` for the leaves ``backward(inputs=...)``
+    leaves out).
     """
 
     @staticmethod
-    def forward(ctx: Any, leaf: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, probe: torch.Tensor, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)  # an undefined gradient stays undefined
-        return leaf.detach()
+        return tuple(map(torch.Tensor.detach, leaves))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor | None) -> torch.Tensor | None:
-        return grad
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return (None, *grads)  # none for the probe (Step._decide)
 
 
-_APPLY_ALIAS = _compat.plain_apply(_Alias)
+_APPLY_ALIASES = _compat.plain_apply(_Aliases)

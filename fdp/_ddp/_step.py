@@ -111,8 +111,14 @@ class Step:
         always_count: bool = False,
         done: Callable[[Step], None] | None = None,
         sparse_ok: bool = True,
+        probes: dict[torch.device, torch.Tensor] | None = None,
     ) -> None:
         self.reduction, self.sparse_ok = reduction, sparse_ok
+        # Per device, a leaf that the aliases' nodes take and never give a
+        # gradient: whether the engine runs it says whether this backward
+        # selects leaves (see _decide). None where each leaf has a node of its own.
+        self.probes = probes
+        self.selective = False  # backward(inputs=...), autograd.grad: _decide sets it
         self.done = done  # told when this backward's reduction has finished
         # ``join`` may divide by the ranks still training, and needs the
         # usage all-reduce on every step, which mirroring ranks answer.
@@ -164,33 +170,65 @@ class Step:
             return self._graphed(i, grad)
         with self.lock, torch.no_grad(), _compat.functorch_disabled():
             if self.delivery is Delivery.UNDECIDED:
-                returned = _compat.engine_captures_grads(self.leaves[i])
-                self.delivery = Delivery.RETURNED if returned else Delivery.ACCUMULATED
+                self.delivery = Delivery.RETURNED if self._decide(i) else Delivery.ACCUMULATED
             if not self.queued:
                 _compat.queue_backward_callback(self.finish)
                 self.queued = True
+            if grad is None or self._dropped(i):
+                # Undefined, not reached (its bucket's node ran for the
+                # others), or not asked for: packed from .grad at the launch.
+                return grad
             k = self.reduction.layout.where[i][0]
-            if grad is not None and grad.is_sparse:
+            if grad.is_sparse:
                 return self._sparse(i, k, grad)
-            if grad is not None and i in self.buckets[k].filled:
+            if i in self.buckets[k].filled:
                 return self._again(i, k, grad)
             return self._first(i, k, grad)
 
-    def _first(self, i: int, k: int, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """Leaf ``i``'s first gradient (``None``: undefined, a zero) packed into bucket ``k``."""
+    def _decide(self, i: int) -> bool:
+        """At the backward's first hook: whether it returns the gradients (else accumulates).
+
+        Also sets whether it selects leaves. One node aliases a run of a
+        bucket's leaves (``fdp/_ddp/_reducer.py``), so with
+        ``backward(inputs=...)`` its hooks see the leaves left out too. The
+        probe, a leaf of every such node, tells at one query's cost whether
+        the engine selects: asking for every leaf costs about 9 us a leaf in
+        a plain backward (the engine walks its graph per query). Selecting,
+        the bucket of leaf ``i`` (its node's run and more) tells: a leaf
+        accumulated means ``backward(inputs=...)``; none means
+        ``autograd.grad``, of leaves or of the call's outputs.
+        """
+        if self.probes is None:  # a node per leaf: only a leaf in the backward has its hook run
+            return _compat.leaf_destination(self.leaves[i]) != "accumulated"
+        bucket = self.reduction.layout.buckets[self.reduction.layout.where[i][0]]
+        probe = self.probes[bucket.device]
+        self.selective = _compat.leaf_destination(probe) != "accumulated"
+        if not self.selective:
+            return False
+        return all(
+            _compat.leaf_destination(self.leaves[j]) != "accumulated"
+            for j in bucket.indices
+            if self.leaves[j].requires_grad
+        )
+
+    def _dropped(self, i: int) -> bool:
+        """Whether ``backward(inputs=...)`` leaves leaf ``i`` out (its node ran for others)."""
+        return (
+            self.selective
+            and self.delivery is not Delivery.RETURNED
+            and _compat.leaf_destination(self.leaves[i]) == "none"
+        )
+
+    def _first(self, i: int, k: int, grad: torch.Tensor) -> torch.Tensor:
+        """Leaf ``i``'s first gradient, packed into bucket ``k``."""
         leaf, view = self.leaves[i], self._view(i)
         old = None if self.returned else leaf.grad
-        if grad is None:  # an undefined gradient: zero, as if unused here
-            _pack_old(view, old, self.prescale)
-        else:
-            self.used.add(i)
-            if old is None:
-                torch.mul(_compat.unwrap_functorch(grad), self.prescale, out=view)
-            else:  # fold what earlier backwards (under no_sync) accumulated
-                torch.add(_compat.unwrap_functorch(grad), old, out=view).mul_(self.prescale)
+        self.used.add(i)
+        if old is None:
+            torch.mul(_compat.unwrap_functorch(grad), self.prescale, out=view)
+        else:  # fold what earlier backwards (under no_sync) accumulated
+            torch.add(_compat.unwrap_functorch(grad), old, out=view).mul_(self.prescale)
         self._filled(i, k)
-        if grad is None:
-            return None
         return view if self.returned else self._into_bucket(leaf, view)
 
     def _filled(self, i: int, k: int) -> None:
@@ -354,7 +392,7 @@ class Step:
                     f"{where} with a sparse gradient; use dense gradients for double backward"
                 )
             if self.delivery is Delivery.UNDECIDED:
-                if _compat.engine_captures_grads(self.leaves[i]):
+                if self._decide(i):
                     raise RuntimeError(
                         f"fdp.DistributedDataParallel: torch.autograd.grad(..., "
                         f"create_graph=True) reached {where}; the gradients it returns are "
@@ -369,7 +407,7 @@ class Step:
                     f"{where} with a comm hook, whose reduction cannot carry a graph; use "
                     "the default reduction for double backward"
                 )
-            if grad is not None:
+            if grad is not None and not self._dropped(i):
                 self.used.add(i)
             if not self.queued:
                 _compat.queue_backward_callback(self.finish)
