@@ -417,7 +417,7 @@ class DistributedDataParallel:
         if not _mode.transform_running():
             for i in self._layout.where:
                 t = leaves[i]
-                if t.requires_grad and t.grad_fn is not None and not _mode.dual([t]):
+                if not t.is_leaf and not _mode.dual([t]):  # requires grad, made by a node
                     raise ValueError(
                         f"{call}: `params` leaf {_tree.path(params, i, 'params')} expected a "
                         f"leaf of the autograd graph; got a tensor computed by "
