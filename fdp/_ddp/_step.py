@@ -26,7 +26,6 @@ disabled: the c10d ops are differentiable and would otherwise be recorded
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +39,8 @@ from fdp import _compat
 from fdp._bucket import Layout
 from fdp._comm import _comm_hooks, _transforms
 from fdp._comm._comm_hooks import CommHook, GradBucket
+from fdp._ddp import _delivery
+from fdp._ddp._delivery import Delivery
 from fdp._ddp._replicas import Replicas
 from fdp._ddp._sparse import empty_sparse, reduce_sparse
 
@@ -76,15 +77,6 @@ class Reduction:
     def prescale(self) -> float:
         """What packing multiplies each gradient by: the default's division by the world size."""
         return 1.0 / dist.get_world_size(self.group) if self.hook is None else 1.0
-
-
-class Delivery(enum.Enum):
-    """How one backward hands out the reduced gradients; its first hook decides."""
-
-    UNDECIDED = "undecided"
-    RETURNED = "returned"  # autograd.grad, torch.func.grad: each hook's return value
-    ACCUMULATED = "accumulated"  # loss.backward(): into .grad
-    GRAPHED = "graphed"  # loss.backward(create_graph=True): .grad reduced differentiably
 
 
 @dataclass
@@ -186,37 +178,19 @@ class Step:
             return self._first(i, k, grad)
 
     def _decide(self, i: int) -> bool:
-        """At the backward's first hook: whether it returns the gradients (else accumulates).
-
-        Also sets whether it selects leaves. One node aliases a run of a
-        bucket's leaves (``fdp/_ddp/_reducer.py``), so with
-        ``backward(inputs=...)`` its hooks see the leaves left out too. The
-        probe, a leaf of every such node, tells at one query's cost whether
-        the engine selects: asking for every leaf costs about 9 us a leaf in
-        a plain backward (the engine walks its graph per query). Selecting,
-        the bucket of leaf ``i`` (its node's run and more) tells: a leaf
-        accumulated means ``backward(inputs=...)``; none means
-        ``autograd.grad``, of leaves or of the call's outputs.
-        """
-        if self.probes is None:  # a node per leaf: only a leaf in the backward has its hook run
-            return _compat.leaf_destination(self.leaves[i]) != "accumulated"
-        bucket = self.reduction.layout.buckets[self.reduction.layout.where[i][0]]
-        probe = self.probes[bucket.device]
-        self.selective = _compat.leaf_destination(probe) != "accumulated"
-        if not self.selective:
-            return False
-        return all(
-            _compat.leaf_destination(self.leaves[j]) != "accumulated"
-            for j in bucket.indices
-            if self.leaves[j].requires_grad
-        )
+        """At the backward's first hook: whether it returns the gradients (else accumulates)."""
+        k = self.reduction.layout.where[i][0]
+        bucket = self.reduction.layout.buckets[k]
+        probe = None if self.probes is None else self.probes[bucket.device]
+        returned, self.selective = _delivery.decide(self.leaves, i, list(bucket.indices), probe)
+        return returned
 
     def _dropped(self, i: int) -> bool:
         """Whether ``backward(inputs=...)`` leaves leaf ``i`` out (its node ran for others)."""
         return (
             self.selective
             and self.delivery is not Delivery.RETURNED
-            and _compat.leaf_destination(self.leaves[i]) == "none"
+            and _delivery.left_out(self.leaves[i])
         )
 
     def _first(self, i: int, k: int, grad: torch.Tensor) -> torch.Tensor:
