@@ -361,7 +361,8 @@ _SITE_CALLS: dict[str, Callable[[Any, str, int], torch.Tensor]] = {
 def _site_args(case: str, rank: int, step: int) -> tuple[Any, str, int]:
     """Steps 0-1 agree (the site is remembered); at step 2 ``case`` changes on some ranks."""
     change = case.split(":")[1]
-    rows, cols = (512, 300) if change.startswith("large") else (4, 6)  # 1.2 MB: a flag beside
+    # 1.2 MB: a flag beside the payload, but a sum's in it still (a max's beside).
+    rows, cols = (512, 300) if change.startswith("large") else (4, 6)
     change = change.removeprefix("large, ")
     x: Any = _random((rows, cols), rank, step)
     op, dim = "sum", 0

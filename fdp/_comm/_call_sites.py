@@ -22,7 +22,9 @@ every rank reaches together. A site whose arguments keep changing (two
 shapes alternating) goes back to agreeing before every call. Above
 :data:`FOLD_BYTES` (or for a reduction in a dtype whose sum of flags could
 wrap) the flag travels beside the payload instead, in a tiny all-reduce
-started just before it: appending would copy the payload.
+started just before it: appending would copy the payload. A sum or mean
+all-reduce copies its payload into the result anyway, and appends at any
+size (:class:`Payload`).
 
 What it gives up: the ranks must run the same program. Ranks that call
 collectives at *different* remembered sites with different sizes were
@@ -32,6 +34,7 @@ they got a clear error, without it gloo may abort. docs/collectives.md says so.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import os
 import sys
@@ -45,7 +48,7 @@ from torch.distributed import ProcessGroup
 
 from fdp import _compat, _mode
 
-# At most this many bytes per rank travel with a flag appended; larger agree first.
+# At most this many bytes per rank, not reduced, travel with a flag appended (foldable).
 FOLD_BYTES = 1 << 20
 # Sites remembered per group (the oldest forgotten first, on every rank alike).
 MAX_SITES = 256
@@ -153,15 +156,27 @@ class Sites:
 SITES = Sites()
 
 
-def foldable(x: torch.Tensor, *, reduces: bool) -> bool:
-    """Whether a flag can travel appended to ``x`` (small; for a reduction, an exact dtype).
+class Payload(enum.Enum):
+    """What a collective does with its payload, which decides where a flag can travel."""
 
-    Otherwise it travels beside the payload: appending would copy a large
+    MOVED = "moved"  # gathered or exchanged: any dtype; appended up to FOLD_BYTES
+    REDUCED = "reduced"  # summed or compared: an exact dtype; appended up to FOLD_BYTES
+    COPIED = "copied"  # summed into a copy made anyway (all_reduce): an exact dtype, any size
+
+
+def foldable(x: torch.Tensor, payload: Payload) -> bool:
+    """Whether a flag can travel appended to ``x``.
+
+    A reduction needs a dtype whose sum of flags is exact. A collective that
+    copies its payload into its result anyway appends at any size; other
+    large payloads send the flag beside them: appending would copy the
     payload, and a tiny all-reduce started just before it overlaps with it.
     """
-    if x.numel() * x.element_size() > FOLD_BYTES:
+    if payload is Payload.MOVED:
+        return x.numel() * x.element_size() <= FOLD_BYTES and not x.is_quantized
+    if x.dtype not in _REDUCIBLE:
         return False
-    return x.dtype in _REDUCIBLE if reduces else not x.is_quantized
+    return payload is Payload.COPIED or x.numel() * x.element_size() <= FOLD_BYTES
 
 
 def flagged(flags: torch.Tensor) -> bool:

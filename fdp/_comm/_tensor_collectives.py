@@ -66,7 +66,11 @@ def all_reduce(
         out, flags = _differentiable.psum_flagged(t.reshape(-1), flag, scale=scale, group=group)
         return out.view(t.shape), flags
 
-    return _collective(call, group, x, {"op": op}, check, run)
+    # A sum's payload is copied into its result anyway (psum_flagged): a flag
+    # rides along at any size. A max or min copies it again.
+    copied = isinstance(op, str) and op in ("sum", "mean")
+    payload = _call_sites.Payload.COPIED if copied else _call_sites.Payload.REDUCED
+    return _collective(call, group, x, {"op": op}, check, run, payload=payload)
 
 
 @_transforms.eager_under_transforms("fdp.all_gather")
@@ -104,7 +108,7 @@ def all_gather(x: torch.Tensor, *, dim: int = 0, group: ProcessGroup | None = No
         out = rows.reshape(world * moved.shape[0], *moved.shape[1:])
         return (out.movedim(0, d) if d else out), flags
 
-    return _collective(call, group, x, {"dim": dim}, check, run, reduces=False)
+    return _collective(call, group, x, {"dim": dim}, check, run, payload=_call_sites.Payload.MOVED)
 
 
 @_transforms.eager_under_transforms("fdp.reduce_scatter")
@@ -193,7 +197,7 @@ def all_to_all(
         return chunks.movedim(0, c).flatten(c, c + 1), flags
 
     options = {"split_dim": split_dim, "concat_dim": concat_dim}
-    return _collective(call, group, x, options, check, run, reduces=False)
+    return _collective(call, group, x, options, check, run, payload=_call_sites.Payload.MOVED)
 
 
 @_transforms.eager_under_transforms("fdp.broadcast")
@@ -266,7 +270,7 @@ def _collective_traced(
     check: Callable[[], Any],
     run: Callable[..., Folded],
     *,
-    reduces: bool = True,
+    payload: _call_sites.Payload = _call_sites.Payload.REDUCED,
 ) -> torch.Tensor:
     """While dynamo traces, the local checks only: a graph cannot compare ranks."""
     _tensor(call, x)
@@ -282,14 +286,14 @@ def _collective(
     check: Callable[[], Any],
     run: Callable[..., Folded],
     *,
-    reduces: bool = True,
+    payload: _call_sites.Payload = _call_sites.Payload.REDUCED,
 ) -> torch.Tensor:
     """``run(x, check(), flag)``'s result once every rank agrees on ``x`` and ``options``.
 
     A rank whose arguments are wrong (its ``check`` raises) still takes part
     in the agreement, with its error, so every rank raises: that rank its
-    own error, the others one that names it. ``reduces``: the collective
-    reduces (the flag must survive a sum, max or min).
+    own error, the others one that names it. ``payload``: what the
+    collective does with it, which says where the flag can travel.
     """
     _agreement.require_member(call, group)
     site = (call, _call_sites.here())
@@ -297,7 +301,7 @@ def _collective(
     if agreed is not None and isinstance(x, torch.Tensor) and _key(x, options) == agreed.key:
         # The arguments this site agreed on: their checks passed then, and give the same now.
         return _at_site(
-            call, group, site, agreed, (x, options, agreed.value, None, True), run, reduces
+            call, group, site, agreed, (x, options, agreed.value, None, True), run, payload
         )
     error: Exception | None = None
     value = None
@@ -313,10 +317,10 @@ def _collective(
     if agreed is None:
         first = _agree_first(call, group, x, options, error, site)
         if not known and first:  # every rank's verdict: the same site, the same arguments
-            _remember(group, site, x, options, value, reduces=reduces)
+            _remember(group, site, x, options, value, payload=payload)
         return run(x, value, None)[0]
     ok = error is None and _key(x, options) == agreed.key
-    return _at_site(call, group, site, agreed, (x, options, value, error, ok), run, reduces)
+    return _at_site(call, group, site, agreed, (x, options, value, error, ok), run, payload)
 
 
 def _at_site(
@@ -326,7 +330,7 @@ def _at_site(
     agreed: _call_sites.Agreed,
     given: tuple[Any, dict[str, Any], Any, Exception | None, bool],
     run: Callable[..., Folded],
-    reduces: bool,
+    payload: _call_sites.Payload,
 ) -> torch.Tensor:
     """The collective at a remembered site; ``given``: the call's arguments, their checks'
     value or error, and whether they are the agreed ones (else this rank sets its flag)."""
@@ -345,7 +349,7 @@ def _at_site(
     # comparison raises on every rank, or all changed alike (a last batch).
     agreed.misses += 1
     _raise_unless_agreed(call, group, x, options, error)
-    _remember(group, site, x, options, value, reduces=reduces, were=agreed)
+    _remember(group, site, x, options, value, payload=payload, were=agreed)
     return run(x, value, None)[0]
 
 
@@ -392,13 +396,13 @@ def _remember(
     options: dict[str, Any],
     value: Any,
     *,
-    reduces: bool,
+    payload: _call_sites.Payload,
     were: _call_sites.Agreed | None = None,
 ) -> None:
     """What every rank agreed on at ``site``; None (agree first) once the site is unstable."""
     agreed = None
     if not (were is not None and were.unstable()):
-        folded = _call_sites.foldable(x, reduces=reduces)
+        folded = _call_sites.foldable(x, payload)
         key, shape = _key(x, options), tuple(x.shape)
         agreed = _call_sites.Agreed(key, shape, x.dtype, x.device, value, folded)
         if were is not None:
