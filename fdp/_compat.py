@@ -356,19 +356,6 @@ def leaf_destination(leaf: torch.Tensor) -> str:
         return "returned"
 
 
-def engine_runs_every_node() -> bool:
-    """Whether the running backward runs every node it reaches (``backward()`` without inputs).
-
-    Call from a hook. torch answers True for any node exactly when the
-    backward selects none (its ``exec_info`` is empty); a fresh leaf's
-    accumulation node, which no graph reaches, asks that.
-    """
-    probe = torch.empty(0, requires_grad=True)
-    return bool(
-        torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(probe).node)
-    )
-
-
 # Just below AccumulateGrad's (UINT64_MAX), which must still run right after.
 _EARLY = 2**64 - 2
 

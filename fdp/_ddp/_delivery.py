@@ -13,6 +13,7 @@ gives them.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ class Delivery(enum.Enum):
 
 
 def decide(
-    leaves: list[Any], i: int, bucket: list[int], probe: torch.Tensor | None
+    leaves: list[Any], i: int, bucket: Sequence[int], probe: torch.Tensor | None
 ) -> tuple[bool, bool]:
     """Whether the running backward returns the gradients (else accumulates), and selects leaves.
 

@@ -80,7 +80,7 @@ class Reducer:
         self.open: Step | None = None
         self.lock = threading.Lock()
         self.runs = alias_runs(reduction.layout)
-        # Per device, a leaf that every alias node takes: see Step._decide.
+        # Per device, a leaf that every alias node takes: see fdp/_ddp/_delivery.py.
         self.probes = {
             b.device: torch.empty(0, device=b.device, requires_grad=True)
             for b in reduction.layout.buckets
@@ -173,7 +173,7 @@ class _Call:
 
 
 class _Aliases(torch.autograd.Function):
-    """Aliases of a bucket's leaves (their memory, not views), whose node passes any gradient on.
+    """Aliases of a run of leaves (their memory, not views), whose node passes any gradient on.
 
     Not views: a view's node is made anew (without its hooks) once its base
     is changed in place, as an optimizer step does, so hooks on a view would
@@ -192,8 +192,8 @@ class _Aliases(torch.autograd.Function):
     anyway. The cap keeps that to a megabyte held and a megabyte's copy
     before a launch; a large leaf keeps a node of its own. Outputs that a
     backward does not reach give their hooks ``None``: the step packs those
-    at the launch (see ``Step._decide`` for the leaves ``backward(inputs=...)``
-    leaves out).
+    at the launch (``fdp/_ddp/_delivery.py`` tells the leaves that
+    ``backward(inputs=...)`` leaves out).
     """
 
     @staticmethod
@@ -203,7 +203,7 @@ class _Aliases(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        return (None, *grads)  # none for the probe (Step._decide)
+        return (None, *grads)  # none for the probe (fdp/_ddp/_delivery.py)
 
 
 _APPLY_ALIASES = _compat.plain_apply(_Aliases)

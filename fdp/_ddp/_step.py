@@ -182,7 +182,7 @@ class Step:
         k = self.reduction.layout.where[i][0]
         bucket = self.reduction.layout.buckets[k]
         probe = None if self.probes is None else self.probes[bucket.device]
-        returned, self.selective = _delivery.decide(self.leaves, i, list(bucket.indices), probe)
+        returned, self.selective = _delivery.decide(self.leaves, i, bucket.indices, probe)
         return returned
 
     def _dropped(self, i: int) -> bool:
