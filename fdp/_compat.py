@@ -636,3 +636,18 @@ def _global(group: Any, rank: int) -> int:
     import torch.distributed as dist
 
     return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def storage_free(
+    cls: type[torch.Tensor], like: torch.Tensor, *, requires_grad: bool
+) -> torch.Tensor:
+    """A ``cls`` instance with ``like``'s shape, dtype and device and no storage at all.
+
+    A wrapper subclass (its ``__torch_dispatch__`` decides what any op does):
+    what stands in for a fully sharded parameter whose unit is not gathered.
+    """
+    make: Any = torch.Tensor._make_wrapper_subclass
+    out: torch.Tensor = make(
+        cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=requires_grad
+    )
+    return out

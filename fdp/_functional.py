@@ -187,6 +187,7 @@ def _call_traced(
     *,
     sync_batch_norm: bool,
     group: Any,
+    prepare: Callable[[list[tuple[nn.Module, nn.Module]]], None] | None = None,
 ) -> Any:
     """Compiled code runs on one thread: dynamo traces the real module."""
     if sync_batch_norm:
@@ -207,10 +208,13 @@ def _call(
     *,
     sync_batch_norm: bool,
     group: Any,
+    prepare: Callable[[list[tuple[nn.Module, nn.Module]]], None] | None = None,
 ) -> Any:
     pairs = _shells(module, sync_batch_norm=sync_batch_norm, group=group)
     shells = {id(m): shell for m, shell in pairs}
     _install(module, shells, state)
+    if prepare is not None:  # a fully sharded call installs its units per block
+        prepare(pairs)
     before = [dict(shell.__dict__) for _, shell in pairs]
     try:
         out = pairs[0][1](*args, **kwargs)
@@ -306,4 +310,31 @@ def make_functional(
             )
         return _call(module, state, args, kwargs, sync_batch_norm=sync_batch_norm, group=group)
 
+    fn._fdp_module = module  # type: ignore[attr-defined]  # read by module_call
+    fn._fdp_options = {"sync_batch_norm": sync_batch_norm, "group": group}  # type: ignore[attr-defined]
     return fn, state
+
+
+def module_of(fn: Any) -> nn.Module | None:
+    """The module behind a ``make_functional`` function, or None for any other callable."""
+    module = getattr(fn, "_fdp_module", None)
+    return module if isinstance(module, nn.Module) else None
+
+
+def module_call(
+    fn: Any,
+    state: Mapping[str, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    prepare: Callable[[list[tuple[nn.Module, nn.Module]]], None],
+) -> Any:
+    """``fn(state, *args, **kwargs)``, with ``prepare(pairs)`` run on the call's shells first.
+
+    ``pairs`` are ``(module, shell)`` for every module, the root first: the
+    caller may replace a shell's tensors or its ``forward`` for this call.
+    """
+    module = module_of(fn)
+    if module is None:
+        raise TypeError(f"{_CALL}: expected a function make_functional returned")
+    options = fn._fdp_options
+    return _call(module, state, args, kwargs, prepare=prepare, **options)

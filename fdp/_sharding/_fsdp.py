@@ -35,6 +35,7 @@ from fdp._sharding import (
     _fsdp_chain,
     _fsdp_clip,
     _fsdp_gather,
+    _fsdp_module,
     _fsdp_optim,
     _fsdp_plan,
     _fsdp_prefetch,
@@ -186,6 +187,7 @@ class FullyShardedDataParallel:
         self._layout = _shards.from_buckets(params, buckets, sharded, group=group)
         self._bucket_units = [(u.name, b) for u in self.units for b in range(len(u.buckets))]
         _param_groups.register_sharded(self)  # param_groups refuses the shards, naming optimizer()
+        self._released: list[_fsdp_module.Released] = []  # modules whose copy wrap() freed
 
     def holds_shards(self, tree: Any) -> bool:
         """Whether ``tree`` has the format of this instance's shards (``shard``'s result)."""
@@ -229,6 +231,7 @@ class FullyShardedDataParallel:
     def shard(self, params: Any) -> dict[str, tuple[torch.Tensor, ...]]:
         """This rank's shards of ``params`` (new tensors; leaves of autograd if ``params``' are)."""
         call = "fdp.FullyShardedDataParallel.shard"
+        _fsdp_module.refuse_released(call, self._released, params)
         leaves = self._planned.leaves(call, "params", params)
         rank = dist.get_rank(self.group)
         out: dict[str, tuple[torch.Tensor, ...]] = {}
@@ -319,6 +322,16 @@ class FullyShardedDataParallel:
             self._chain.attach(mark, unit_held)
             _fsdp_reshard.reshard(unit_held, outputs)
         return out
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``run(shards, *args, **kwargs)``: ``fn``'s module (``fn`` from ``make_functional``),
+        each unit gathered while its submodule runs; the module's own parameters released
+        (``fdp/_sharding/_fsdp_module.py``). Example: docs/models.md."""
+        return _fsdp_module.wrap(self, fn)
+
+    def restore(self, shards: dict[str, tuple[torch.Tensor, ...]]) -> None:
+        """Gives the modules :meth:`wrap` released ``shards``' full values, in place."""
+        _fsdp_module.restore(self, self.full(shards))
 
     def full(self, shards: dict[str, tuple[torch.Tensor, ...]]) -> Any:
         """The params tree outside autograd, in the parameters' own dtypes."""
@@ -441,9 +454,11 @@ class FullyShardedDataParallel:
         ready: Sequence[torch.Tensor] | None = None,
         *,
         borrower: str | None = None,
+        chained: bool = True,
     ) -> list[_fsdp_reshard.Gathered]:
         """Gathers ``state``'s unit into ``out`` (``ready``: already gathered); returns each
-        flat buffer with its shard, how and leaves. ``borrower``: the unit it is gathered for."""
+        flat buffer with its shard, how and leaves. ``borrower``: the unit it is gathered for;
+        ``chained=False``: outside the chain of units (a recompute in backward)."""
         gathered: list[_fsdp_reshard.Gathered] = []
         for k, (bucket, shard) in enumerate(zip(state.unit.buckets, shards, strict=True)):
             how = state.policy_for(k, shard)
@@ -451,7 +466,7 @@ class FullyShardedDataParallel:
             buffer = _fsdp_unit.Buffer(state.name, k, borrower)
             if not self._sync:
                 _fsdp_accumulate.check("fdp.FullyShardedDataParallel.no_sync", shard)
-            make = functools.partial(self._gather_flat, state, buffer, shard, how, done)
+            make = functools.partial(self._gather_flat, state, buffer, shard, how, done, chained)
             recompute = self.reshard_after_forward
             flat, leaves = _fsdp_gather.unit_leaves(bucket, shard, how, make, recompute=recompute)
             for i, leaf in zip(bucket.indices, leaves, strict=True):
@@ -466,6 +481,7 @@ class FullyShardedDataParallel:
         shard: torch.Tensor,
         how: Any,
         done: Any,
+        chained: bool = True,
     ) -> torch.Tensor:
         """A bucket's flat buffer, chained; in ``no_sync`` its gradient is kept instead."""
         if self._sync:
@@ -474,21 +490,7 @@ class FullyShardedDataParallel:
         else:  # gathered outside autograd (fdp/_sharding/_fsdp_accumulate.py)
             flat = _fsdp_gather.gather(shard.detach(), how, done)
             flat = _fsdp_accumulate.hold(state.kept, buffer, flat, shard, how.reduce_dtype)
-        return self._chain.link(buffer, flat)
+        return self._chain.link(buffer, flat) if chained else flat
 
     def _check_shards(self, call: str, shards: Any) -> None:
-        if not isinstance(shards, dict) or sorted(shards) != sorted(self.unit_names):
-            got = sorted(shards) if isinstance(shards, dict) else _tree.describe(shards)
-            raise ValueError(
-                f"{call}: `shards` expected the dict shard() returns, with the units "
-                f"{sorted(self.unit_names)}; got {got}"
-            )
-        for unit in self.units:
-            given = shards[unit.name]
-            expected = [(size,) for size in unit.sizes]
-            got_shapes = [tuple(getattr(t, "shape", ())) for t in given]
-            if got_shapes != expected:
-                raise ValueError(
-                    f"{call}: `shards` unit {unit.name!r} expected tensors of shapes {expected} "
-                    f"(this rank's shards); got {[_tree.describe(t) for t in given]}"
-                )
+        _fsdp_plan.check_shards(call, self.units, shards)

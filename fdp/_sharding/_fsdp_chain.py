@@ -110,7 +110,8 @@ class Chain:
     def mark(self) -> int:
         return len(self.entries)
 
-    def attach(self, since: int, held: Any) -> None:
-        """The entries linked since ``mark()`` belong to the unit ``held`` reshards."""
-        for entry in self.entries[since:]:
+    def attach(self, since: int, held: Any, *, until: int | None = None) -> None:
+        """The entries linked since ``mark()`` (up to ``until``) belong to the unit ``held``
+        reshards."""
+        for entry in self.entries[since:until]:
             entry.held = held

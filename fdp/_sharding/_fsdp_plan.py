@@ -205,3 +205,22 @@ def checked_params(
         _agreement.check(described, group=among, call=call, arg="params")
         _agreement.check_values(tensors, paths, group=among, call=call, arg="params")
     return leaves, spec, tensors
+
+
+def check_shards(call: str, units: Sequence[Unit], shards: Any) -> None:
+    """Raises unless ``shards`` is a dict of ``units``' shards, with this rank's shapes."""
+    names = sorted(u.name for u in units)
+    if not isinstance(shards, dict) or sorted(shards) != names:
+        got = sorted(shards) if isinstance(shards, dict) else _tree.describe(shards)
+        raise ValueError(
+            f"{call}: `shards` expected the dict shard() returns, with the units {names}; got {got}"
+        )
+    for unit in units:
+        given = shards[unit.name]
+        expected = [(size,) for size in unit.sizes]
+        got_shapes = [tuple(getattr(t, "shape", ())) for t in given]
+        if got_shapes != expected:
+            raise ValueError(
+                f"{call}: `shards` unit {unit.name!r} expected tensors of shapes {expected} "
+                f"(this rank's shards); got {[_tree.describe(t) for t in given]}"
+            )
