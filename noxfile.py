@@ -179,6 +179,12 @@ def train_lm_fsdp(session: nox.Session) -> None:
 
 
 @shared
+def finetune_hf(session: nox.Session) -> None:
+    """A Hugging Face GPT-2 on 2 ranks: DDP, or `-- --fsdp` (fsdp.wrap); `-- --compare-torch`."""
+    run(session, *TORCHRUN, "examples/finetune_hf.py", *session.posargs, env=COMPILE_CACHE)
+
+
+@shared
 def train_meanflow(session: nox.Session) -> None:
     """A one-step MeanFlow generator on 2 processes, ddp(params) inside torch.func.jvp."""
     run(session, *TORCHRUN, "examples/train_meanflow.py", *session.posargs, env=COMPILE_CACHE)
@@ -290,4 +296,5 @@ def bench(session: nox.Session) -> None:
     run(session, "python", "benchmarks/bench_fsdp_accumulate.py", *session.posargs)
     run(session, "python", "benchmarks/bench_collectives.py", *session.posargs)
     run(session, "python", "benchmarks/fsdp_memory.py", *session.posargs, env=COMPILE_CACHE)
+    run(session, "python", "benchmarks/bench_models.py", *session.posargs)
     run(session, "python", "benchmarks/bench_pack_order.py", *session.posargs, env=COMPILE_CACHE)

@@ -3,9 +3,8 @@
 GPT-2 and Llama from configs (``transformers``, random weights), 2 and 4
 gloo ranks, one AdamW step per iteration. Per rank 0, for each method:
 
-- held between steps: the bytes of every tensor storage alive after a step
-  over those alive before the model was built (parameters or shards,
-  optimizer state, buffers, anything a method leaks);
+- held between steps: the bytes of what the method keeps (parameters or
+  shards, optimizer state, buffers), each storage once;
 - peak in the step: that, plus how far the allocator's bytes in use
   (glibc's ``mallinfo2``, read after every op by a dispatch mode, as
   ``fsdp_memory.py`` does) rise during one step over its start;
@@ -36,6 +35,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 import torch.distributed as dist
 from fsdp_memory import in_use, peak_of
@@ -58,14 +58,15 @@ def build(name: str, quick: bool) -> torch.nn.Module:
     if name == "gpt2":
         config = t.GPT2Config(n_layer=layers, n_embd=width, n_head=8, n_positions=128,
                               vocab_size=vocab, resid_pdrop=0.0, embd_pdrop=0.0,
-                              attn_pdrop=0.0, use_cache=False, loss_type="ForCausalLM")  # fmt: skip
+                              attn_pdrop=0.0, use_cache=False)  # fmt: skip
         model: torch.nn.Module = t.GPT2LMHeadModel(config)
     else:
         config = t.LlamaConfig(hidden_size=width, intermediate_size=2 * width,
                                num_hidden_layers=layers, num_attention_heads=8,
                                num_key_value_heads=4, vocab_size=vocab, use_cache=False,
-                               max_position_embeddings=128, loss_type="ForCausalLM")  # fmt: skip
+                               max_position_embeddings=128)  # fmt: skip
         model = t.LlamaForCausalLM(config)
+    model.loss_type = "ForCausalLM"  # type: ignore[assignment]  # no warning_once per call
     return model.train()
 
 
@@ -130,18 +131,20 @@ def make(method: str, name: str, ids: torch.Tensor, quick: bool) -> tuple[Callab
     return torch_step(name, ids, quick, sharded=method == METHODS[1])
 
 
-def live_bytes() -> int:
-    """Bytes of every tensor storage alive in the process (a DTensor's local one)."""
-    gc.collect()
+def state_bytes(keep: Any) -> int:
+    """Bytes of what a method keeps between steps: its parameters or shards (a DTensor's
+    local tensor), optimizer state and the model's buffers, each storage once."""
+    model = keep[0]
+    tensors = [*model.parameters(), *model.buffers()]
+    if isinstance(keep[-1], torch.optim.Optimizer):
+        tensors += [t for s in keep[-1].state.values() for t in s.values()]
+    else:  # fdp: the shards and the fdp.optim state
+        tensors += optree.tree_leaves(keep[1:], none_is_leaf=False)
     seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
-            t = getattr(obj, "_local_tensor", obj)
-            try:
-                storage = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # no storage (a wrapper, meta)
-                continue
-            seen[storage.data_ptr()] = storage.nbytes()
+    for obj in tensors:
+        t = getattr(obj, "_local_tensor", obj)
+        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 
@@ -153,11 +156,11 @@ def measure(rank: int, name: str, quick: bool, rounds: int) -> dict[str, Any]:
     warm()
     del warm, keep
     for method in METHODS:  # one at a time: nothing of another method is alive
-        base = live_bytes()
         step, keep = make(method, name, ids, quick)
         step()
         step()
-        held = live_bytes() - base
+        held = state_bytes(keep)
+        gc.collect()
         start = in_use()
         peak = held + peak_of(step) - start
         memory[method] = (held / MB, peak / MB)

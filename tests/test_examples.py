@@ -37,7 +37,7 @@ def test_cuda_devices_without_cuda_fail_with_fdps_device_error() -> None:
     assert "AssertionError" not in done.stderr
 
 
-EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("train_*.py"))
+EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py") if p.stem != "common")
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -78,6 +78,10 @@ ZERO = ("examples/train_digits_zero.py", "--epochs", "3", "--checkpoint-every", 
 ZERO_ARGS = (*ZERO, "--min-accuracy", "0", "--resume")
 LM = ("examples/train_lm_fsdp.py", "--steps", "12", "--checkpoint-every", "5", "--resume")
 LM_ARGS = (*LM, "--dim", "32", "--blocks", "2", "--loss-threshold", "100")
+# A Hugging Face GPT-2, fully sharded (fsdp.wrap, fdp.optim) or DDP with torch's AdamW.
+HF = ("examples/finetune_hf.py", "--steps", "12", "--checkpoint-every", "5", "--resume")
+HF_FSDP_ARGS = (*HF, "--fsdp", "--loss-threshold", "100")
+HF_DDP_ARGS = (*HF, "--loss-threshold", "100")
 # The ported torch script: 2 epochs of 23 steps, checkpoints at 10, 20, ... and 46.
 PORTED = ("examples/train_cnn_ported.py", "--epochs", "2", "--checkpoint-every", "10")
 PORTED_ARGS = (*PORTED, "--min-accuracy", "0", "--resume")
@@ -163,14 +167,16 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
     """The examples' final states from runs that nothing interrupted (one agent)."""
     tmp = tmp_path_factory.mktemp("whole")
     states = {}
-    for name, args in (("zero", ZERO_ARGS), ("lm", LM_ARGS), ("ported", PORTED_ARGS)):
+    runs = {"zero": ZERO_ARGS, "lm": LM_ARGS, "ported": PORTED_ARGS}
+    runs |= {"hf_fsdp": HF_FSDP_ARGS, "hf_ddp": HF_DDP_ARGS}
+    for name, args in runs.items():
         log = torchrun(tmp / name, args)
         assert f"--resume: no complete checkpoint in {tmp / name}; starting fresh" in log
         states[name] = final_state(tmp / name, tmp)
     return states
 
 
-@pytest.mark.parametrize("name", ["zero", "lm", "ported"])
+@pytest.mark.parametrize("name", ["zero", "lm", "ported", "hf_fsdp", "hf_ddp"])
 def test_a_killed_rank_restarts_and_ends_where_an_uninterrupted_run_does(
     tmp_path: Path, uninterrupted: dict[str, dict[str, Any]], name: str
 ) -> None:
@@ -179,6 +185,8 @@ def test_a_killed_rank_restarts_and_ends_where_an_uninterrupted_run_does(
         "zero": (ZERO_ARGS, "step_10"),
         "lm": (LM_ARGS, "step_5"),
         "ported": (PORTED_ARGS, "step_10"),
+        "hf_fsdp": (HF_FSDP_ARGS, "step_5"),
+        "hf_ddp": (HF_DDP_ARGS, "step_5"),
     }[name]
     log = torchrun(tmp_path / name, args, kill=True)
     assert f"--resume: continuing from {tmp_path / name / first}" in log

@@ -106,6 +106,7 @@ class Plan:
     needs: dict[int, list[str]]  # module id -> units its forward gathers, in plan order
     unheld: dict[int, Unheld]  # leaf -> its stand-in
     state: dict[str, torch.Tensor]  # what the shells get: kept leaves and stand-ins
+    enclosing: set[str]  # units whose submodule holds other units' submodules
 
 
 def plan(fsdp: Any, module: nn.Module) -> Plan:
@@ -137,7 +138,11 @@ def plan(fsdp: Any, module: nn.Module) -> Plan:
     state: dict[str, torch.Tensor] = {names[i]: t for i, t in unheld.items()}
     state |= {names[i]: t for i, t in fsdp._kept.items() if isinstance(t, torch.Tensor)}
     order = fsdp.unit_names
-    return Plan(slots, {k: [u for u in order if u in v] for k, v in needs.items()}, unheld, state)
+    inner = [s for s in scopes.values() if s is not None]
+    enclosing = {u for u, s in scopes.items() if s is not None and any(
+        t != s and _inside(t, s) for t in inner)}  # fmt: skip
+    needs_in_order = {k: [u for u in order if u in v] for k, v in needs.items()}
+    return Plan(slots, needs_in_order, unheld, state, enclosing)
 
 
 def _inside(path: str, scope: str) -> bool:
@@ -283,7 +288,13 @@ class Pass:
         _fsdp_reshard.check_not_returned(f"{CALL}(fn)", unit, out, flat_out, live.gathered)
         with _label(f"fdp::fsdp.reshard {unit}"):
             buffers = [_fsdp_reshard.Resharded(*g) for g in live.gathered if g[0].requires_grad]
-        held = fsdp._prefetch.held(buffers)
+        if unit in self.wrapped.plan.enclosing:
+            # Note [an enclosing unit prefetches nothing]: backward reaches its outputs
+            # first and needs it to the end (torch's root): the unit its scope closed
+            # after is the innermost block, which its own outputs' refill fetches later.
+            held = _fsdp_reshard.Held(buffers, None)
+        else:
+            held = fsdp._prefetch.held(buffers)
         fsdp._states[unit].resharded = held
         fsdp._chain.attach(live.since, held, until=live.until)
         live.held = held
@@ -301,13 +312,20 @@ class Released:
             for _, p, _ in self.params:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.ids = {id(p) for _, p, _ in self.params}
+        # One released parameter's slot tells a direct call of the module (the slot
+        # holds it) from a compiled call through functional_call (swapped out).
+        owner, _, key = self.params[0][0].rpartition(".") if self.params else ("", "", "")
+        self._probe = (module.get_submodule(owner), key) if self.params else None
         self._hooks = [
             module.register_forward_pre_hook(self._refuse),
             module.register_load_state_dict_pre_hook(self._before_load),  # type: ignore[no-untyped-call]
         ]
 
     def _refuse(self, module: nn.Module, args: Any) -> None:
-        if module is self.module and self.params:  # the shells of fdp's calls pass
+        if module is not self.module or self._probe is None:  # fdp's shells pass
+            return
+        owner, key = self._probe
+        if owner._parameters.get(key) is self.params[0][1]:
             name = self.params[0][0]
             raise RuntimeError(
                 f"{CALL}: the module's own parameters were released when it was wrapped "
@@ -326,7 +344,7 @@ class Released:
                 value = None if full is None else full[name]
                 p.data = torch.empty(shape, dtype=p.dtype, device=p.device) if value is None else (
                     value.detach().to(p.dtype).clone())  # fmt: skip
-        self.params, self.ids = [], set()
+        self.params, self.ids, self._probe = [], set(), None
         for hook in self._hooks:
             hook.remove()
 
