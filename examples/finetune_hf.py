@@ -102,7 +102,7 @@ def batch(probs: torch.Tensor, step: int, args: argparse.Namespace) -> torch.Ten
     every = torch.stack(tokens, 1)
     per = args.batch_size // dist.get_world_size()
     rank = dist.get_rank()
-    return every[rank * per : (rank + 1) * per]
+    return every[rank * per : (rank + 1) * per].to(args.device)
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
@@ -113,7 +113,7 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
                           n_positions=args.context, vocab_size=args.vocab, bos_token_id=0,
                           eos_token_id=0, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0,
                           attn_pdrop=0.0)  # fmt: skip
-    model: torch.nn.Module = t.GPT2LMHeadModel(config).train()
+    model: torch.nn.Module = t.GPT2LMHeadModel(config).to(args.device).train()
     # torch.compile(fullgraph=True): without a known loss type the loss warns
     # through transformers' logger.warning_once, where dynamo stops.
     model.loss_type = "ForCausalLM"  # type: ignore[assignment]
@@ -194,7 +194,8 @@ def fsdp_trainer(args: argparse.Namespace) -> Trainer:
         grads, _ = fsdp.clip_grad_norm({k: tuple(t.grad for t in ts) for k, ts in s.items()},
                                        args.max_norm)  # fmt: skip
         plain = {k: tuple(t.detach() for t in ts) for k, ts in s.items()}
-        box["shards"], box["opt"] = opt.update(grads, box["opt"], plain)
+        # In place (donate): no second copy of the shards and state at the step's peak.
+        box["shards"], box["opt"] = opt.update(grads, box["opt"], plain, donate=True)
         return loss.detach()
 
     def checkpoint() -> dict[str, Any]:
@@ -255,8 +256,16 @@ def kept_bytes(kept: list[Any]) -> int:
 
 def measured(step: Callable[[torch.Tensor], Any], ids: torch.Tensor, kept: list[Any]) -> float:
     """MiB at ``step``'s peak: what the method keeps between steps (parameters or shards,
-    optimizer state, buffers), plus how far the allocator's bytes in use rise in the step."""
+    optimizer state, buffers), plus how far the allocator's bytes in use rise in the step
+    (on CUDA: torch's caching allocator's own count)."""
     gc.collect()
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step(ids)
+        torch.cuda.synchronize()
+        return (kept_bytes(kept) + torch.cuda.max_memory_allocated() - before) / 2**20
     with Peak() as sampled:
         start = sampled.peak
         step(ids)
@@ -307,7 +316,7 @@ class Peak:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    common.launch(args, __file__)
+    args.device = common.launch(args, __file__)
     try:
         return train(args)
     finally:
@@ -384,8 +393,9 @@ def summary(
     """
     final = sum(losses[-10:]) / max(len(losses[-10:]), 1) if losses else float("nan")
     threshold = args.loss_threshold if args.loss_threshold is not None else entropy + 0.5
-    peaks = [torch.zeros(1) for _ in range(dist.get_world_size())]
-    dist.all_gather(peaks, torch.tensor([peak]))
+    device = args.device  # nccl gathers device tensors
+    peaks = [torch.zeros(1, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, torch.tensor([peak], device=device))
     report: dict[str, Any] = {
         "final_loss": round(final, 4),
         "loss_threshold": round(threshold, 4),
@@ -394,8 +404,8 @@ def summary(
         "steps": args.steps,
     }
     if torch_peak is not None:
-        theirs = [torch.zeros(1) for _ in range(dist.get_world_size())]
-        dist.all_gather(theirs, torch.tensor([torch_peak]))
+        theirs = [torch.zeros(1, device=device) for _ in range(dist.get_world_size())]
+        dist.all_gather(theirs, torch.tensor([torch_peak], device=device))
         report["torch_fully_shard_peak_mib"] = [round(float(p), 2) for p in theirs]
     common.log(f"final loss {final:.4f} (the chain's entropy {entropy:.4f}; must be below "
                f"{threshold:.4f})")  # fmt: skip

@@ -639,15 +639,20 @@ def _global(group: Any, rank: int) -> int:
 
 
 def storage_free(
-    cls: type[torch.Tensor], like: torch.Tensor, *, requires_grad: bool
+    cls: type[torch.Tensor], like: torch.Tensor, *, requires_grad: bool, device: Any = None
 ) -> torch.Tensor:
-    """A ``cls`` instance with ``like``'s shape, dtype and device and no storage at all.
+    """A ``cls`` instance with ``like``'s shape and dtype, on ``device`` (default ``like``'s),
+    and no storage at all.
 
     A wrapper subclass (its ``__torch_dispatch__`` decides what any op does):
     what stands in for a fully sharded parameter whose unit is not gathered.
     """
     make: Any = torch.Tensor._make_wrapper_subclass
     out: torch.Tensor = make(
-        cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=requires_grad
+        cls,
+        like.shape,
+        dtype=like.dtype,
+        device=like.device if device is None else device,
+        requires_grad=requires_grad,
     )
     return out

@@ -2,7 +2,8 @@
 
 Every case runs on 2 gloo ranks and compares with one process: the mean of
 the ranks' losses, differentiated on the unsharded model (``reference``),
-for gradients; and each block's gather is checked to happen inside its
+for gradients (and, without checkpointing, with torch's ``fully_shard`` on
+each block and the root); and each block's gather is checked to happen inside its
 forward, with the unit's memory freed after it (between forward and
 backward a rank holds its shards only). Hugging Face models from
 ``tests/test_models.py``: GPT-2's tied ``wte``/``lm_head`` (one unit used in
@@ -17,11 +18,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 import fdp
 from fdp._sharding import _fsdp_unit
 from tests import ranks
-from tests.test_models import BLOCKS, build, check, grads_of, inputs, reference
+from tests.test_models import BLOCKS, _full_grads, build, check, grads_of, inputs, reference
 
 MODELS = ["gpt2", "bert", "llama", "t5", "resnet"]
 
@@ -53,17 +55,26 @@ def _wrapped(rank: int, size: int, name: str, checkpointing: str | None) -> Any:
     between = fsdp._states[BLOCKS[name][0]].phase
     loss.backward()
     emptied = all(p.numel() == 0 for p in model.parameters())
-    return _grads(fsdp, shards, state), between, emptied, float(loss.detach())
+    theirs: dict[str, torch.Tensor] = {}
+    if checkpointing is None:  # torch's fully_shard on each block, then the root
+        torch_model = build(name)
+        for block in BLOCKS[name]:
+            fully_shard(torch_model.get_submodule(block))
+        fully_shard(torch_model)
+        torch.autograd.backward(torch_model(**inputs(name, rank)).loss)
+        theirs = _full_grads(torch_model)
+    return _grads(fsdp, shards, state), between, emptied, float(loss.detach()), theirs
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_each_block_gathered_in_its_forward_matches_one_process(name: str) -> None:
     ref, _ = reference(name, 2)
     losses = [float(ref(**inputs(name, r)).loss.detach()) for r in range(2)]
-    for rank, (grads, between, emptied, loss) in enumerate(
+    for rank, (grads, between, emptied, loss, theirs) in enumerate(
         ranks.world(2).run(_wrapped, name, None)
     ):
         check(grads, grads_of(ref), f"{name} rank {rank}: gradients against one process")
+        check(grads, theirs, f"{name} rank {rank}: gradients against torch's fully_shard")
         assert between == _fsdp_unit.Phase.RESHARDED, (name, between)
         assert emptied, "the module's own parameters are released"
         assert loss == pytest.approx(losses[rank], rel=1e-5)
@@ -76,7 +87,7 @@ CHECKPOINTED = [("gpt2", "reentrant"), ("gpt2", "non-reentrant"), ("llama", "ree
 @pytest.mark.parametrize(("name", "how"), CHECKPOINTED)
 def test_activation_checkpointing_regathers_in_the_recompute(name: str, how: str) -> None:
     ref, _ = reference(name, 2)
-    for rank, (grads, between, _, _) in enumerate(ranks.world(2).run(_wrapped, name, how)):
+    for rank, (grads, between, *_) in enumerate(ranks.world(2).run(_wrapped, name, how)):
         check(grads, grads_of(ref), f"{name} {how} rank {rank}")
         assert between == _fsdp_unit.Phase.RESHARDED
 
@@ -163,12 +174,57 @@ def _refusals(rank: int, size: int) -> Any:
     run = fsdp.wrap(fn)  # a unit that is a leaf: gathered by the forward of its module
     loss = run(shards, **inputs("gpt2", rank)).loss
     loss.backward()
-    return errors, float(loss.detach())
+    seen: list[Any] = []
+
+    def reads_outside(module: nn.Module, args: Any) -> None:  # the root: c_fc not gathered
+        weight: Any = module.get_submodule("transformer.h.0.mlp.c_fc").weight
+        seen.append((weight.shape, weight.dtype, weight.device))
+        weight.sum()
+
+    model.register_forward_pre_hook(reads_outside)
+    try:
+        run(shards, **inputs("gpt2", rank))
+    except RuntimeError as e:
+        errors.append(str(e))
+    return errors, float(loss.detach()), seen
 
 
 def test_wrap_refuses_other_functions_and_gathers_leaf_units_where_used() -> None:
     ref, _ = reference("gpt2", 2)
     losses = [float(ref(**inputs("gpt2", r)).loss.detach()) for r in range(2)]
-    for rank, (errors, loss) in enumerate(ranks.world(2).run(_refusals)):
+    for rank, (errors, loss, seen) in enumerate(ranks.world(2).run(_refusals)):
         assert "`fn` expected the function fdp.make_functional" in errors[0], errors
         assert loss == pytest.approx(losses[rank], rel=1e-5)
+        # Outside its module the parameter has its metadata, and any op on it raises.
+        assert seen == [(torch.Size([16, 64]), torch.float32, torch.device("cpu"))]
+        assert (
+            "'transformer.h.0.mlp.c_fc.weight' (unit 'transformer.h.0.mlp.c_fc.weight')"
+            in (errors[1])
+        ), errors
+        assert "was used (aten.sum.default) outside the forward" in errors[1], errors
+
+
+def _on_cuda(rank: int, size: int) -> Any:
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="nccl")  # this rank alone, on its GPU
+    model, ref = build("gpt2").cuda(), build("gpt2").cuda()
+    fn, state = fdp.make_functional(model)
+    fsdp = fdp.FullyShardedDataParallel(state, group=group)
+    shards = fsdp.shard(state)
+    run = fsdp.wrap(fn)
+    batch = {k: v.cuda() for k, v in inputs("gpt2", 0).items()}
+    run(shards, **batch).loss.backward()
+    between = fsdp._states[BLOCKS["gpt2"][0]].phase
+    ref(**batch).loss.backward()
+    got = {k: v.cpu() for k, v in _grads(fsdp, shards, state).items()}
+    dist.destroy_process_group(group)
+    return got, {k: v.cpu() for k, v in grads_of(ref).items()}, between
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_wrap_on_cuda_with_nccl_matches_the_module() -> None:
+    got, expected, between = ranks.world(1).run(_on_cuda)[0]
+    check(got, expected, "gpt2 on CUDA")
+    assert between == _fsdp_unit.Phase.RESHARDED

@@ -59,8 +59,8 @@ class Unheld(torch.Tensor):
     unit: str
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, leaf: str, unit: str) -> Unheld:
-        out: Any = _compat.storage_free(cls, like, requires_grad=like.requires_grad)
+    def __new__(cls, like: torch.Tensor, leaf: str, unit: str, device: torch.device) -> Unheld:
+        out: Any = _compat.storage_free(cls, like, requires_grad=like.requires_grad, device=device)
         out.leaf, out.unit = leaf, unit
         made: Unheld = out
         return made
@@ -134,7 +134,9 @@ def plan(fsdp: Any, module: nn.Module) -> Plan:
         if scope is not None:
             needs.setdefault(id(module.get_submodule(scope)), set()).add(unit)
     metas = _tree.flatten(fsdp._meta)[0]
-    unheld = {i: Unheld(metas[i], names[i], unit) for i, unit in unit_of.items()}
+    # On the shards' device, which the module's code may read (``self.device``).
+    device = {i: b.device for u in fsdp.units for b in u.buckets for i in b.indices}
+    unheld = {i: Unheld(metas[i], names[i], unit, device[i]) for i, unit in unit_of.items()}
     state: dict[str, torch.Tensor] = {names[i]: t for i, t in unheld.items()}
     state |= {names[i]: t for i, t in fsdp._kept.items() if isinstance(t, torch.Tensor)}
     order = fsdp.unit_names
