@@ -228,3 +228,25 @@ def test_wrap_on_cuda_with_nccl_matches_the_module() -> None:
     got, expected, between = ranks.world(1).run(_on_cuda)[0]
     check(got, expected, "gpt2 on CUDA")
     assert between == _fsdp_unit.Phase.RESHARDED
+
+
+def _under_func_grad(rank: int, size: int) -> Any:
+    model = build("llama")
+    fn, state = fdp.make_functional(model)
+    fsdp = fdp.FullyShardedDataParallel(state)
+    shards = {k: tuple(t.detach() for t in ts) for k, ts in fsdp.shard(state).items()}
+    run = fsdp.wrap(fn)
+
+    def loss(s: Any) -> torch.Tensor:
+        out: torch.Tensor = run(s, **inputs("llama", rank)).loss
+        return out
+
+    grads = torch.func.grad(loss)(shards)
+    full = fsdp.full(grads)
+    return {k: full[k] for k, v in state.items() if v.requires_grad}
+
+
+def test_wrap_inside_torch_func_grad_matches_one_process() -> None:
+    ref, _ = reference("llama", 2)
+    for rank, grads in enumerate(ranks.world(2).run(_under_func_grad)):
+        check(grads, grads_of(ref), f"llama under torch.func.grad, rank {rank}")
