@@ -18,6 +18,7 @@ from pathlib import Path
 
 FDP = Path(__file__).resolve().parent.parent / "fdp"
 LAYERS = {
+    "_compat": "core",  # private torch APIs, a package of topic modules
     "_comm": "comm",
     "_ddp": "ddp",
     "_sharding": "sharding",

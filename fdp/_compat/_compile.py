@@ -1,0 +1,96 @@
+"""Dynamo and inductor: disabling a function, compiled modules, ordered effects, the
+scheduler's overlap passes, checkpointing's recompute tags.
+
+Part of :mod:`fdp._compat` (its docstring says how each function degrades).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def plain_checkpoint_recomputes() -> bool:
+    """Whether compiled plain checkpointing tags its ops "prefer recompute" (torch 2.13;
+    2.11 needs a selective-checkpoint policy, for which 2.13 logs a warning)."""
+    from torch._higher_order_ops import wrap
+
+    return hasattr(wrap, "_always_prefer_recompute")
+
+
+def compiler_disable(fn: F, *, reason: str) -> F:
+    """``torch.compiler.disable(fn, reason=reason)``: dynamo runs ``fn`` eagerly.
+
+    Made at the first call, not here: ``torch.compiler.disable`` imports
+    ``torch._dynamo`` (seconds), and fdp's entry points are decorated at
+    import. Until then the wrapper carries the marks ``torch.compiler.disable``
+    puts on its own (``_torchdynamo_disable`` and its message), which is
+    what dynamo reads when it meets a call: it never inlines the wrapper
+    (a graph break, or ``fullgraph=True``'s error with ``reason``), and
+    the wrapper runs eagerly. ``reason`` is new in torch 2.7.
+    """
+    made: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not made:
+            try:
+                disabled = torch.compiler.disable(fn, reason=reason)  # type: ignore[no-untyped-call]
+            except TypeError:
+                disabled = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
+            made.append(disabled)
+        return made[0](*args, **kwargs)
+
+    call._torchdynamo_disable = True  # type: ignore[attr-defined]
+    call._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
+    return cast(F, call)
+
+
+def is_compiled_module(obj: object) -> bool:
+    """Whether ``obj`` is an ``nn.Module`` wrapped by ``torch.compile``.
+
+    If ``OptimizedModule`` moves, this answers False: ``make_functional`` then
+    sees the wrapper's ``_orig_mod`` as a submodule (its test fails).
+    """
+    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    kind = getattr(optimized, "OptimizedModule", None)
+    return kind is not None and isinstance(obj, kind)
+
+
+def order_effects(op: Any) -> bool:
+    """Give custom op ``op`` an ordered side effect; whether this torch could.
+
+    AOTAutograd threads an effectful op on a token, and in a backward graph
+    that token is a backward input: the partitioner keeps the op, and all
+    that depends on it, in backward, in program order, even when its tensor
+    inputs are constants. If ``register_effect`` or ``EffectType`` goes,
+    this returns False and ``_ddp_traced`` ties every bucket to all gradients
+    instead (correct, without overlap).
+    """
+    try:
+        from torch._library.effects import EffectType
+
+        op.register_effect(EffectType.ORDERED)
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+def inductor_overlap_passes() -> list[str]:
+    """Inductor's scheduler passes that move collectives early and their waits late.
+
+    Named in ``torch._inductor.comms``; the peak-memory-preserving ones
+    (torch >= 2.8) are inductor's recommendation, the older pair is the
+    fallback. An empty list (no pass known) leaves inductor's order.
+    """
+    from torch._inductor import comms
+
+    preferred = ["reorder_communication_preserving_peak_memory", "sink_waits_iterative"]
+    if all(hasattr(comms, name) for name in preferred):
+        return [*preferred, preferred[0]]
+    return [name for name in ("sink_waits", "raise_comms") if hasattr(comms, name)]

@@ -1,0 +1,88 @@
+"""Storage, foreach ops, wrapper subclasses and user-registered pytree nodes.
+
+Part of :mod:`fdp._compat` (its docstring says how each function degrades).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def storage_users(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s storage (``t`` included); huge if unknown."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # private API gone: never reuse
+        return 1 << 30
+    # The temporary Storage object made by untyped_storage() holds one more.
+    return int(use_count(t.untyped_storage()._cdata)) - 1
+
+
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all i in one call (one kernel per group on CUDA).
+
+    ``torch._foreach_copy_`` is private (torch >= 2.1). If it disappears, the
+    loop below is the exact fallback.
+    """
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is None:
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+    elif dst:
+        foreach(dst, src)
+
+
+Flatten = Any  # obj -> (children, context)
+
+
+Unflatten = Any  # (context, children) -> obj
+
+
+def registered_node(kind: type) -> tuple[Flatten, Unflatten] | None:
+    """How a user-registered pytree node type flattens, whichever registry it is in.
+
+    Looks in optree's registry under every namespace (optree has no public
+    listing of namespaces: ``_NODETYPE_REGISTRY``, checked on optree 0.20) and
+    in ``torch.utils._pytree``'s ``SUPPORTED_NODES``. Without them, a user's
+    node type is not split and, holding tensors, is refused with an error.
+    """
+    import optree
+    import torch.utils._pytree as torch_pytree
+
+    registry: dict[Any, Any] = getattr(optree.registry, "_NODETYPE_REGISTRY", {})
+    for key, entry in registry.items():
+        if key is kind or (isinstance(key, tuple) and key[1] is kind):
+
+            def flatten(obj: Any, entry: Any = entry) -> tuple[list[Any], Any]:
+                out = entry.flatten_func(obj)
+                return list(out[0]), out[1]
+
+            return flatten, lambda context, children, e=entry: e.unflatten_func(context, children)
+    node = torch_pytree.SUPPORTED_NODES.get(kind)
+    if node is not None:
+        return (
+            lambda obj: (lambda out: (list(out[0]), out[1]))(node.flatten_fn(obj)),
+            lambda context, children: node.unflatten_fn(children, context),
+        )
+    return None
+
+
+def storage_free(
+    cls: type[torch.Tensor], like: torch.Tensor, *, requires_grad: bool, device: Any = None
+) -> torch.Tensor:
+    """A ``cls`` instance with ``like``'s shape and dtype, on ``device`` (default ``like``'s),
+    and no storage at all.
+
+    A wrapper subclass (its ``__torch_dispatch__`` decides what any op does):
+    what stands in for a fully sharded parameter whose unit is not gathered.
+    """
+    make: Any = torch.Tensor._make_wrapper_subclass
+    out: torch.Tensor = make(
+        cls,
+        like.shape,
+        dtype=like.dtype,
+        device=like.device if device is None else device,
+        requires_grad=requires_grad,
+    )
+    return out
