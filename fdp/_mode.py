@@ -89,6 +89,17 @@ def dual(tensors: Iterable[Any]) -> bool:
     return False
 
 
+def shapes_say_the_payload() -> bool:
+    """Whether a collective's payload is what its arguments' shapes say, on this thread.
+
+    Not under ``vmap`` (it batches the payload) nor under ``jvp`` or in an
+    open forward-mode level (a tangent adds a collective of its own): there
+    a rank whose arguments changed cannot send a stand-in that pairs with
+    the other ranks' collectives, so the public collectives agree first.
+    """
+    return not _compat.dual_level_active() and _compat.only_reverse_transforms()
+
+
 def wrapped(tensors: Iterable[Any]) -> bool:
     """Whether a tensor among ``tensors`` is a ``torch.func`` wrapper (grad tracking, batched)."""
     for t in tensors:  # noqa: SIM110

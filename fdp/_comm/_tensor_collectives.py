@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from fdp import _mode
+from fdp import _compat, _mode
 from fdp._comm import _agreement, _call_sites, _differentiable, _transforms
 
 __all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "reduce_scatter"]
@@ -298,6 +298,10 @@ def _collective(
     _agreement.require_member(call, group)
     site = (call, _call_sites.here())
     known, agreed = _call_sites.SITES.lookup(group, site)
+    if agreed is not None and not _mode.shapes_say_the_payload():
+        # Under vmap or jvp a stand-in of the agreed shape would not pair with
+        # a batched payload or a tangent's collective: agree first, on every rank.
+        agreed = None
     if agreed is not None and isinstance(x, torch.Tensor) and _key(x, options) == agreed.key:
         # The arguments this site agreed on: their checks passed then, and give the same now.
         return _at_site(
@@ -430,7 +434,15 @@ def _tensor(call: str, x: Any) -> None:
 def _describe(x: Any) -> str:
     if not isinstance(x, torch.Tensor):
         return type(x).__name__
-    return f"a tensor of shape {tuple(x.shape)}, dtype {x.dtype} on {x.device.type}"
+    said = f"a tensor of shape {tuple(x.shape)}, dtype {x.dtype} on {x.device.type}"
+    # What travels under a transform: a batched payload, a tangent's collective.
+    if _mode.wrapped([x]):
+        physical = tuple(_compat.unwrap_all_functorch(x).shape)
+        if physical != tuple(x.shape):
+            said += f" (batched by vmap: {physical} in all)"
+    if _mode.dual([x]):
+        said += " with a tangent"
+    return said
 
 
 def _check_op(call: str, op: object, x: torch.Tensor) -> None:

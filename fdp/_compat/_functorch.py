@@ -143,3 +143,22 @@ def functorch_disabled() -> Any:
     the collectives (tested); look for its successor in torch._functorch.
     """
     return torch._C._DisableFuncTorch()
+
+
+def only_reverse_transforms() -> bool:
+    """Whether every running ``torch.func`` transform is reverse mode (``grad``, ``vjp``);
+    True when none runs.
+
+    Under those a function runs its forward once, on tensors of the shapes it
+    sees; ``vmap`` batches them and ``jvp`` adds the tangents' computation.
+    If ``retrieve_all_functorch_interpreters`` goes: False, the safe answer
+    (the public collectives then agree before every call under a transform).
+    """
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return True
+    try:
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    except ImportError:
+        return False
+    grad = torch._C._functorch.TransformType.Grad
+    return all(i.key() == grad for i in retrieve_all_functorch_interpreters())

@@ -34,6 +34,7 @@ from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _compat, _tree
 from fdp._comm import _agreement
+from fdp._sharding import _checkpoint_match, _checkpoint_optim
 from fdp._sharding._shards import Shards, ZeroState
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 T = TypeVar("T")
-_RNG = "_fdp/rng/"
+_RNG = _checkpoint_match.RNG
 
 
 def save_checkpoint(
@@ -74,6 +75,7 @@ def save_checkpoint(
         fdp.save_checkpoint(f"ckpt/{step}", {"params": params, "opt": state, "step": step})
     """
     call = "fdp.save_checkpoint"
+    state = _checkpoint_optim.for_save(state)
     with _quietly():
         _, leaves = _leaves(call, "state", state, fresh=False)
     entries = {k: v for leaf in leaves for k, v in leaf.entries.items()}
@@ -162,6 +164,7 @@ def load_checkpoint(
     *,
     group: ProcessGroup | None = None,
     rng: bool = True,
+    strict: bool = True,
 ) -> T:
     """Loads a state saved by :func:`save_checkpoint` into new tensors shaped like ``like``.
 
@@ -176,6 +179,14 @@ def load_checkpoint(
         group: the process group that loads (default: the world).
         rng: restore this rank's random number generator states, when the
             checkpoint was saved by as many ranks as load it.
+        strict: refuse a checkpoint holding entries that ``like`` has no
+            leaf for (naming them); ``False`` loads ``like``'s and leaves
+            the rest.
+
+    A torch ``Optimizer`` in ``like`` is loaded into in place
+    (``load_state_dict``) and comes back as itself; an optimizer's
+    ``state_dict()`` in ``like``, even a fresh optimizer's with no state yet,
+    comes back with every per-parameter state the checkpoint holds.
 
     Returns:
         The saved state, structured like ``like``.
@@ -186,24 +197,21 @@ def load_checkpoint(
         state = fdp.load_checkpoint(latest, like)
     """
     call = "fdp.load_checkpoint"
-    try:
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
-    except FileNotFoundError as e:
-        raise ValueError(
-            f"{call}: `path` {os.fspath(path)!r} holds no checkpoint (no .metadata: missing, or "
-            "a save that did not finish)"
-        ) from e
+    metadata = _metadata(call, path)
+    like, finish = _checkpoint_optim.for_load(like, metadata)
     with _quietly():
         spec, leaves = _leaves(call, "like", like, fresh=True)
     entries = {k: v for leaf in leaves for k, v in leaf.entries.items()}
+    if strict:
+        covered = set(entries).union(*(z.covers for z in leaves if isinstance(z, _Zero)))
+        _checkpoint_match.check_unread(call, os.fspath(path), covered, metadata)
     zeros = [leaf for leaf in leaves if isinstance(leaf, _Zero)]
     for zero in zeros:
         if zero.orders_key not in metadata:  # an unsharded state, or saved before fdp kept them
             del entries[zero.orders_key]
     with _quietly():
-        after = _match(call, entries, metadata, leaves)
+        owners = {key: leaf for leaf in leaves for key in leaf.entries}
+        after = _checkpoint_match.match(call, entries, metadata, owners)
     key = _RNG + str(_rank(group))
     saved_world = sum(k.startswith(_RNG) for k in metadata)
     restore = rng and saved_world == _world(group) and key in metadata
@@ -226,8 +234,22 @@ def load_checkpoint(
     results = [leaf.result(entries) for leaf in leaves]
     for later, first in _ties(like).items():
         results[later] = results[first]
-    out: Any = optree.tree_unflatten(spec, results)
+    out: Any = finish(optree.tree_unflatten(spec, results))
     return out  # type: ignore[no-any-return]
+
+
+def _metadata(call: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checkpoint's entries: key -> DCP's metadata of the entry."""
+    try:
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+        found: dict[str, Any] = FileSystemReader(path).read_metadata().state_dict_metadata
+    except FileNotFoundError as e:
+        raise ValueError(
+            f"{call}: `path` {os.fspath(path)!r} holds no checkpoint (no .metadata: missing, or "
+            "a save that did not finish)"
+        ) from e
+    return found
 
 
 def _ties(like: Any) -> dict[int, int]:
@@ -297,6 +319,10 @@ class _Zero(_Leaf):
         # A string: DCP would flatten a dict into one entry per key.
         self.entries[self.orders_key] = json.dumps({k: list(v) for k, v in self.orders.items()})
         self.pieces: dict[str, tuple[Any, torch.Tensor, tuple[int, ...]]] = {}
+        # Every rank's entries, not only the pieces this rank reads: what it stands for.
+        self.covers = {
+            f"{key}{f'[{name!r}]' if name else ''}{path}" for name in slots for path in shards.paths
+        }
         for name, per_bucket in slots.items():
             for part, values in zip(shards.parts, per_bucket, strict=True):
                 for seg, t in zip(part.segments, values, strict=True):
@@ -391,36 +417,6 @@ def _leaves(call: str, arg: str, tree: Any, *, fresh: bool) -> tuple[Any, list[_
     return spec, out
 
 
-def _match(
-    call: str, entries: dict[str, Any], metadata: dict[str, Any], leaves: list[_Leaf]
-) -> list[Callable[[], None]]:
-    """Checks each entry against the checkpoint; reshapes ZeRO <-> unsharded entries.
-
-    A ``ZeroState`` slot is saved as the leaf's elements, 1-D; an unsharded
-    optimizer state's as the leaf. Either loads into the other (a DDP run
-    resumed with ZeRO, or ZeRO consolidated into one process); returns what
-    to run after the load.
-    """
-    owners = {key: leaf for leaf in leaves for key in leaf.entries}
-    after = []
-    for key in [k for k, v in entries.items() if v is None and k not in metadata]:
-        del entries[key]  # a None leaf: nothing to read (a ZeroState saves none)
-    for key, value in list(entries.items()):
-        saved = metadata.get(key)
-        if not (
-            isinstance(value, torch.Tensor) and isinstance(saved, _dcp().TensorStorageMetadata)
-        ):
-            continue
-        reshaped = None
-        if tuple(saved.size) != tuple(value.size()):
-            reshaped = owners[key].reshaped(key, saved)
-        if reshaped is not None:
-            entries[key], fill = reshaped
-            after.append(fill)
-    _check_present(call, entries, metadata)
-    return after
-
-
 def _cause(e: CheckpointException) -> str:
     """The first rank's failure, in a line (DCP raises the same on every rank)."""
     for rank, failure in sorted(e.failures.items()):
@@ -428,33 +424,6 @@ def _cause(e: CheckpointException) -> str:
         text = str(inner).splitlines()
         return f"rank {rank}: {type(inner).__name__}: {text[0] if text else ''}"
     return str(e).splitlines()[0]
-
-
-def _check_present(call: str, entries: dict[str, Any], metadata: dict[str, Any]) -> None:
-    """Each entry is in the checkpoint, a tensor of the same global shape where expected."""
-    for key, value in entries.items():
-        saved = metadata.get(key)
-        if saved is None:
-            raise ValueError(
-                f"{call}: `like` leaf like{key} is not in the checkpoint; it holds "
-                f"{sorted(k for k in metadata if not k.startswith(_RNG))[:20]}"
-            )
-        if not isinstance(value, torch.Tensor) and isinstance(saved, _dcp().TensorStorageMetadata):
-            raise ValueError(
-                f"{call}: `like` leaf like{key} holds {type(value).__name__} {value!r:.40}; the "
-                f"checkpoint holds a tensor of shape {tuple(saved.size)} there (pass a tensor)"
-            )
-        if isinstance(value, torch.Tensor):
-            if not isinstance(saved, _dcp().TensorStorageMetadata):
-                raise ValueError(
-                    f"{call}: `like` leaf like{key} expected a tensor; the checkpoint holds "
-                    "a Python value there"
-                )
-            if tuple(saved.size) != tuple(value.size()):
-                raise ValueError(
-                    f"{call}: `like` leaf like{key} expected shape {tuple(value.size())}; "
-                    f"the checkpoint holds shape {tuple(saved.size)}"
-                )
 
 
 @contextlib.contextmanager
