@@ -80,3 +80,40 @@ def _clip_complex_by_one_norm(rank: int, size: int) -> str:
 def test_clip_grad_norm_refuses_p_norms_of_complex_shards() -> None:
     first, second = ranks.world(2).run(_clip_complex_by_one_norm)
     assert first == second
+
+
+# ---------------------------------------------------------------------------
+# The norm's accuracy: a shard of millions of elements, against float64.
+
+
+def _big_grads() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {
+        "embed": torch.randn(4000, 512, generator=g) * 0.1,  # 2M elements: the most of the norm
+        "w": torch.randn(64, 64, generator=g),
+        "b": torch.randn(64, generator=g).to(torch.bfloat16).float(),
+    }
+
+
+def _float64_norm(tree: dict[str, torch.Tensor]) -> float:
+    return float(torch.linalg.vector_norm(torch.cat([t.double().reshape(-1) for t in tree.values()])))
+
+
+def _sharded_norms(rank: int, size: int) -> tuple[float, float]:
+    grads = _big_grads()
+    params = {k: torch.zeros_like(v) for k, v in grads.items()}
+    fsdp = fdp.FullyShardedDataParallel(params)
+    _, norm = fsdp.clip_grad_norm(fsdp.shard(grads), 1e9)
+    zero = fdp.ZeroRedundancy(fdp.optim.sgd(0.1), params)
+    zero.step(grads, zero.init(params), params, max_norm=1e9)
+    assert zero.last_grad_norm is not None
+    return float(norm), float(zero.last_grad_norm)
+
+
+def test_fsdp_and_zero_norms_of_large_shards_are_within_float32_rounding_of_float64() -> None:
+    # The CPU's float32 norm of a 1M-element shard errs by ~1e-5 (always low);
+    # torch's clip_grad_norm_ on such a leaf errs as much. fdp sums rows' squares in float64.
+    want = _float64_norm(_big_grads())
+    for fsdp_norm, zero_norm in ranks.world(2).run(_sharded_norms):
+        assert abs(fsdp_norm - want) / want < 1.2e-7, (fsdp_norm, want)
+        assert abs(zero_norm - want) / want < 1.2e-7, (zero_norm, want)
