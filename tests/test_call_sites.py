@@ -87,8 +87,11 @@ def _reference(transform: str, name: str, xs: list[torch.Tensor], r: int) -> Any
 
     if transform == "grad":
         return grad(lambda y: objective([*xs[:r], y, *xs[r + 1 :]]))(xs[r])
-    rows = [[x[b] for x in xs] for b in range(BATCH)]
-    return torch.stack([grad(lambda y: objective([*v[:r], y, *v[r + 1 :]]))(v[r]) for v in rows])
+
+    def at(v: list[torch.Tensor]) -> Any:
+        return grad(lambda y: objective([*v[:r], y, *v[r + 1 :]]))(v[r])
+
+    return torch.stack([at([x[b] for x in xs]) for b in range(BATCH)])
 
 
 def _site_under(rank: int, size: int, transform: str, name: str, change: str) -> Any:
@@ -104,7 +107,8 @@ def _site_under(rank: int, size: int, transform: str, name: str, change: str) ->
         xs = [_input(q, step, change, batched=batched) for q in range(size)]
         want = _reference(transform, name, xs, rank)
         got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
-        said.append(all(g.shape == v.shape and torch.allclose(g, v) for g, v in zip(got, want)))
+        pairs = zip(got, want, strict=True)
+        said.append(all(g.shape == v.shape and torch.allclose(g, v) for g, v in pairs))
     after = fdp.all_reduce(torch.ones(2)).tolist()  # the group still pairs
     return said, after
 
@@ -137,8 +141,10 @@ def test_a_batch_size_that_differs_on_one_rank_raises_on_every_rank(transform: s
     results = ranks.world(2).run(_site_under, transform, "all_gather", "batch on one rank")
     for said, after in results:
         assert said[:2] == [True, True], said
-        assert isinstance(said[2], str) and "batched by vmap" in said[2], said
-        assert said[3] is True and after == [2.0, 2.0], said
+        assert isinstance(said[2], str), said
+        assert "batched by vmap" in said[2], said
+        assert said[3] is True, said
+        assert after == [2.0, 2.0]
 
 
 @pytest.mark.parametrize("name", list(CALLS))

@@ -38,7 +38,7 @@ def _steps(rank: int, net: torch.nn.Module, opt: torch.optim.Optimizer, steps: r
     ddp = fdp.DistributedDataParallel(state)
     for step in steps:
         x, y = _batch(rank, step)
-        torch.nn.functional.mse_loss(fn(ddp(state), x), y).backward()
+        torch.autograd.backward(torch.nn.functional.mse_loss(fn(ddp(state), x), y))
         opt.step()
         opt.zero_grad()
 
@@ -52,9 +52,8 @@ def _resumed(rank: int, size: int, path: str, like_form: str) -> list[torch.Tens
     fdp.save_checkpoint(path, {"params": dict(net.state_dict()), "opt": saved})
     net = _net(1)  # the restarted job: other initial values, a fresh optimizer
     opt = torch.optim.AdamW(net.parameters(), lr=5e-2)
-    like = {"params": dict(net.state_dict()), "opt": opt if like_form == "optimizer" else {}}
-    if like_form == "state_dict":
-        like["opt"] = opt.state_dict()
+    like: dict[str, Any] = {"params": dict(net.state_dict())}
+    like["opt"] = opt if like_form == "optimizer" else opt.state_dict()
     loaded = fdp.load_checkpoint(path, like)
     net.load_state_dict(loaded["params"])
     if like_form == "optimizer":
@@ -73,7 +72,8 @@ def _uninterrupted(rank: int, size: int) -> list[torch.Tensor]:
 
 
 def _both(rank: int, size: int, tmp: str) -> Any:
-    out = {form: _resumed(rank, size, f"{tmp}/{form}", form) for form in ("state_dict", "optimizer")}
+    forms = ("state_dict", "optimizer")
+    out = {form: _resumed(rank, size, f"{tmp}/{form}", form) for form in forms}
     out["uninterrupted"] = _uninterrupted(rank, size)
     dist.barrier()
     return out
@@ -90,7 +90,7 @@ def test_a_torch_optimizer_round_trips_in_one_process(tmp_path: Path) -> None:
     net = _net(0)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     x, y = _batch(0, 0)
-    torch.nn.functional.mse_loss(net(x), y).backward()
+    torch.autograd.backward(torch.nn.functional.mse_loss(net(x), y))
     opt.step()
     fdp.save_checkpoint(tmp_path / "c", {"opt": opt})
     fresh = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.1)
@@ -106,11 +106,13 @@ def test_a_torch_optimizer_round_trips_in_one_process(tmp_path: Path) -> None:
 def test_entries_like_lacks_are_refused_by_name_unless_not_strict(tmp_path: Path) -> None:
     net = _net(0)
     opt = torch.optim.AdamW(net.parameters())
-    torch.nn.functional.mse_loss(net(_batch(0, 0)[0]), _batch(0, 0)[1]).backward()
+    x, y = _batch(0, 0)
+    torch.autograd.backward(torch.nn.functional.mse_loss(net(x), y))
     opt.step()
     params = {k: v.detach() for k, v in net.state_dict().items()}
     fdp.save_checkpoint(tmp_path / "c", {"params": params, "opt": opt.state_dict(), "step": 1})
-    like = {"params": {k: torch.zeros_like(v) for k, v in params.items()}, "step": 0}
+    like: dict[str, Any] = {"params": {k: torch.zeros_like(v) for k, v in params.items()}}
+    like["step"] = 0
     with pytest.raises(ValueError, match=r"holds 2[0-9] entries that `like` has no leaf for: "):
         fdp.load_checkpoint(tmp_path / "c", like)
     with pytest.raises(ValueError, match=r"\"\['opt'\]\['param_groups'\]\[0\]\['amsgrad'\]\""):

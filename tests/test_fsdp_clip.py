@@ -96,7 +96,8 @@ def _big_grads() -> dict[str, torch.Tensor]:
 
 
 def _float64_norm(tree: dict[str, torch.Tensor]) -> float:
-    return float(torch.linalg.vector_norm(torch.cat([t.double().reshape(-1) for t in tree.values()])))
+    flat = torch.cat([t.double().reshape(-1) for t in tree.values()])
+    return float(torch.linalg.vector_norm(flat))
 
 
 def _sharded_norms(rank: int, size: int) -> tuple[float, float]:
