@@ -401,15 +401,16 @@ def grads_dtype(g: torch.Tensor) -> torch.dtype:
     return g.dtype if g.is_complex() else torch.float32
 
 
-def _bytes_sent(rank: int, size: int, gather_dtype: Any) -> float:
+def _wire(rank: int, size: int, gather_dtype: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every buffer this rank's gathers put on the wire, and this rank's shards."""
     params = make_params()
     fsdp = fdp.FullyShardedDataParallel(params, gather_dtype=gather_dtype, prefetch=False)
     shards = fsdp.shard(params)
-    sent = [0]
+    sent: list[torch.Tensor] = []
     original = _compat.all_gather_single
 
     def counted(out: torch.Tensor, part: torch.Tensor, group: Any) -> Any:
-        sent[0] += part.numel() * part.element_size()
+        sent.append(part.detach().clone())
         return original(out, part, group)
 
     _compat.all_gather_single = counted
@@ -417,14 +418,38 @@ def _bytes_sent(rank: int, size: int, gather_dtype: Any) -> float:
         fsdp(shards)
     finally:
         _compat.all_gather_single = original
-    return float(sent[0])
+    return sent, [t.detach().reshape(-1) for ts in shards.values() for t in ts]
 
 
-def test_the_int8_gather_sends_under_0_3x_float32_s_bytes() -> None:
-    int8 = ranks.world(2).run(_bytes_sent, torch.int8)
-    plain = ranks.world(2).run(_bytes_sent, None)
-    for a, b in zip(int8, plain, strict=True):
-        assert a / b <= 0.3
+def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process's block-wise int8 of a float32 shard: values and float32 scales."""
+    blocks = x.split(256)
+    scales = torch.stack([b.abs().max() / 127.0 for b in blocks])
+    safe = torch.where(scales > 0, scales, torch.ones(()))
+    q = torch.cat([(b / s).round() for b, s in zip(blocks, safe, strict=True)])
+    return q.to(torch.int8), scales
+
+
+def test_the_int8_gather_sends_int8_values_and_scales_under_0_3x_float32_s_bytes() -> None:
+    int8 = ranks.world(2).run(_wire, torch.int8)
+    plain = ranks.world(2).run(_wire, None)
+    for (sent, shards), (sent_plain, _) in zip(int8, plain, strict=True):
+        assert sent_plain, "the plain gathers were not counted"
+        assert sent, "the int8 gathers were not counted"
+        assert {t.dtype for t in sent} == {torch.uint8}  # bytes: int8 values, then scales
+        assert {t.dtype for t in sent_plain} == {torch.float32}
+        ratio = sum(t.numel() for t in sent) / sum(4 * t.numel() for t in sent_plain)
+        assert ratio <= 0.3, ratio
+        # Each float32 shard went as its int8 values and block scales, nothing else.
+        floats = [x for x in shards if x.dtype == torch.float32 and x.numel()]
+        assert len(floats) == len(sent), (len(floats), len(sent))
+        for x, wire in zip(floats, sent, strict=True):
+            q, scales = _int8_blocks(x)
+            n = x.numel()
+            aligned = -(-n // 4) * 4
+            assert wire.numel() == aligned + 4 * scales.numel()
+            assert (wire[:n].view(torch.int8).int() - q.int()).abs().max() <= 1
+            torch.testing.assert_close(wire[aligned:].view(torch.float32), scales, rtol=0, atol=0)
 
 
 def _refused(rank: int, size: int, case: str) -> str:

@@ -9,10 +9,13 @@ which rounds every partial sum.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fdp
 from fdp import _compat
@@ -20,6 +23,27 @@ from fdp._comm import _raw
 from tests import ranks
 
 N = 4096 + 3  # not a multiple of the world: the all-reduce pads
+
+
+@contextlib.contextmanager
+def wire() -> Iterator[list[tuple[torch.dtype, int]]]:
+    """Each eager all-to-all's input while the block runs: its dtype and bytes.
+
+    A float32 exchange of values rounded to bfloat16 beforehand would give
+    the same sums; what travels is what says the wire is bfloat16.
+    """
+    sent: list[tuple[torch.dtype, int]] = []
+    original = dist.all_to_all_single
+
+    def recorded(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent.append((input.dtype, input.numel() * input.element_size()))
+        return original(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = recorded
+    try:
+        yield sent
+    finally:
+        dist.all_to_all_single = original
 
 
 def data(rank: int, n: int = N) -> torch.Tensor:
@@ -35,7 +59,7 @@ def rounded_sum(size: int, n: int = N) -> torch.Tensor:
     return total
 
 
-def _primitives(rank: int, size: int, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _primitives(rank: int, size: int, compiled: bool) -> Any:
     n = (N // size) * size
 
     def wide(x: torch.Tensor) -> torch.Tensor:
@@ -44,7 +68,10 @@ def _primitives(rank: int, size: int, compiled: bool) -> tuple[torch.Tensor, tor
     fn = torch.compile(wide, backend="aot_eager", fullgraph=True) if compiled else wide
     flat = data(rank)
     bucket = fdp.GradBucket(flat, index=0, is_last=True, gradients=[flat], parameters=[flat])
-    return fn(data(rank, n)), fdp.bf16_wire_hook(None, bucket).wait() * size
+    with wire() as sent:  # the compiled all-to-all is a functional collective: not recorded
+        shard = fn(data(rank, n))
+        whole = fdp.bf16_wire_hook(None, bucket).wait() * size
+    return shard, whole, sent
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -53,8 +80,13 @@ def test_wide_sums_add_the_rounded_inputs_in_float32(size: int, compiled: bool) 
     got = ranks.world(size).run(_primitives, compiled)
     n = (N // size) * size
     per = n // size
-    for rank, (shard, whole) in enumerate(got):
+    for rank, (shard, whole, sent) in enumerate(got):
         assert shard.dtype == whole.dtype == torch.float32
+        # bfloat16 travels: 2 bytes a value (the hook's bucket padded to the world).
+        padded = -(-N // size) * size
+        assert sent == ([] if compiled else [(torch.bfloat16, 2 * n)]) + [
+            (torch.bfloat16, 2 * padded)
+        ], sent
         expected_shard = rounded_sum(size, n)[rank * per : (rank + 1) * per]
         torch.testing.assert_close(shard, expected_shard, rtol=0, atol=0)
         # The hook divides by the world before rounding: the sum of the rounded shares.
@@ -110,7 +142,12 @@ def _ddp(rank: int, size: int) -> dict[str, torch.Tensor]:
     ddp = fdp.DistributedDataParallel(params, comm_hook=fdp.bf16_wire_hook, bucket_cap_mb=1e-3)
     x = torch.randn(5, 33, generator=torch.Generator().manual_seed(10 + rank))
     loss = (x @ ddp(params)["w"] + params["b"]).tanh().square().sum()
-    torch.autograd.backward(loss)
+    with wire() as sent:
+        torch.autograd.backward(loss)
+    assert sent, "no all-to-all ran"
+    assert {dtype for dtype, _ in sent} == {torch.bfloat16}, sent
+    # Two bytes a value: every gradient value once (padded to the world per bucket).
+    assert sum(b for _, b in sent) <= 2 * (33 * 7 + 7 + size * len(sent)), sent
     return {k: v.grad for k, v in params.items() if v.grad is not None}
 
 
@@ -141,7 +178,14 @@ def _fsdp(rank: int, size: int, sum_dtype: Any) -> Any:
         out: torch.Tensor = (x @ p["blocks"][0]["w"] @ p["blocks"][1]["w"]).tanh().square().sum()
         return out
 
-    grads = torch.func.grad(loss)(shards)
+    with wire() as sent:
+        grads = torch.func.grad(loss)(shards)
+    if sum_dtype is not None:  # bfloat16 rows of each unit's gradient, added in float32
+        assert sent, "no all-to-all ran"
+        assert {dtype for dtype, _ in sent} == {torch.bfloat16}, sent
+        assert sum(b for _, b in sent) == 2 * 2 * 81 + sum(
+            2 * (-(-81 // size) * size - 81) for _ in sent
+        ), sent
     return fsdp.full(grads)
 
 
@@ -190,7 +234,11 @@ def _zero(rank: int, size: int, stage: int, compiled: bool, sum_dtype: Any) -> A
         k: data(10 * rank + i, v.numel()).view_as(v) for i, (k, v) in enumerate(params.items())
     }
     step = torch.compile(zero.step, backend="aot_eager") if compiled else zero.step
-    new, _ = step(grads, state, params)
+    with wire() as sent:
+        new, _ = step(grads, state, params)
+    if sum_dtype is not None and not compiled:
+        assert sent, "no all-to-all ran"
+        assert {dtype for dtype, _ in sent} == {torch.bfloat16}, sent
     return {k: params[k] - new[k] for k in params}  # the averaged gradient (lr 1)
 
 

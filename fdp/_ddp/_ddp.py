@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 from fdp import _bucket, _compat, _mode, _tree
 from fdp._comm import _agreement, _comm_hooks, _transforms
 from fdp._comm._comm_hooks import CommHook
-from fdp._ddp import _buffers, _join, _traced
+from fdp._ddp import _buffers, _forgotten, _join, _traced
 from fdp._ddp._join import Joiner
 from fdp._ddp._reducer import Reducer, hooked_leaves
 from fdp._ddp._replicas import Replicas
@@ -204,8 +204,10 @@ class DistributedDataParallel:
         self._sync = True
         self._due = True  # the first training call broadcasts, as torch's first forward
         self._called = False
+        self.reduces = False  # a ddp(params) call has reduced (armed a backward, or traced one)
         self._joiner: Joiner | None = None
         self._join_plan = self._plan_join(leaves, group, final)
+        self._watch = _forgotten.Watch(self, leaves, paths)
 
     def _plan_join(
         self, leaves: list[Any], group: ProcessGroup | None, final: _buffers.Buffers
@@ -304,6 +306,11 @@ class DistributedDataParallel:
         finally:
             self._joiner = None
 
+    @property
+    def local(self) -> bool:
+        """Whether a backward now accumulates locally on purpose (inside :meth:`no_sync`)."""
+        return not self._sync
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skips the reduction: gradients accumulate locally in ``.grad``.
@@ -336,6 +343,7 @@ class DistributedDataParallel:
             self._buffers.sync(leaves, src=0)
         if not synchronised:
             return params
+        self.reduces = True
         group = self._reducer.reduction.group
         synced = _traced.average(
             leaves, self._layout, hook=self._traced_hook, group=group, ties=self._ties
@@ -358,6 +366,7 @@ class DistributedDataParallel:
             self._buffers.sync(leaves, src=src)
         if not synchronised:
             return params
+        self.reduces = True
         if self._under_transform(leaves):
             return cast(T, _tree.unflatten(self._spec, self._transformed(leaves)))
         return self._hooked(params, leaves, prescale=prescale)
