@@ -187,32 +187,67 @@ def test_ddp_matches_torch_ddp_and_one_process(name: str) -> None:
 # --------------------------------------------------------------- ZeRO
 
 
-def _adamw_step(rank: int, size: int, name: str) -> Any:
+ZERO_STEPS = 3
+# SGD's step is proportional to the gradient: a ZeRO that summed instead of
+# averaging fails here. AdamW's barely depends on the gradient's scale, so
+# it checks the state carried across steps instead.
+OPTIMIZERS: dict[str, tuple[Callable[[], Any], type, dict[str, Any]]] = {
+    "sgd": (
+        lambda: fdp.optim.sgd(0.5, momentum=0.9, weight_decay=0.1),
+        torch.optim.SGD,
+        {"lr": 0.5, "momentum": 0.9, "weight_decay": 0.1},
+    ),
+    "adamw": (
+        lambda: fdp.optim.adamw(1e-2, weight_decay=0.1),
+        torch.optim.AdamW,
+        {"lr": 1e-2, "weight_decay": 0.1},
+    ),
+}
+
+
+def _zero_steps(rank: int, size: int, name: str, opt: str) -> Any:
+    make, torch_class, options = OPTIMIZERS[opt]
     model, torch_model = build(name), build(name)
     fn, state = fdp.make_functional(model)
     params = {k: v.detach().requires_grad_() for k, v in state.items() if v.requires_grad}
     buffers = {k: v for k, v in state.items() if not v.requires_grad}
-    zero = fdp.ZeroRedundancy(fdp.optim.adamw(1e-2, weight_decay=0.1), params)
+    zero = fdp.ZeroRedundancy(make(), params)
     opt_state = zero.init(params)
-    torch.autograd.backward(fn({**params, **buffers}, **inputs(name, rank)).loss)
-    grads = {k: v.grad for k, v in params.items()}
-    new, _ = zero.step(grads, opt_state, params)
     torch_ddp = torch.nn.parallel.DistributedDataParallel(torch_model)
     torch_opt = ZeroRedundancyOptimizer(
-        torch_model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2, weight_decay=0.1
+        torch_model.parameters(), optimizer_class=torch_class, **options
     )
-    torch.autograd.backward(torch_ddp(**inputs(name, rank)).loss)
-    torch_opt.step()
-    stepped = {k: v.detach() for k, v in new.items()}
+    for step in range(ZERO_STEPS):
+        part = rank + size * step
+        loss = fn({**params, **buffers}, **inputs(name, part)).loss
+        grads = dict(zip(params, torch.autograd.grad(loss, list(params.values())), strict=True))
+        new, opt_state = zero.step(grads, opt_state, params)
+        params = {k: v.detach().requires_grad_() for k, v in new.items()}
+        torch.autograd.backward(torch_ddp(**inputs(name, part)).loss)
+        torch_opt.step()
+        torch_opt.zero_grad()
+    stepped = {k: v.detach() for k, v in params.items()}
     return stepped, {k: v.detach() for k, v in torch_model.named_parameters()}
 
 
+def _zero_reference(name: str, opt: str, size: int) -> dict[str, torch.Tensor]:
+    """One process: each step on the mean of the ranks' losses."""
+    _, torch_class, options = OPTIMIZERS[opt]
+    model = build(name)
+    torch_opt = torch_class(model.parameters(), **options)
+    for step in range(ZERO_STEPS):
+        losses = [model(**inputs(name, r + size * step)).loss for r in range(size)]
+        torch.autograd.backward(torch.stack(losses).mean())
+        torch_opt.step()
+        torch_opt.zero_grad()
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("name", MODELS)
-def test_zero_matches_torch_zero_and_one_process(name: str) -> None:
-    ref, _ = reference(name, 2)
-    torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1).step()
-    expected = {k: v.detach() for k, v in ref.named_parameters()}
-    for rank, (got, torch_got) in enumerate(ranks.world(2).run(_adamw_step, name)):
+def test_zero_matches_torch_zero_and_one_process(name: str, opt: str) -> None:
+    expected = _zero_reference(name, opt, 2)
+    for rank, (got, torch_got) in enumerate(ranks.world(2).run(_zero_steps, name, opt)):
         check(got, torch_got, f"{name} rank {rank}: fdp ZeRO against torch's")
         check(got, expected, f"{name} rank {rank}: fdp ZeRO against one process")
 
