@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import pytest
 import torch
 
@@ -34,21 +35,47 @@ class _Done:
         return self.future
 
 
-class _OneProcessGroup:
-    """The sum over a quorum of one: the tensor itself (``fail`` makes the next one fail)."""
+# Replica groups in the stand-in's quorum: more than one, so that a sum that
+# was meant to be a mean is PARTICIPANTS times too large.
+PARTICIPANTS = 3
+
+
+class _QuorumProcessGroup:
+    """The sum over a quorum of PARTICIPANTS replica groups that each hold this one's tensor
+    (the others train on the same data), in place, as torchft's process group sums.
+    ``fail`` makes the next one fail."""
 
     fail: Exception | None = None
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Done:
         error, self.fail = self.fail, None
+        assert opts.reduceOp == torch.distributed.ReduceOp.SUM
+        if error is None:
+            for t in tensors:
+                t.copy_(quorum_sum(t))
         return _Done(tensors, error)
 
 
+def quorum_sum(t: torch.Tensor) -> torch.Tensor:
+    """What the quorum's sum gives when every replica group holds ``t``: added in group order."""
+    total = t
+    for _ in range(PARTICIPANTS - 1):
+        total = total + t
+    return total
+
+
+def quorum_mean(g: Any) -> Any:
+    """One process's model of ``all_reduce_grads``: each group's share ``g / PARTICIPANTS``,
+    summed over the quorum."""
+    return optree.tree_map(lambda t: quorum_sum(t * (1.0 / PARTICIPANTS)), g)
+
+
 class FakeManager:
-    """torchft.Manager's protocol for one replica group; ``peer`` is healed from at the quorum."""
+    """torchft.Manager's protocol for one of PARTICIPANTS replica groups; ``peer`` is healed from
+    at the quorum."""
 
     def __init__(self, *, init_sync: bool = False, async_quorum: bool = False) -> None:
-        self._pg = _OneProcessGroup()
+        self._pg = _QuorumProcessGroup()
         self._init_sync = init_sync
         self._use_async_quorum = async_quorum
         self.step = 0
@@ -68,7 +95,8 @@ class FakeManager:
             self.step, self.peer = self.peer["torchft"]["step"], None
 
     def allreduce(self, tensor: torch.Tensor) -> _Done:
-        return _Done([tensor], None)
+        """torchft's averaging all-reduce (fdp sums on ``_pg`` instead: never called)."""
+        raise AssertionError("fdp reduces on the manager's process group")
 
     def should_commit(self) -> bool:
         ok = self.error is None
@@ -82,7 +110,7 @@ class FakeManager:
         return self.error
 
     def num_participants(self) -> int:
-        return 1
+        return PARTICIPANTS
 
     def current_step(self) -> int:
         return self.step
@@ -98,10 +126,16 @@ class FakeManager:
         }
 
 
+def optimizer() -> fdp.optim.Optimizer:
+    """SGD with momentum: its step scales with the gradient (AdamW's barely does), so a sum
+    over the quorum where a mean belongs changes the result."""
+    return fdp.optim.sgd(0.1, momentum=0.9)
+
+
 def state0() -> dict[str, Any]:
     return {
         "params": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(3)},
-        "opt": fdp.optim.adamw(0.1).init({"w": torch.zeros(2, 3), "b": torch.zeros(3)}),
+        "opt": optimizer().init({"w": torch.zeros(2, 3), "b": torch.zeros(3)}),
         "data": 0,
         "name": "run",
     }
@@ -112,7 +146,7 @@ def loss(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
 
 
 def make_step(ft: fdp.FaultTolerance, *, fail: bool = False) -> Callable[[Any], Any]:
-    opt = fdp.optim.adamw(0.1)
+    opt = optimizer()
 
     def step(s: dict[str, Any]) -> dict[str, Any]:
         x = torch.ones(4, 2) * (s["data"] + 1)
@@ -126,10 +160,11 @@ def make_step(ft: fdp.FaultTolerance, *, fail: bool = False) -> Callable[[Any], 
 
 
 def reference(steps: int) -> dict[str, Any]:
-    s, opt = state0(), fdp.optim.adamw(0.1)
+    s, opt = state0(), optimizer()
     for _ in range(steps):
         x = torch.ones(4, 2) * (s["data"] + 1)
-        params, o = opt.update(torch.func.grad(loss)(s["params"], x), s["opt"], s["params"])
+        grads = quorum_mean(torch.func.grad(loss)(s["params"], x))
+        params, o = opt.update(grads, s["opt"], s["params"])
         s = {**s, "params": params, "opt": o, "data": s["data"] + 1}
     return s
 
@@ -202,7 +237,7 @@ def test_none_leaves_stay_none_and_integer_leaves_are_refused() -> None:
     grads = {"w": torch.ones(2), "frozen": None}
     out = ft.step(lambda s: ft.all_reduce_grads(s), grads)
     assert out["frozen"] is None
-    torch.testing.assert_close(out["w"], torch.ones(2))
+    torch.testing.assert_close(out["w"], quorum_mean(torch.ones(2)), rtol=0, atol=0)
     with pytest.raises(TypeError, match=r"`grads` leaf grads\['n'\] expected a floating-point"):
         ft.step(lambda s: ft.all_reduce_grads(s), {"n": torch.ones(2, dtype=torch.int64)})
 
@@ -221,7 +256,9 @@ def test_the_ddp_comm_hook_averages_in_a_future_and_a_failure_discards_the_step(
         return fdp.FaultTolerance.comm_hook(ft, bucket).wait() + s
 
     out = ft.step(step, torch.zeros(4))
-    torch.testing.assert_close(out, torch.zeros(4) if fail else torch.arange(4.0))
+    # The hook sums, then divides (torch's allreduce_hook order).
+    mean = quorum_sum(torch.arange(4.0)) / PARTICIPANTS
+    torch.testing.assert_close(out, torch.zeros(4) if fail else mean, rtol=0, atol=0)
     assert ft.current_step() == int(not fail)
 
 
@@ -251,9 +288,7 @@ def test_a_compiled_step_reduces_outside_the_graph() -> None:
     s = state0()
     for _ in range(3):
         s = ft.step(compiled, s)
-    # Compiled, fdp.optim.adamw takes its bias corrections from the step-count
-    # tensors; eagerly from Python floats, as torch.optim's foreach Adam does:
-    # they may round apart by an ulp (seen: 3e-8 in one element after 3 steps).
+    # Compiled, the step may round apart from eager by an ulp (fused multiply-adds).
     la, sa = fdp._tree.flatten(s)
     lb, sb = fdp._tree.flatten(reference(3))
     assert sa == sb
