@@ -61,7 +61,9 @@ class DistributedDataParallel:
         a call's output all-reduces (averages) each bucket as soon as all its
         gradients exist, while the rest of backward runs, launching buckets
         in the same order on every rank; a backward that does not is local
-        and communicates nothing (torch's DDP through ``ddp.module``). So a
+        and communicates nothing (torch's DDP through ``ddp.module``), but
+        before any call has reduced, one that accumulates into ``.grad``
+        outside :meth:`no_sync` raises (a forgotten ``ddp(params)``). So a
         call's output may be reused: ``retain_graph=True``, several forwards
         then several backwards, or ``p = ddp(params)`` kept across steps all
         reduce every backward once. Gradients are handed out only once
@@ -204,7 +206,7 @@ class DistributedDataParallel:
         self._sync = True
         self._due = True  # the first training call broadcasts, as torch's first forward
         self._called = False
-        self.reduces = False  # a ddp(params) call has reduced (armed a backward, or traced one)
+        self._reduces = False  # a ddp(params) call has reduced (armed a backward, or traced one)
         self._joiner: Joiner | None = None
         self._join_plan = self._plan_join(leaves, group, final)
         self._watch = _forgotten.Watch(self, leaves, paths)
@@ -306,11 +308,6 @@ class DistributedDataParallel:
         finally:
             self._joiner = None
 
-    @property
-    def local(self) -> bool:
-        """Whether a backward now accumulates locally on purpose (inside :meth:`no_sync`)."""
-        return not self._sync
-
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skips the reduction: gradients accumulate locally in ``.grad``.
@@ -343,7 +340,7 @@ class DistributedDataParallel:
             self._buffers.sync(leaves, src=0)
         if not synchronised:
             return params
-        self.reduces = True
+        self._reduces = True
         group = self._reducer.reduction.group
         synced = _traced.average(
             leaves, self._layout, hook=self._traced_hook, group=group, ties=self._ties
@@ -366,7 +363,7 @@ class DistributedDataParallel:
             self._buffers.sync(leaves, src=src)
         if not synchronised:
             return params
-        self.reduces = True
+        self._reduces = True
         if self._under_transform(leaves):
             return cast(T, _tree.unflatten(self._spec, self._transformed(leaves)))
         return self._hooked(params, leaves, prescale=prescale)

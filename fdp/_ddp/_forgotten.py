@@ -23,11 +23,11 @@ from fdp import _mode
 
 
 class Watch:
-    """Post-accumulate hooks on ``leaves`` (by path) until ``owner.reduces`` turns True.
+    """Post-accumulate hooks on ``leaves`` (by path) until a ``ddp(params)`` call reduces.
 
-    ``owner`` (held weakly) answers ``reduces`` (a ``ddp(params)`` call
-    has reduced) and ``local`` (inside ``no_sync``, accumulating locally is
-    what the caller asked for).
+    ``owner`` is the ``DistributedDataParallel`` (held weakly): its
+    ``_reduces`` says a call has reduced, its ``_sync`` is False inside
+    ``no_sync`` (accumulating locally is what the caller asked for).
     """
 
     def __init__(self, owner: Any, leaves: list[Any], paths: list[str]) -> None:
@@ -45,10 +45,10 @@ class Watch:
 
     def _accumulated(self, path: str, leaf: torch.Tensor) -> None:
         owner = self._owner()
-        if owner is None or owner.reduces:
+        if owner is None or owner._reduces:
             self.remove()
             return
-        if owner.local:
+        if not owner._sync:
             return
         raise ValueError(
             f"fdp.DistributedDataParallel: a backward accumulated into `params` leaf {path}"
