@@ -6,13 +6,14 @@ warm-up schedule through :class:`fdp.FaultTolerance`; each replica group's
 batch at a step is drawn from (data position, replica), and the data
 position is part of the training state, so a healed replica continues the
 peers' stream. Every attempted step appends one line to ``DIR/ledger-R``:
-the step before it, whether it was committed and how many replica groups
-took part; the last line is ``done``. ``--kill-at K --killer R`` SIGKILLs replica
-group R (every process of it: the drill starts each group in a Unix process
-group of its own) inside its first step at or after step K that follows a
-committed step of its own, mid-step (the peers' all-reduce
-is waiting for it), unless ``--restarted``; ``--error-at J`` injects an error into this replica
-group's all-reduce at step J. The final state goes to ``DIR/final-R.pt``.
+the step before it, whether it was committed, how many replica groups
+took part and the attempting process's pid; the last line is ``done``.
+``--kill-at K --killer R`` SIGKILLs replica group R (every process of it:
+the drill starts each group in a Unix process group of its own) inside its
+first step at or after step K that follows a committed step of its own,
+mid-step (the peers' all-reduce is waiting for it), unless ``--restarted``;
+``--error-at J`` injects an error into this replica group's all-reduce at
+step J. The final state goes to ``DIR/final-R.pt``.
 
 The drill stops on the same step everywhere: the first committed step at
 or after ``--steps`` that all ``--replicas`` took part in, once a step
@@ -143,6 +144,7 @@ def main() -> None:
         committed = ft.current_step() > seen["step"]
         seen["lived"] = seen.get("lived", 0) + int(committed)
         record = {"step": seen["step"], "committed": committed, "n": seen["participants"]}
+        record["pid"] = os.getpid()  # which life of the group's process attempted it
         ledger.write(json.dumps(record) + "\n")
         ledger.flush()
         done = (
