@@ -48,12 +48,36 @@ def grads_of(kind: str, params: dict[str, Any], x: torch.Tensor, y: torch.Tensor
     return torch.func.grad(loss)(params, x, y)
 
 
+def inner_optimizer(name: str) -> fdp.optim.Optimizer:
+    return fdp.optim.sgd(0.1) if name == "local_sgd" else fdp.optim.adamw(0.05, weight_decay=0.01)
+
+
 def algorithm(name: str, group: Any = None) -> fdp.DiLoCo:
-    inner = fdp.optim.adamw(0.05, weight_decay=0.01)
+    """The algorithm with its default outer step (the simulation writes that step out)."""
+    inner = inner_optimizer(name)
     if name == "local_sgd":
-        return fdp.LocalSGD(fdp.optim.sgd(0.1), sync_every=SYNC_EVERY, group=group)
+        return fdp.LocalSGD(inner, sync_every=SYNC_EVERY, group=group)
     dtype = torch.bfloat16 if name == "diloco_bf16" else None
     return fdp.DiLoCo(inner, sync_every=SYNC_EVERY, group=group, sync_dtype=dtype)
+
+
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer step: Nesterov SGD (Douillard et al.)
+
+
+def outer_step(
+    name: str, anchor: torch.Tensor, delta: torch.Tensor, buf: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The anchor after one outer step on the averaged pseudo-gradient ``delta``.
+
+    LocalSGD averages the parameters: ``anchor - delta``. DiLoCo steps
+    Nesterov momentum SGD (torch.optim.SGD's rule, dampening 0): the buffer
+    ``b = momentum * b + delta`` (``delta`` at the first step), then
+    ``anchor - lr * (delta + momentum * b)``.
+    """
+    if name == "local_sgd":
+        return anchor - delta, None
+    buf = delta.clone() if buf is None else OUTER_MOMENTUM * buf + delta
+    return anchor - OUTER_LR * (delta + OUTER_MOMENTUM * buf), buf
 
 
 def _train(rank: int, size: int, name: str, kind: str) -> dict[str, Any]:
@@ -67,27 +91,23 @@ def _train(rank: int, size: int, name: str, kind: str) -> dict[str, Any]:
 
 def simulate(name: str, kind: str, workers: int) -> list[dict[str, Any]]:
     """The workers in one process: local inner steps, the averaged outer step every H."""
-    alg = algorithm(name)
-    opt, outer = alg.inner, alg.outer
+    opt = inner_optimizer(name)
     params = [init_params() for _ in range(workers)]
     inner = [opt.init(p) for p in params]
     anchor = init_params()
-    outer_state = outer.init(anchor)
+    leaves, spec = fdp._tree.flatten(anchor)
+    bufs: list[torch.Tensor | None] = [None] * len(leaves)
     for step in range(STEPS):
         for w in range(workers):
             g = grads_of(kind, params[w], *batch(step, w))
             params[w], inner[w] = opt.update(g, inner[w], params[w])
         if (step + 1) % SYNC_EVERY == 0:
-            mean = fdp._tree.unflatten(
-                fdp._tree.flatten(anchor)[1],
-                [
-                    None
-                    if a is None
-                    else _mean_delta(name, a, [fdp._tree.flatten(p)[0][i] for p in params])
-                    for i, a in enumerate(fdp._tree.flatten(anchor)[0])
-                ],
-            )
-            anchor, outer_state = outer.update(mean, outer_state, anchor)
+            new = []
+            for i, a in enumerate(fdp._tree.flatten(anchor)[0]):
+                delta = _mean_delta(name, a, [fdp._tree.flatten(p)[0][i] for p in params])
+                stepped, bufs[i] = outer_step(name, a, delta, bufs[i])
+                new.append(stepped)
+            anchor = fdp._tree.unflatten(spec, new)
             params = [
                 torch.utils._pytree.tree_map(lambda t: None if t is None else t.clone(), anchor)
                 for _ in range(workers)
