@@ -1,8 +1,13 @@
-"""The declared ranges are the tested ones: pyproject.toml, the nox range sessions, the README.
+"""The declared ranges agree with the range sessions' lists: pyproject.toml, noxfile.py, README.
 
-A Python classifier is a version ``nox -s python_range`` runs, the torch
-floor is the first release ``nox -s torch_range`` runs, and the README's
-"Tested" line names exactly those.
+What this checks: each Python classifier is a version in ``nox -s
+python_range``'s list, the torch floor is the first release in ``nox -s
+torch_range``'s, and the README's "Tested" line names exactly those. What it
+does not: run them. CI runs the default sessions (the suite on this
+machine's Python and torch); the range sessions take an hour and download
+each torch, so they are run by hand before a release or a change to the
+ranges, and each issue's resolution note says which of them ran and what
+they gave.
 """
 
 from __future__ import annotations
@@ -40,13 +45,13 @@ def _pyproject(key: str) -> str:
 PYPROJECT = (ROOT / "pyproject.toml").read_text()
 
 
-def test_declared_pythons_are_the_ones_python_range_runs() -> None:
+def test_declared_pythons_are_the_ones_in_python_range_s_list() -> None:
     declared = re.findall(r'"Programming Language :: Python :: (3\.\d+)"', PYPROJECT)
     assert declared == _nox_list("PYTHON_RANGE")
     assert _pyproject("requires-python") == f'">={declared[0]}"'
 
 
-def test_the_torch_floor_is_the_first_release_torch_range_runs() -> None:
+def test_the_torch_floor_is_the_first_release_in_torch_range_s_list() -> None:
     dependencies = ast.literal_eval(_pyproject("dependencies"))
     (torch,) = [d for d in dependencies if d.startswith("torch")]
     floor = _nox_list("TORCH_RANGE")[0]
