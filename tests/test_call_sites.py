@@ -30,9 +30,10 @@ REFS: dict[str, Callable[[list[torch.Tensor], int], torch.Tensor]] = {
     "all_reduce": lambda xs, r: torch.stack(xs).sum(0),
     "all_gather": lambda xs, r: torch.cat(xs, 0),
 }
-CALLS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "all_reduce": lambda x: fdp.all_reduce(x),
-    "all_gather": lambda x: fdp.all_gather(x),
+# Each call with its usual option, or (``other``) another one: a max, a gather along dim 1.
+CALLS: dict[str, Callable[[torch.Tensor, bool], torch.Tensor]] = {
+    "all_reduce": lambda x, other: fdp.all_reduce(x, "max" if other else "sum"),
+    "all_gather": lambda x, other: fdp.all_gather(x, dim=1 if other else 0),
 }
 
 
@@ -51,9 +52,12 @@ def _input(rank: int, step: int, change: str, *, batched: bool) -> torch.Tensor:
     return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
-def _run(transform: str, name: str, x: torch.Tensor) -> Any:
+def _run(transform: str, name: str, x: torch.Tensor, *, other: bool = False) -> Any:
     """``name``'s collective of ``x`` under ``transform``, at one call site."""
-    call = CALLS[name]
+
+    def call(y: torch.Tensor) -> torch.Tensor:
+        return CALLS[name](y, other)
+
     if transform == "vmap":
         return vmap(call)(x)
     if transform == "jvp":
@@ -99,8 +103,9 @@ def _site_under(rank: int, size: int, transform: str, name: str, change: str) ->
     said: list[Any] = []
     for step in range(4):
         x = _input(rank, step, change, batched=batched)
+        other = change == "option on one rank" and step == 2 and rank == 1
         try:
-            got = _run(transform, name, x)  # every step's call from this one line: one site
+            got = _run(transform, name, x, other=other)  # every step's call: one site
         except (TypeError, ValueError) as e:
             said.append(f"{type(e).__name__}: {e}")
             continue
@@ -117,6 +122,7 @@ TRANSFORMS = ["vmap", "jvp", "jacfwd", "vmap(grad)", "vmap(vmap)", "grad"]
 CHANGES = {
     "shape on one rank": "`x` differs across ranks",
     "dtype on one rank": "`x` differs across ranks",
+    "option on one rank": "differs across ranks: rank 0 has",  # `op` or `dim`
 }
 
 
