@@ -121,3 +121,20 @@ def test_entries_like_lacks_are_refused_by_name_unless_not_strict(tmp_path: Path
     assert loaded["step"] == 1
     for k, v in params.items():
         torch.testing.assert_close(loaded["params"][k], v, rtol=0, atol=0)
+
+
+def test_options_a_scheduler_added_come_back_to_a_fresh_optimizer(tmp_path: Path) -> None:
+    net = _net(0)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=4)
+    x, y = _batch(0, 0)
+    torch.autograd.backward(torch.nn.functional.mse_loss(net(x), y))
+    opt.step()
+    sched.step()
+    fdp.save_checkpoint(tmp_path / "c", {"opt": opt.state_dict(), "sched": sched.state_dict()})
+    fresh = torch.optim.AdamW(net.parameters(), lr=0.1)  # no initial_lr until a scheduler
+    like = {"opt": fresh.state_dict(), "sched": sched.state_dict()}
+    loaded = fdp.load_checkpoint(tmp_path / "c", like)
+    fresh.load_state_dict(loaded["opt"])
+    assert fresh.param_groups[0]["initial_lr"] == 0.1
+    assert fresh.param_groups[0]["lr"] == opt.param_groups[0]["lr"]

@@ -108,7 +108,20 @@ def _filled(
         for part in path[:-1]:
             node = node.setdefault(part, {})
         node[path[-1]] = value
-    return {**state_dict, "state": state}
+    return {**state_dict, "state": state, "param_groups": _groups(state_dict, prefix, metadata)}
+
+
+def _groups(state_dict: dict[str, Any], prefix: str, metadata: dict[str, Any]) -> list[Any]:
+    """``state_dict``'s param groups with each option the checkpoint's groups have and they
+    lack (``initial_lr``, which a scheduler adds): torch's ``load_state_dict`` takes the
+    saved groups' options."""
+    head = f"{prefix}['param_groups']"
+    groups = [dict(g) for g in state_dict["param_groups"]]
+    for key in metadata:
+        path = _subscripts(key[len(head) :]) if key.startswith(head) else None
+        if path and len(path) == 2 and isinstance(path[0], int) and path[0] < len(groups):
+            groups[path[0]].setdefault(path[1], None)  # a Python value: DCP reads it here
+    return groups
 
 
 def _subscripts(rest: str) -> list[Any] | None:
