@@ -138,3 +138,31 @@ def test_options_a_scheduler_added_come_back_to_a_fresh_optimizer(tmp_path: Path
     fresh.load_state_dict(loaded["opt"])
     assert fresh.param_groups[0]["initial_lr"] == 0.1
     assert fresh.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def _cuda_run(tmp: Path, *, resume: bool) -> list[torch.Tensor]:
+    net = _net(0).cuda()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+    for step in range(STEPS):
+        if resume and step == SAVE_AT:
+            fdp.save_checkpoint(tmp / "c", {"model": net.state_dict(), "opt": opt}, rng=False)
+            net = _net(1).cuda()
+            opt = torch.optim.AdamW(net.parameters(), lr=5e-2, fused=True)
+            like: dict[str, Any] = {"model": net.state_dict(), "opt": opt}
+            net.load_state_dict(fdp.load_checkpoint(tmp / "c", like, rng=False)["model"])
+            moments = [s["exp_avg"] for s in opt.state.values()]
+            assert moments
+            assert all(m.is_cuda for m in moments)
+        x, y = (t.cuda() for t in _batch(0, step))
+        torch.autograd.backward(torch.nn.functional.mse_loss(net(x), y))
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().cpu() for p in net.parameters()]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_fused_cuda_adamw_resumes_bitwise_with_its_moments_on_the_gpu(tmp_path: Path) -> None:
+    resumed = _cuda_run(tmp_path, resume=True)
+    for got, want in zip(resumed, _cuda_run(tmp_path, resume=False), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -118,3 +118,28 @@ def test_fsdp_and_zero_norms_of_large_shards_are_within_float32_rounding_of_floa
     for fsdp_norm, zero_norm in ranks.world(2).run(_sharded_norms):
         assert abs(fsdp_norm - want) / want < 1.2e-7, (fsdp_norm, want)
         assert abs(zero_norm - want) / want < 1.2e-7, (zero_norm, want)
+
+
+def _cuda_norms(rank: int, size: int) -> tuple[float, float]:
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="nccl")  # this rank alone, on its GPU
+    grads = {k: v.cuda() for k, v in _big_grads().items()}
+    params = {k: torch.zeros_like(v) for k, v in grads.items()}
+    fsdp = fdp.FullyShardedDataParallel(params, group=group)
+    _, norm = fsdp.clip_grad_norm(fsdp.shard(grads), 1e9)
+    zero = fdp.ZeroRedundancy(fdp.optim.sgd(0.1), params, group=group)
+    zero.step(grads, zero.init(params), params, max_norm=1e9)
+    assert zero.last_grad_norm is not None
+    out = float(norm), float(zero.last_grad_norm)
+    dist.destroy_process_group(group)
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_norms_of_large_cuda_shards_are_within_float32_rounding_of_float64() -> None:
+    want = _float64_norm(_big_grads())
+    fsdp_norm, zero_norm = ranks.world(1).run(_cuda_norms)[0]
+    assert abs(fsdp_norm - want) / want < 1.2e-7, (fsdp_norm, want)
+    assert abs(zero_norm - want) / want < 1.2e-7, (zero_norm, want)
