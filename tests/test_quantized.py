@@ -423,7 +423,7 @@ def _wire(rank: int, size: int, gather_dtype: Any) -> tuple[list[torch.Tensor], 
 
 def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One process's block-wise int8 of a float32 shard: values and float32 scales."""
-    blocks = x.split(256)
+    blocks = torch.split(x, 256)
     scales = torch.stack([b.abs().max() / 127.0 for b in blocks])
     safe = torch.where(scales > 0, scales, torch.ones(()))
     q = torch.cat([(b / s).round() for b, s in zip(blocks, safe, strict=True)])
