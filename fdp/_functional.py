@@ -52,6 +52,9 @@ class _KeepAlive:
         return self.hook(*args)
 
 
+_BUFFER = "_fdp_module_buffer"
+
+
 def _shells(
     module: nn.Module, *, sync_batch_norm: bool, group: Any
 ) -> list[tuple[nn.Module, nn.Module]]:
@@ -301,6 +304,10 @@ def make_functional(
     state: dict[str, torch.Tensor] = dict(module.named_parameters())
     state.update(module.named_buffers())
     _refuse_lazy(state, module)
+    for buffer in module.buffers():
+        # Read by fdp.save_checkpoint (rank 0's buffers, as torch's DDP users
+        # save) and fdp.load_checkpoint (loaded in place, into the module).
+        setattr(buffer, _BUFFER, True)
 
     def fn(state: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         if not isinstance(state, Mapping):
@@ -313,6 +320,12 @@ def make_functional(
     fn._fdp_module = module  # type: ignore[attr-defined]  # read by module_call
     fn._fdp_options = {"sync_batch_norm": sync_batch_norm, "group": group}  # type: ignore[attr-defined]
     return fn, state
+
+
+def module_tensor(t: Any) -> bool:
+    """Whether ``t`` is a module's own tensor: an ``nn.Parameter``, or a buffer of a module
+    :func:`make_functional` split (``nn.Buffer`` too)."""
+    return isinstance(t, nn.Parameter | nn.Buffer) or getattr(t, _BUFFER, False) is True
 
 
 def module_of(fn: Any) -> nn.Module | None:

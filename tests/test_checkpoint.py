@@ -155,15 +155,54 @@ def torchrun(tmp: Path, out: str, *args: str) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def test_killed_rank_resumes_from_the_last_checkpoint_bitwise(tmp_path: Path) -> None:
-    torchrun(tmp_path, "killed", "--kill-at", "7")
-    torchrun(tmp_path, "whole")
-    # The killed run restarted once, from the checkpoint of step 6.
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The drill run once without a kill: where every killed run must end (saving to
+    ``last`` or to step directories trains alike)."""
+    tmp = tmp_path_factory.mktemp("drill")
+    torchrun(tmp, "whole")
+    assert not any(p.name.startswith("resumed_from") for p in (tmp / "whole").iterdir())
+    return tmp / "whole"
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        ("--kill-in-save", "9", "--kill-rank", "1"),  # into a fresh step directory
+        ("--kill-in-save", "9", "--kill-rank", "1", "--last"),  # over the one checkpoint
+        ("--kill-in-save", "9", "--kill-rank", "0", "--last"),  # the coordinator
+    ],
+    ids=["step_dir", "last_rank1", "last_rank0"],
+)
+def test_a_rank_killed_while_saving_resumes_from_the_last_whole_checkpoint(
+    tmp_path: Path, uninterrupted: Path, how: tuple[str, ...]
+) -> None:
+    # Before: a save over ckpt/last removed its .metadata first, so a kill
+    # midway left no checkpoint at all and the job started again from step 0.
+    torchrun(tmp_path, "killed", *how)
     assert (tmp_path / "killed" / "resumed_from_6").exists()
-    assert not (tmp_path / "whole" / "resumed_from_6").exists()
     like = {"params": restart_drill.tree(), "step": 0}
     killed = fdp.load_checkpoint(tmp_path / "killed" / "final", like, rng=False)
-    whole = fdp.load_checkpoint(tmp_path / "whole" / "final", like, rng=False)
+    whole = fdp.load_checkpoint(uninterrupted / "final", like, rng=False)
+    assert killed["step"] == whole["step"] == 12
+    for a, b in zip(tensor_leaves(killed), tensor_leaves(whole), strict=True):
+        assert torch.equal(a, b)
+    if "--last" in how:  # the last save is whole, and nothing is left beside it
+        last = fdp.load_checkpoint(tmp_path / "killed" / "last", like, strict=False)
+        assert last["step"] == 12
+        left = [p.name for p in (tmp_path / "killed").iterdir() if p.name.startswith(".")]
+        assert left == []
+
+
+def test_killed_rank_resumes_from_the_last_checkpoint_bitwise(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
+    torchrun(tmp_path, "killed", "--kill-at", "7")
+    # The killed run restarted once, from the checkpoint of step 6.
+    assert (tmp_path / "killed" / "resumed_from_6").exists()
+    like = {"params": restart_drill.tree(), "step": 0}
+    killed = fdp.load_checkpoint(tmp_path / "killed" / "final", like, rng=False)
+    whole = fdp.load_checkpoint(uninterrupted / "final", like, rng=False)
     assert killed["step"] == whole["step"] == 12
     for a, b in zip(tensor_leaves(killed), tensor_leaves(whole), strict=True):
         assert torch.equal(a, b)
@@ -249,7 +288,7 @@ def test_unreadable_checkpoints_raise_value_errors(tmp_path: Path) -> None:
     assert fdp.load_checkpoint(path, good)["n"] == 5  # the good one still loads
 
 
-def test_a_save_that_dies_midway_leaves_no_complete_looking_mix(
+def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The writer "dies" after writing the new data files, before .metadata.
@@ -264,13 +303,18 @@ def test_a_save_that_dies_midway_leaves_no_complete_looking_mix(
     with pytest.raises(BaseException, match="killed"):
         fdp.save_checkpoint(path, {"w": torch.full((3,), 2.0), "step": 2})
     monkeypatch.undo()
-    # Before: the old .metadata stayed, over the new data file, and loaded as step 1.
-    with pytest.raises(ValueError, match="holds no checkpoint"):
-        fdp.load_checkpoint(path, {"w": torch.zeros(3), "step": 0})
+    # Long ago the old .metadata stayed over the new data file and loaded as
+    # step 1 with step 2's values; then the save removed .metadata first, and
+    # the path held no checkpoint. Now the old one is untouched, whole.
+    loaded = fdp.load_checkpoint(path, {"w": torch.zeros(3), "step": 0})
+    assert loaded["step"] == 1
+    torch.testing.assert_close(loaded["w"], torch.ones(3), rtol=0, atol=0)
+    assert (tmp_path / ".c.saving").is_dir()  # the partial save, beside it
     fdp.save_checkpoint(path, {"w": torch.full((3,), 3.0), "step": 3})
     loaded = fdp.load_checkpoint(path, {"w": torch.zeros(3), "step": 0})
     assert loaded["step"] == 3
     torch.testing.assert_close(loaded["w"], torch.full((3,), 3.0), rtol=0, atol=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # the staging one is gone
 
 
 def _zero_layouts(rank: int, size: int, path: str, save_cl: bool, load_cl: bool) -> str:
@@ -341,3 +385,73 @@ def test_a_ddp_checkpoint_holds_rank_0s_buffers(tmp_path: Path) -> None:
     for loaded in (loaded0, loaded1):
         tree_allclose(loaded["state"], held0, rtol=0, atol=0)
         assert loaded["step"] == 1
+
+
+# ---------------------------------------------------------------------------
+# The data position: a global sample position resumes at another world size.
+
+SAMPLES, GLOBAL_BATCH = 30, 6  # 5 steps an epoch; 6 splits evenly over 2 and 3 ranks
+
+
+def global_batch(epoch: int, seen: int, rank: int, world: int) -> torch.Tensor:
+    """docs/checkpoints.md's rule: this rank's share of the global batch at ``seen``."""
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(epoch))
+    return order[seen : seen + GLOBAL_BATCH].tensor_split(world)[rank]
+
+
+def _data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(n, 4, generator=g), torch.randn(n, generator=g)
+
+
+def _epochs(rank: int, size: int, path: str, until: tuple[int, int]) -> Any:
+    """Trains from the checkpoint at ``path`` (if any) to (epoch, seen) ``until``."""
+    x, y = _data(SAMPLES)
+    state: dict[str, Any] = {"w": torch.zeros(4), "epoch": 0, "seen": 0}
+    if os.path.exists(path):
+        state = fdp.load_checkpoint(path, state, rng=False)
+    ddp = fdp.DistributedDataParallel({"w": state["w"]})
+    w, epoch, seen, mine = state["w"], state["epoch"], state["seen"], []
+    while (epoch, seen) != until:
+        idx = global_batch(epoch, seen, rank, size)
+        mine.append((epoch, idx.tolist()))
+        g = torch.func.grad(lambda p: (x[idx] @ ddp(p)["w"] - y[idx]).square().mean())({"w": w})
+        w = w - 0.1 * g["w"]
+        seen += GLOBAL_BATCH
+        if seen == SAMPLES:
+            epoch, seen = epoch + 1, 0
+    fdp.save_checkpoint(path, {"w": w, "epoch": epoch, "seen": seen}, rng=False)
+    return w, mine
+
+
+def test_a_global_sample_position_resumes_on_3_ranks_of_a_2_rank_run(tmp_path: Path) -> None:
+    path = str(tmp_path / "last")
+    two = ranks.world(2).run(_epochs, path, (0, 18))  # 3 steps of epoch 0 on 2 ranks
+    three = ranks.world(3).run(_epochs, path, (2, 0))  # the rest, and epoch 1, on 3
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for _, mine in two + three:
+        for epoch, idx in mine:
+            seen[epoch] += idx
+    for epoch in (0, 1):
+        assert sorted(seen[epoch]) == list(range(SAMPLES))  # each sample once an epoch
+    # One process over the same global batches, the reference for the weights.
+    x, y = _data(SAMPLES)
+    w = torch.zeros(4, requires_grad=True)
+    for epoch in (0, 1):
+        for seen_ in range(0, SAMPLES, GLOBAL_BATCH):
+            idx = global_batch(epoch, seen_, 0, 1)
+            (g,) = torch.autograd.grad((x[idx] @ w - y[idx]).square().mean(), w)
+            w = (w - 0.1 * g).detach().requires_grad_()
+    for final, _ in three:
+        torch.testing.assert_close(final, w.detach())
+    # The rule it replaces: a DataLoader's batch index over a DistributedSampler
+    # (batch_size=3 per rank) resumed at 3 ranks points past samples never seen.
+    from torch.utils.data import DistributedSampler
+
+    def sampler(world: int, rank: int) -> list[int]:
+        return list(DistributedSampler(range(SAMPLES), num_replicas=world, rank=rank, seed=0))
+
+    batch_index, per_rank = 3, 3
+    first = [i for r in range(2) for i in sampler(2, r)[: batch_index * per_rank]]
+    rest = [i for r in range(3) for i in sampler(3, r)[batch_index * per_rank :]]
+    assert len(set(range(SAMPLES)) - set(first + rest)) == 9  # skipped this epoch

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -184,14 +185,50 @@ SAME_START = (
 )
 
 
-def _value_fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """Two float64 numbers that ranks holding the same values compute bit for bit."""
+_MASK = (1 << 62) - 1  # checksums below 2**62: their negation fits an int64
+_CHUNK = 1 << 22  # elements widened to int64 at a time: the checksum's memory
+
+
+def tensor_fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 checksums of ``t``'s bits in logical order, on ``t``'s device.
+
+    Equal bits give equal checksums on any device (sums modulo 2**64 do not
+    depend on the order of summation); a flipped bit, -0.0 for 0.0, or two
+    values swapped change them. The weights tell positions apart.
+    """
     d = t.detach()
     d = torch.view_as_real(d) if d.is_complex() else d
-    d = torch.nan_to_num(d.reshape(-1).to(torch.float64, copy=True))
-    # The weights tell a permutation of the values apart from the values.
-    weights = torch.arange(1, d.numel() + 1, dtype=torch.float64, device=d.device).remainder_(7)
-    return torch.stack([d.sum(), (d * weights).sum()])
+    raw = d.contiguous().reshape(-1).view(torch.uint8)
+    width = torch.int32 if raw.numel() % 4 == 0 else torch.int16 if raw.numel() % 2 == 0 else None
+    words = raw.view(width) if width is not None else raw
+    total = torch.zeros(2, dtype=torch.int64, device=d.device)
+    for lo in range(0, words.numel(), _CHUNK):
+        x = words[lo : lo + _CHUNK].to(torch.int64)
+        w = torch.arange(lo, lo + x.numel(), dtype=torch.int64, device=d.device)
+        w = w.remainder_(65521).add_(1)
+        total += torch.stack([x.sum(), (x * w).sum()])
+    return total.bitwise_and_(_MASK)
+
+
+def value_fingerprint(value: Any) -> torch.Tensor:
+    """Two checksums of a Python value (its pickle), as :func:`tensor_fingerprint` gives."""
+    digest = hashlib.blake2b(pickle.dumps(value), digest_size=16).digest()
+    return torch.tensor(
+        [int.from_bytes(digest[:8], "little") & _MASK, int.from_bytes(digest[8:], "little") & _MASK]
+    )
+
+
+def differing(fingerprints: Sequence[torch.Tensor], group: ProcessGroup | None) -> list[bool]:
+    """For each fingerprint, whether any rank holds another; one all-reduce for all of them."""
+    if not fingerprints:
+        return []
+    with torch.no_grad(), _compat.functorch_disabled():
+        mine = torch.stack([f.to(_device_for(group)) for f in fingerprints])
+        both = torch.cat([mine, -mine])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        high, neg_low = both[: len(fingerprints)], both[len(fingerprints) :]
+        out: list[bool] = (high != -neg_low).any(dim=1).tolist()
+        return out
 
 
 def check_values(
@@ -211,19 +248,12 @@ def check_values(
     starting from other values would silently train another model.
     """
     held = [(i, t) for i, t in enumerate(tensors) if t is not None]
-    if not held:
-        return
     with torch.no_grad(), _compat.functorch_disabled():
-        mine = torch.stack([_value_fingerprint(t).to(_device_for(group)) for _, t in held])
-        both = torch.cat([mine, -mine])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        high, neg_low = both[: len(held)], both[len(held) :]
-        differs = (high != -neg_low).any(dim=1).tolist()
-    for (i, _), bad in zip(held, differs, strict=True):
-        if bad:
+        bad = differing([tensor_fingerprint(t) for _, t in held], group)
+    for (i, _), differs in zip(held, bad, strict=True):
+        if differs:
             raise ValueError(
                 f"{call}: `{arg}` leaf {paths[i]} expected the same values on every rank "
-                f"{when}; got different values on different ranks (checksums from "
-                f"{-float(neg_low[differs.index(True)][0]):.6g} to "
-                f"{float(high[differs.index(True)][0]):.6g}). {fix}"
+                f"{when}; got different values on different ranks (their bits' checksums "
+                f"differ). {fix}"
             )

@@ -32,9 +32,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from fdp import _bucket, _compat, _tree
-from fdp._comm import _agreement
-from fdp._sharding import _checkpoint_match, _checkpoint_optim
+from fdp import _bucket, _compat, _functional, _tree
+from fdp._sharding import (
+    _checkpoint_files,
+    _checkpoint_match,
+    _checkpoint_optim,
+    _checkpoint_verify,
+)
 from fdp._sharding._shards import Shards, ZeroState
 
 if TYPE_CHECKING:
@@ -54,14 +58,21 @@ def save_checkpoint(
 ) -> None:
     """Saves a training state with ``torch.distributed.checkpoint``; every rank calls it.
 
-    Tensor leaves are replicated (parameters, buffers, an unsharded
-    optimizer state): the group's rank 0 writes its values, as torch's DDP
-    users save rank 0's ``state_dict``. A ``ZeroState`` is
-    written in pieces by the ranks that hold them. The directory is
-    complete once ``path/.metadata`` exists (DCP writes it last); saving
-    over a checkpoint first removes its ``.metadata``, so a save that dies
-    midway never leaves the old metadata over new data files. Every rank
-    returns once every rank has finished (a barrier of ``group``).
+    Tensor leaves and Python values are replicated (parameters, an
+    unsharded optimizer state, the step): they are written once, by the
+    group's rank 0, after one all-reduce has checked that every rank holds
+    the same bits, so an entry that differs (fully sharded shards saved
+    directly, ranks that trained apart, a per-rank value) raises on every
+    rank, naming the leaf and its probable cause. A module's buffers
+    (``make_functional``'s state) are rank 0's, as torch's DDP users save
+    rank 0's ``state_dict``. A ``ZeroState`` is written in pieces by the
+    ranks that hold them.
+
+    The checkpoint is written beside ``path`` (``.<name>.saving``) and
+    switched in whole when every rank has written: at any instant ``path``
+    holds the previous checkpoint or this one, complete, so a job killed
+    while saving over ``ckpt/last`` resumes from its last save. Every rank
+    returns once the switch is done (a barrier of ``group``).
 
     Args:
         path: a directory (created if needed).
@@ -80,14 +91,16 @@ def save_checkpoint(
         _, leaves = _leaves(call, "state", state, fresh=False)
     entries = {k: v for leaf in leaves for k, v in leaf.entries.items()}
     if _distributed():
-        _check_parameters(call, state, group)
+        once = {k: v for leaf in leaves for k, v in leaf.once().items()}
+        _checkpoint_verify.check(call, once, group)
     if rng:
         entries[_RNG + str(_rank(group))] = _rng_state()
-    _retire_metadata(path, group)
+    stage = _checkpoint_files.prepare(path, coordinator=_rank(group) == 0)
+    if _distributed():
+        dist.barrier(group=group)  # the staging directory is clean before anyone writes
     # An entry every rank holds is written by the group's rank 0, not by the
-    # rank DCP's load balancing picks: buffers that differ across ranks
-    # (BatchNorm statistics after a DDP step) are saved as rank 0 holds them,
-    # what torch's DDP users save from rank 0's state_dict.
+    # rank DCP's load balancing picks (verified equal above, buffers aside:
+    # rank 0's, what torch's DDP users save from rank 0's state_dict).
     # torch.distributed.checkpoint is imported here, not with fdp: it takes
     # seconds (DTensor, sympy) that a run which never saves should not pay.
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -97,65 +110,26 @@ def save_checkpoint(
     with _quietly():
         dcp_save(
             entries,
-            checkpoint_id=path,
+            checkpoint_id=stage,
             process_group=group,
             planner=planner,
             no_dist=not _distributed(),
         )
+    # DCP's coordinator returns once every rank's files and .metadata are
+    # written: then the new checkpoint replaces the old one whole.
+    if _rank(group) == 0:
+        _checkpoint_files.switch(path)
     if _distributed():
-        # Note [a barrier after saving]: DCP's last collectives are gloo
-        # broadcasts of tensors that a gloo worker thread may still be
-        # releasing when the call returns, and DCP keeps the process group
-        # alive past destroy_process_group (torch 2.13). A script that saves,
-        # then exits, could have that thread take the GIL during interpreter
-        # finalization: SIGABRT ("terminate called without an active
-        # exception", 2 in 20 runs of train_lm_fsdp.py under load). The
-        # barrier runs after those collectives complete and gives the
-        # worker its round trip to let them go.
+        # Every rank returns after the switch, so a load that follows finds
+        # the new checkpoint. Note [a barrier after saving]: DCP's last
+        # collectives are gloo broadcasts of tensors that a gloo worker
+        # thread may still be releasing when the call returns, and DCP keeps
+        # the process group alive past destroy_process_group (torch 2.13). A
+        # script that saves, then exits, could have that thread take the GIL
+        # during interpreter finalization: SIGABRT ("terminate called without
+        # an active exception", 2 in 20 runs of train_lm_fsdp.py under load).
+        # The barrier gives the worker its round trip to let them go.
         dist.barrier(group=group)
-
-
-def _check_parameters(call: str, state: Any, group: ProcessGroup | None) -> None:
-    """Raises on every rank if the parameters every rank saves differ across ranks.
-
-    Only rank 0's are written: ranks that trained apart (a loss that read
-    ``params`` instead of ``ddp(params)``) would save silently. Parameters
-    are the tensors that require grad or are ``nn.Parameter``s (buffers may
-    differ, as BatchNorm's statistics without a broadcast do).
-    """
-    leaves = _tree.flatten(state)[0]
-    paths = _tree.paths(state, "state")
-    params = [
-        t
-        if isinstance(t, torch.Tensor)
-        and type(t) in (torch.Tensor, torch.nn.Parameter)
-        and (t.requires_grad or isinstance(t, torch.nn.Parameter))
-        else None
-        for t in leaves
-    ]
-    held = [(p, t) for p, t in zip(paths, params, strict=True) if t is not None]
-    described = [(p, f"a tensor of shape {tuple(t.shape)}, dtype {t.dtype}") for p, t in held]
-    _agreement.check(described, group=group, call=call, arg="state")  # the same leaves first
-    fix = (
-        "The ranks trained apart: compute the loss from ddp(params), not params, and "
-        "step every rank's optimizer alike"
-    )
-    _agreement.check_values(params, paths, group=group, call=call, arg="state", fix=fix,
-                            when="when saved")  # fmt: skip
-
-
-def _retire_metadata(path: str | os.PathLike[str], group: ProcessGroup | None) -> None:
-    """Removes an older checkpoint's ``.metadata`` before new data files are written.
-
-    DCP writes ``.metadata`` last, on the coordinator (the group's rank 0),
-    and no rank writes data before the coordinator joins the save's first
-    collective, which follows this. A save that dies midway then leaves a
-    directory that says it is incomplete, never the old metadata over a mix
-    of old and new data files.
-    """
-    metadata = os.path.join(os.fspath(path), ".metadata")
-    if _rank(group) == 0 and os.path.exists(metadata):
-        os.remove(metadata)
 
 
 def load_checkpoint(
@@ -166,12 +140,16 @@ def load_checkpoint(
     rng: bool = True,
     strict: bool = True,
 ) -> T:
-    """Loads a state saved by :func:`save_checkpoint` into new tensors shaped like ``like``.
+    """Loads a state saved by :func:`save_checkpoint`, structured and laid out like ``like``.
 
     ``like`` gives the structure, shapes, dtypes, devices and sharding:
     for a ``ZeroState`` leaf pass ``zero.init(params)`` of this run's
     ``ZeroRedundancy``, which may have another world size than the run that
-    saved. ``like`` itself is not changed.
+    saved. A module's own tensors in ``like`` (``nn.Parameter``s, and the
+    buffers of ``make_functional``'s state) are loaded into in place and come
+    back as themselves, as DCP does, so the module and a torch optimizer over
+    its parameters see the loaded values; every other tensor leaf comes back
+    as a new tensor, and ``like``'s are not changed.
 
     Args:
         path: a directory written by :func:`save_checkpoint`.
@@ -268,6 +246,10 @@ class _Leaf:
     def result(self, entries: dict[str, Any]) -> Any:
         return entries.get(self.key)
 
+    def once(self) -> dict[str, Any]:
+        """The entries written once for every rank (verified equal before a save)."""
+        return self.entries
+
     def reshaped(self, key: str, saved: TensorStorageMetadata) -> Reshaped | None:
         """What to load entry ``key`` through when the checkpoint holds another shape."""
         return None
@@ -279,13 +261,24 @@ Reshaped = tuple[torch.Tensor, Callable[[], None]]
 
 class _Tensor(_Leaf):
     def __init__(self, key: str, t: torch.Tensor, *, fresh: bool) -> None:
-        super().__init__(key, torch.empty_like(t) if fresh else t.detach())
+        # A module's own parameter or buffer in `like` is loaded into in place,
+        # as DCP does: new tensors would leave the module (and a torch
+        # optimizer over its parameters) behind.
+        self.own = t if fresh and _functional.module_tensor(t) and _holds_data(t) else None
+        super().__init__(key, torch.empty_like(t) if fresh and self.own is None else t.detach())
         self.tensor, self.requires_grad = self.entries[key], t.requires_grad
+        self.buffer = _functional.module_tensor(t) and not isinstance(t, torch.nn.Parameter)
 
     def result(self, entries: dict[str, Any]) -> Any:
+        if self.own is not None:
+            return self.own
         # Loaded in place; a leaf of `like` that requires grad gives one that does.
         out: torch.Tensor = self.tensor
         return out.requires_grad_() if self.requires_grad else out
+
+    def once(self) -> dict[str, Any]:
+        # A module's buffers drift between DDP's broadcasts: rank 0's are saved.
+        return {} if self.buffer else self.entries
 
     def reshaped(self, key: str, saved: TensorStorageMetadata) -> Reshaped | None:
         """A ``ZeroState`` entry (the leaf's elements, 1-D) loaded into an unsharded leaf."""
@@ -336,6 +329,12 @@ class _Zero(_Leaf):
     def result(self, entries: dict[str, Any]) -> Any:
         return self.state
 
+    def once(self) -> dict[str, Any]:
+        # Each rank writes its own pieces, and a 0-d step of the leaves it holds
+        # pieces of (the ranks holding one step each, alike: one optimizer);
+        # the layout record is every rank's.
+        return {self.orders_key: self.entries[self.orders_key]}
+
     def check_orders(self, call: str, saved: Any) -> None:
         """Refuses a ZeroState saved with leaves laid out otherwise (channels_last vs not)."""
         saved = json.loads(saved) if isinstance(saved, str) else {}
@@ -365,6 +364,11 @@ class _Zero(_Leaf):
             piece.copy_(_bucket.memory_flat(whole, order)[seg.lo : seg.hi])
 
         return whole, fill
+
+
+def _holds_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` has its elements (not a parameter ``fsdp.wrap`` released)."""
+    return t.numel() == 0 or t.untyped_storage().nbytes() > 0
 
 
 def _fresh(t: Any) -> Any:

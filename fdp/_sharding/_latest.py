@@ -1,8 +1,9 @@
 """``latest_checkpoint``: the newest complete checkpoint in a folder, the same on every rank.
 
-``save_checkpoint`` writes ``.metadata`` last (and removes an older one
-first), so a checkpoint directory is complete exactly when it holds
-``.metadata``; one a killed run left half written has none. Checkpoints are
+``save_checkpoint`` writes a checkpoint beside its path (``.<name>.saving``,
+whose name ends in no number) and renames it into place once complete, so a
+numbered directory holding ``.metadata`` is complete; one a killed run of an
+older fdp left half written has none. Checkpoints are
 told apart by the number their name ends in (``step_1200``, ``ckpt-7``,
 ``300``). Ranks may see different files (a folder not shared between
 hosts, a file system that shows writes late), so the group's rank 0
