@@ -415,7 +415,11 @@ def _epochs(rank: int, size: int, path: str, until: tuple[int, int]) -> Any:
     while (epoch, seen) != until:
         idx = global_batch(epoch, seen, rank, size)
         mine.append((epoch, idx.tolist()))
-        g = torch.func.grad(lambda p: (x[idx] @ ddp(p)["w"] - y[idx]).square().mean())({"w": w})
+
+        def loss(p: dict[str, torch.Tensor], idx: torch.Tensor = idx) -> torch.Tensor:
+            return (x[idx] @ ddp(p)["w"] - y[idx]).square().mean()
+
+        g = torch.func.grad(loss)({"w": w})
         w = w - 0.1 * g["w"]
         seen += GLOBAL_BATCH
         if seen == SAMPLES:
@@ -449,7 +453,8 @@ def test_a_global_sample_position_resumes_on_3_ranks_of_a_2_rank_run(tmp_path: P
     from torch.utils.data import DistributedSampler
 
     def sampler(world: int, rank: int) -> list[int]:
-        return list(DistributedSampler(range(SAMPLES), num_replicas=world, rank=rank, seed=0))
+        data: Any = range(SAMPLES)
+        return list(DistributedSampler(data, num_replicas=world, rank=rank, seed=0))
 
     batch_index, per_rank = 3, 3
     first = [i for r in range(2) for i in sampler(2, r)[: batch_index * per_rank]]
