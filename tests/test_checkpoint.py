@@ -155,6 +155,17 @@ def torchrun(tmp: Path, out: str, *args: str) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+def ends_where_uninterrupted(killed: Path, uninterrupted: Path) -> dict[str, Any]:
+    """Asserts the killed run's final parameters are the uninterrupted run's, bitwise."""
+    like = {"params": restart_drill.tree(), "step": 0}
+    done = fdp.load_checkpoint(killed / "final", like, rng=False)
+    whole = fdp.load_checkpoint(uninterrupted / "final", like, rng=False)
+    assert done["step"] == whole["step"] == 12
+    for a, b in zip(tensor_leaves(done), tensor_leaves(whole), strict=True):
+        assert torch.equal(a, b)
+    return like
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The drill run once without a kill: where every killed run must end (saving to
@@ -181,12 +192,7 @@ def test_a_rank_killed_while_saving_resumes_from_the_last_whole_checkpoint(
     # midway left no checkpoint at all and the job started again from step 0.
     torchrun(tmp_path, "killed", *how)
     assert (tmp_path / "killed" / "resumed_from_6").exists()
-    like = {"params": restart_drill.tree(), "step": 0}
-    killed = fdp.load_checkpoint(tmp_path / "killed" / "final", like, rng=False)
-    whole = fdp.load_checkpoint(uninterrupted / "final", like, rng=False)
-    assert killed["step"] == whole["step"] == 12
-    for a, b in zip(tensor_leaves(killed), tensor_leaves(whole), strict=True):
-        assert torch.equal(a, b)
+    like = ends_where_uninterrupted(tmp_path / "killed", uninterrupted)
     if "--last" in how:  # the last save is whole, and nothing is left beside it
         last = fdp.load_checkpoint(tmp_path / "killed" / "last", like, strict=False)
         assert last["step"] == 12
@@ -200,12 +206,7 @@ def test_killed_rank_resumes_from_the_last_checkpoint_bitwise(
     torchrun(tmp_path, "killed", "--kill-at", "7")
     # The killed run restarted once, from the checkpoint of step 6.
     assert (tmp_path / "killed" / "resumed_from_6").exists()
-    like = {"params": restart_drill.tree(), "step": 0}
-    killed = fdp.load_checkpoint(tmp_path / "killed" / "final", like, rng=False)
-    whole = fdp.load_checkpoint(uninterrupted / "final", like, rng=False)
-    assert killed["step"] == whole["step"] == 12
-    for a, b in zip(tensor_leaves(killed), tensor_leaves(whole), strict=True):
-        assert torch.equal(a, b)
+    ends_where_uninterrupted(tmp_path / "killed", uninterrupted)
 
 
 # ---------------------------------------------------------------------------
