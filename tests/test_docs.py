@@ -9,6 +9,7 @@ output) are not run.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -39,6 +40,8 @@ def test_code_blocks_run(page: Path, tmp_path: Path) -> None:
     script = tmp_path / f"{page.stem}.py"
     script.write_text("\n\n".join(python_blocks(page)))
     env = {
+    if "import transformers" in script.read_text() and not importlib.util.find_spec("transformers"):
+        pytest.skip("transformers (the test group) is not installed")
         **os.environ,
         "PYTHONPATH": str(ROOT),
         "RANK": "0",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import re
 import signal
@@ -38,9 +39,16 @@ def test_cuda_devices_without_cuda_fail_with_fdps_device_error() -> None:
 
 
 EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py") if p.stem != "common")
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+NEEDS_TRANSFORMERS = pytest.mark.skipif(
+    not HAS_TRANSFORMERS, reason="transformers (the test group) is not installed"
+)
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=NEEDS_TRANSFORMERS) if n == "finetune_hf" else n for n in EXAMPLES],
+)
 def test_help_shows_every_default(
     name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -168,7 +176,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
     tmp = tmp_path_factory.mktemp("whole")
     states = {}
     runs = {"zero": ZERO_ARGS, "lm": LM_ARGS, "ported": PORTED_ARGS}
-    runs |= {"hf_fsdp": HF_FSDP_ARGS, "hf_ddp": HF_DDP_ARGS}
+    if HAS_TRANSFORMERS:
+        runs |= {"hf_fsdp": HF_FSDP_ARGS, "hf_ddp": HF_DDP_ARGS}
     for name, args in runs.items():
         log = torchrun(tmp / name, args)
         assert f"--resume: no complete checkpoint in {tmp / name}; starting fresh" in log
@@ -176,7 +185,16 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
     return states
 
 
-@pytest.mark.parametrize("name", ["zero", "lm", "ported", "hf_fsdp", "hf_ddp"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "zero",
+        "lm",
+        "ported",
+        pytest.param("hf_fsdp", marks=NEEDS_TRANSFORMERS),
+        pytest.param("hf_ddp", marks=NEEDS_TRANSFORMERS),
+    ],
+)
 def test_a_killed_rank_restarts_and_ends_where_an_uninterrupted_run_does(
     tmp_path: Path, uninterrupted: dict[str, dict[str, Any]], name: str
 ) -> None:

@@ -2,8 +2,11 @@
 
 What this checks: each Python classifier is a version in ``nox -s
 python_range``'s list, the torch floor is the first release in ``nox -s
-torch_range``'s, and the README's "Tested" line names exactly those. What it
-does not: run them. CI runs the default sessions (the suite on this
+torch_range``'s, and the README's "Tested" line names exactly those; the
+test group's pins (constraints.txt) give each declared Python one version of
+each package that allows it, and the versions installed here support every
+Python their markers select (so each python_range run checks its own pins).
+What it does not: run them. CI runs the default sessions (the suite on this
 machine's Python and torch); the range sessions take an hour and download
 each torch, so they are run by hand before a release or a change to the
 ranges, and each issue's resolution note says which of them ran and what
@@ -17,8 +20,12 @@ import pathlib
 import re
 import subprocess
 import sys
+from importlib import metadata
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -81,3 +88,66 @@ def test_import_fdp_leaves_the_compiler_and_checkpoints_unloaded() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.splitlines() == ["[]", "[0.5, 0.5]"]
+
+
+def _test_group() -> list[Requirement]:
+    """The test dependency group's own requirements (not the groups it includes)."""
+    found = re.search(r"^test = (\[.*?^\])", PYPROJECT, re.M | re.S)
+    assert found is not None, "pyproject.toml has no test group"
+    listed = re.sub(r"\{[^}]*\}", "None", found.group(1))  # include-group tables
+    return [Requirement(r) for r in ast.literal_eval(re.sub(r"#.*", "", listed)) if r]
+
+
+def _pins() -> list[Requirement]:
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    return [Requirement(line) for line in lines if line.strip() and not line.startswith("#")]
+
+
+def _environment(python: str) -> dict[str, str]:
+    return {"python_version": python, "python_full_version": f"{python}.0"}
+
+
+def _selects(requirement: Requirement, python: str) -> bool:
+    """Whether ``requirement``'s marker (if any) applies on ``python`` ("3.10")."""
+    return requirement.marker is None or requirement.marker.evaluate(_environment(python))
+
+
+@pytest.mark.parametrize("python", _nox_list("PYTHON_RANGE"))
+def test_each_declared_python_has_one_pin_per_test_requirement_that_allows_it(python: str) -> None:
+    # transformers 5.21+ needs Python 3.11: one unmarked pin made 3.10's install fail.
+    pins = _pins()
+    wanted = [r for r in _test_group() if _selects(r, python)]
+    names = [canonicalize_name(r.name) for r in wanted]
+    assert len(names) == len(set(names)), f"Python {python}: two requirements for one package"
+    for requirement in wanted:
+        applying = [
+            p for p in pins
+            if canonicalize_name(p.name) == canonicalize_name(requirement.name)
+            and _selects(p, python)
+        ]  # fmt: skip
+        assert len(applying) <= 1, f"Python {python}: {requirement.name} pinned twice"
+        for pin in applying:
+            (exact,) = pin.specifier
+            assert requirement.specifier.contains(exact.version), (python, requirement, pin)
+
+
+def test_each_installed_pin_supports_every_declared_python_its_marker_selects() -> None:
+    # Run on each Python of python_range, this covers every pin: transformers
+    # 5.24 requires Python 3.11, so an unmarked pin left 3.10 uninstallable.
+    this = f"{sys.version_info.major}.{sys.version_info.minor}"
+    declared = _nox_list("PYTHON_RANGE")
+    checked = 0
+    for pin in _pins():
+        if not _selects(pin, this):
+            continue
+        try:
+            installed = metadata.distribution(pin.name)
+        except metadata.PackageNotFoundError:
+            continue  # an optional test package: its tests skip
+        (exact,) = pin.specifier
+        assert installed.version.split("+")[0] == exact.version, (pin, installed.version)
+        supports = SpecifierSet(installed.metadata["Requires-Python"] or "")
+        selected = [v for v in declared if _selects(pin, v)]
+        assert [v for v in selected if f"{v}.0" not in supports] == [], (str(pin), str(supports))
+        checked += 1
+    assert checked >= 5
