@@ -268,33 +268,38 @@ def examples(session: nox.Session) -> None:
 
 @shared
 def bench(session: nox.Session) -> None:
-    """Benchmarks (ratios measured side by side in one run); not run by default."""
+    """Benchmarks (ratios measured side by side in one run); not run by default.
+
+    Every script records its figures in benchmarks/results.json, and the
+    pages that quote them are rewritten from it (benchmarks/results.py).
+    """
+    recorded = {"FDP_BENCH_RESULTS": os.path.abspath("benchmarks/results.json")}
+
+    def script(name: str, *args: str, compiles: bool = False) -> None:
+        env = recorded | (COMPILE_CACHE if compiles else {})
+        run(session, "python", f"benchmarks/{name}", *args, *session.posargs, env=env)
+
     run(session, "python", "benchmarks/structure.py")  # modules, sizes, imports, one step's path
-    run(session, "python", "benchmarks/bench_import.py", *session.posargs)
-    run(session, "python", "benchmarks/bench_data_parallel.py", *session.posargs)
-    run(session, "python", "benchmarks/bench_train.py", *session.posargs)
+    script("bench_import.py")
+    script("bench_data_parallel.py")
+    script("bench_train.py")
     if shutil.which("valgrind"):  # instruction counts: steady where timings are noisy
-        run(session, "python", "benchmarks/count_instructions.py", "--stages", *session.posargs)
+        script("count_instructions.py", "--stages")
     else:
         session.log("benchmarks/count_instructions.py skipped: it needs valgrind")
-    run(session, "python", "benchmarks/bench_distributed.py", *session.posargs)
-    run(session, "python", "benchmarks/bench_ddp_step.py", "--compiled", *session.posargs)
-    run(session, "python", "benchmarks/bench_ddp_call.py", *session.posargs)
-    run(session, "python", "benchmarks/bench_optim.py", *session.posargs, env=COMPILE_CACHE)
-    run(session, "python", "benchmarks/bench_zero.py", *session.posargs)
-    run(session, "python", "benchmarks/bench_fault_tolerance.py", *session.posargs)
-    run(session, "python", "benchmarks/bench_compression.py", *session.posargs)
-    run(
-        session,
-        "python",
-        "benchmarks/bench_meanflow.py",
-        "--compile",
-        *session.posargs,
-        env=COMPILE_CACHE,
-    )
+    script("bench_distributed.py")
+    script("bench_ddp_step.py", "--compiled")
+    script("bench_ddp_call.py")
+    script("bench_optim.py", compiles=True)
+    script("bench_zero.py")
+    script("bench_fault_tolerance.py")
+    script("bench_compression.py")
+    script("bench_meanflow.py", "--compile", compiles=True)
     run(session, "python", "benchmarks/zero_memory.py")
-    run(session, "python", "benchmarks/bench_fsdp_accumulate.py", *session.posargs)
-    run(session, "python", "benchmarks/bench_collectives.py", *session.posargs)
-    run(session, "python", "benchmarks/fsdp_memory.py", *session.posargs, env=COMPILE_CACHE)
-    run(session, "python", "benchmarks/bench_models.py", *session.posargs)
-    run(session, "python", "benchmarks/bench_pack_order.py", *session.posargs, env=COMPILE_CACHE)
+    script("bench_fsdp_accumulate.py")
+    script("bench_collectives.py")
+    script("fsdp_memory.py", "--plot", "docs/figures/memory_per_rank.png", compiles=True)
+    script("bench_models.py")
+    script("bench_pack_order.py", compiles=True)
+    run(session, "python", "benchmarks/figures.py")  # the timelines in docs/figures/
+    run(session, "python", "benchmarks/results.py", "--write")  # the pages' figures

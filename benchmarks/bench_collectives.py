@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import results
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
@@ -82,6 +83,7 @@ def run(rank: int, size: int, port: int, quick: bool) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=300),
     )  # fmt: skip
+    figures: dict[str, float] = {}
     for label, (rows, cols) in SIZES.items():
         fns = variants(rows, cols)
         if rows * cols > 1 << 16:
@@ -104,6 +106,11 @@ def run(rank: int, size: int, port: int, quick: bool) -> None:
                     f"fdp / floor {fdp_t / floor_t:.2f}x; with backward fdp {1e6 * fdp_b:8.0f}"
                     f", torch {1e6 * torch_b:8.0f} -> {fdp_b / torch_b:.2f}x"
                 )
+                key = f"{label.split()[0]}.{op}"
+                figures |= {f"{key}.vs_torch": fdp_t / torch_t, f"{key}.vs_floor": fdp_t / floor_t}
+                figures[f"{key}.backward_vs_torch"] = fdp_b / torch_b
+    if rank == 0:
+        results.record("bench_collectives", figures)
     dist.barrier()
     dist.destroy_process_group()
 

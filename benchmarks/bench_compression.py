@@ -32,6 +32,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import results
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -178,6 +179,12 @@ def main() -> None:
             f"loss after the steps {got['losses'][name]:.6f} (rel. diff {row['loss_rel_diff']:.2e})"
         )
     print(json.dumps({"rows": rows}))
+    results.record("bench_compression", {k: v for row in rows for k, v in figures(row).items()})
+
+
+def figures(row: dict[str, Any]) -> dict[str, float]:
+    """One variant's figures the pages quote, as ``fsdp_int8_all_gather.step_vs_fp32``."""
+    return {f"{results.slug(row['name'])}.{k}": v for k, v in row.items() if k != "name"}
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import results
 import torch
 from timing import side_by_side
 
@@ -190,6 +191,9 @@ def main() -> None:
         f"replicate {rep['devices']}: 1000 leaves {rep['1000_leaves_ms']:.3f} ms, 10 leaves "
         f"{rep['10_leaves_ms']:.3f} ms -> {rep['ratio']:.2f}x {target}"
     )
+    figures = {"step_vs_direct": step["ratio"], "step_vs_loop": step["vs_loop"]}
+    figures |= {"overhead_us": over["overhead_us"], "compiled_vs_eager": comp["ratio"]}
+    results.record("bench_data_parallel", figures)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import argparse
 import os
 from typing import Any
 
+import results
 import torch
 import torch.distributed as dist
 from timing import side_by_side
@@ -66,6 +67,8 @@ def main() -> None:
         f"  ddp(params): {1e3 * t_ddp:.3f} ms per call; a node per leaf (an _unsafe_view alias "
         f"+ hook): {1e3 * t_floor:.3f} ms -> {t_ddp / t_floor:.2f}x (target: ddp(params) < 1 ms)"
     )
+    figures = {"call_ms": 1e3 * t_ddp, "node_per_leaf_ms": 1e3 * t_floor}
+    results.record("bench_ddp_call", figures | {"vs_node_per_leaf": t_ddp / t_floor})
     dist.destroy_process_group()
 
 

@@ -50,6 +50,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+import results
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -319,6 +320,23 @@ def main() -> None:
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     per_step = {name: statistics.median(f) for name, f in faults.items()}
     report(ms, per_step, facts, args.bucket_cap_mb, args.ranks, allocator)
+    results.record("bench_ddp_step", figures(ms))
+
+
+def figures(ms: dict[str, float]) -> dict[str, float]:
+    """The ratios the pages quote, by name."""
+    check_off, every_step = CHECKS
+    got = {
+        "eager_vs_torch": ms[FDP] / ms[TORCH],
+        "eager_vs_bound": ms[FDP] / ms[BOUNDS[2]],
+        "torch_vs_bound": ms[TORCH] / ms[BOUNDS[2]],
+        "check_default_vs_off": ms[FDP] / ms[check_off],
+        "check_every_step_vs_off": ms[every_step] / ms[check_off],
+    }
+    if COMPILED[0] in ms:
+        got["compiled_vs_torch"] = ms[COMPILED[0]] / ms[TORCH]
+        got["compiled_overlap_vs_torch"] = ms[COMPILED[1]] / ms[TORCH]
+    return got
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import sys
 from typing import Any
 
 import optree
+import results
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -71,7 +72,7 @@ def bench_all_reduce(rounds: int) -> dict[str, float]:
     t_ours, t_flat = t["ours"], t["flat"]
     t_ours2, t_leaf = side_by_side(ours, per_leaf, rounds=max(3, rounds // 3), repeats=2,
                                    sync=dist.barrier)  # fmt: skip
-    return {
+    got = {
         "fdp_ms": 1e3 * t_ours,
         "flat_ms": 1e3 * t_flat,
         "ratio_flat": t_ours / t_flat,
@@ -79,6 +80,9 @@ def bench_all_reduce(rounds: int) -> dict[str, float]:
         "per_leaf_ms": 1e3 * t_leaf,
         "speedup_leaf": t_leaf / t_ours2,
     }
+    if dist.get_rank() == 0:
+        results.record("bench_distributed", got | {"vs_floor": t_ours / t["floor"]})
+    return got
 
 
 def bench_functional(rounds: int, rank: int) -> dict[str, float]:

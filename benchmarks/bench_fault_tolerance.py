@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 from typing import Any
 
+import results
 import torch
 import torch.distributed as dist
 from bench_ddp_step import data, make_params, mlp
@@ -102,6 +103,8 @@ def main() -> None:
     ratio = times[FT] / times[PLAIN]
     print(f"fault-tolerant / plain: {ratio:.3f}x")
     print(json.dumps({"plain_ms": times[PLAIN] * 1e3, "ft_ms": times[FT] * 1e3, "ratio": ratio}))
+    figures = {"plain_ms": times[PLAIN] * 1e3, "ft_ms": times[FT] * 1e3}
+    results.record("bench_fault_tolerance", figures | {"vs_plain": ratio})
 
 
 if __name__ == "__main__":

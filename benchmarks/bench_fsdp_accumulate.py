@@ -24,6 +24,7 @@ import datetime
 import os
 from typing import Any
 
+import results
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -88,6 +89,11 @@ def run(rank: int, size: int, port: int, quick: bool) -> None:
                 f"({sent[name] / base_b:.2f}x), step {1e3 * times[name]:7.1f} ms "
                 f"({times[name] / base_t:.2f}x)"
             )
+        figures = {f"{n}.bytes_vs_synced": sent[n] / base_b for n in fns}
+        figures |= {f"{n}.step_vs_synced": times[n] / base_t for n in fns}
+        figures |= {f"{n}.reduce_scattered_mib": sent[n] / 2**20 for n in fns}
+        figures |= {f"{n}.step_ms": 1e3 * times[n] for n in fns}
+        results.record("bench_fsdp_accumulate", figures)
     dist.barrier()
     dist.destroy_process_group()
 

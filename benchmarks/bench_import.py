@@ -20,6 +20,8 @@ import statistics
 import subprocess
 import sys
 
+import results
+
 PROBE = """
 import json, sys, time
 start = time.perf_counter()
@@ -67,6 +69,7 @@ def main() -> None:
     print(f"  import fdp after it:          {e:6.2f} s   (target <= 0.30 s)")
     print(f"  torch and fdp / torch alone:  {b / t:6.2f}x")
     print(f"  heavy modules import fdp loaded: {loaded or 'none'}")
+    results.record("bench_import", {"fdp_s": e, "torch_s": t, "both_vs_torch": b / t})
 
 
 if __name__ == "__main__":

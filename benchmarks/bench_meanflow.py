@@ -30,6 +30,7 @@ import itertools
 import os
 from collections.abc import Callable
 
+import results
 import torch
 import torch.distributed as dist
 from timing import interleaved, run_ranks
@@ -164,7 +165,23 @@ def run(rank: int, size: int, port: int, quick: bool, compiled: bool) -> None:
         c, lc = ms["fdp inside jvp, compiled"], ms["local, compiled"]
         say(f"compiled: fdp {c:.1f} ms / local {lc:.1f} ms -> {c / lc:.3f}x; "
             f"vs eager fdp {c / inside:.3f}x")  # fmt: skip
+    if rank == 0:
+        results.record("bench_meanflow", figures(ms))
     dist.destroy_process_group()
+
+
+def figures(ms: dict[str, float]) -> dict[str, float]:
+    """The ratios the pages quote, by name."""
+    inside = ms["fdp, ddp(params) inside jvp"]
+    got = {
+        "inside_vs_outside": inside / ms["fdp, ddp(params) outside jvp"],
+        "inside_vs_local_then_all_reduce": inside / ms["local, then one flat all-reduce"],
+        "inside_vs_local": inside / ms["local (no data parallelism)"],
+    }
+    if "fdp inside jvp, compiled" in ms:
+        got["compiled_vs_eager"] = ms["fdp inside jvp, compiled"] / inside
+        got["compiled_vs_local_compiled"] = ms["fdp inside jvp, compiled"] / ms["local, compiled"]
+    return got
 
 
 def main() -> None:

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import optree
+import results
 import torch
 import torch.distributed as dist
 from fsdp_memory import in_use, peak_of
@@ -232,6 +233,17 @@ def main() -> None:
         for p in procs:
             p.join(120)
     print(json.dumps({"rows": rows}))
+    results.record("bench_models", {k: v for row in rows for k, v in figures(row).items()})
+
+
+def figures(row: dict[str, Any]) -> dict[str, float]:
+    """One row's figures the pages quote, as ``gpt2_2.fdp.peak_vs_fully_shard``."""
+    slug = {METHODS[0]: "fdp", METHODS[1]: "fully_shard", METHODS[2]: "ddp"}[row["method"]]
+    prefix = f"{row['model']}_{row['ranks']}.{slug}"
+    measured = ("held", "peak", "step")
+    names = [f"{m}_{unit}" for m, unit in zip(measured, ("mib", "mib", "ms"), strict=True)]
+    names += [f"{m}_vs_fully_shard" for m in measured]
+    return {f"{prefix}.{name}": row[name] for name in names}
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import results
 import torch
 from timing import interleaved
 
@@ -66,6 +67,9 @@ def bench(name: str, rounds: int) -> dict[str, float]:
     return interleaved(fns, rounds=rounds, repeats=5)
 
 
+VARIANTS = ("fdp", "fdp_donated", "fdp_compiled")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -74,6 +78,7 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {LEAVES} leaves of {SHAPE}"
     )
+    figures: dict[str, float] = {}
     for name in ("adam", "adamw"):
         t = bench(name, rounds)
         print(
@@ -83,6 +88,8 @@ def main() -> None:
             f"fdp compiled {t['fdp_compiled'] * 1e3:.2f} ms -> "
             f"{t['fdp_compiled'] / t['torch']:.2f}x (target < 1x)"
         )
+        figures |= {f"{name}.{variant}_vs_torch": t[variant] / t["torch"] for variant in VARIANTS}
+    results.record("bench_optim", figures)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import results
 import torch
 import torch.nn.functional as F
 from timing import interleaved
@@ -68,6 +69,7 @@ def main() -> None:
     burner = mp.Process(target=_burn, daemon=True) if args.loaded else None
     if burner is not None:
         burner.start()
+    figures: dict[str, float] = {}
     try:
         print(f"torch {torch.__version__}, {'one CPU burner beside' if burner else 'no load'}")
         for threads in (1, 2):
@@ -82,6 +84,9 @@ def main() -> None:
                 f"{t['halves'] / t['plain']:.3f}x, data_parallel / them "
                 f"{t['dp'] / t['halves']:.3f}x"
             )
+            figures[f"threads_{threads}.vs_plain"] = t["dp"] / t["plain"]
+            figures[f"threads_{threads}.vs_halves"] = t["dp"] / t["halves"]
+        results.record("bench_train", figures)
     finally:
         if burner is not None:
             burner.terminate()

@@ -26,6 +26,7 @@ import os
 from typing import Any
 
 import optree
+import results
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -130,6 +131,9 @@ def run(rank: int, size: int, port: int, quick: bool) -> None:
                 f"{name:40} {1e3 * t:8.1f} {t / base:10.2f} {t / theirs:13.2f} "
                 f"{memory[name] / 2**20:8.1f}"
             )
+        figures = {f"{results.slug(n)}.vs_fdp_ddp": t / base for n, t in times.items()}
+        figures |= {f"{results.slug(n)}.vs_torch_zero": t / theirs for n, t in times.items()}
+        results.record("bench_zero", figures)
     dist.destroy_process_group()
 
 

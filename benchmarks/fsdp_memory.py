@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 import optree
+import results
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -319,7 +320,7 @@ def torch_fully_shard(
         return f"refused: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
-def run(rank: int, size: int, port: int, rounds: int, results: Any) -> None:
+def run(rank: int, size: int, port: int, rounds: int, queue: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
@@ -327,7 +328,7 @@ def run(rank: int, size: int, port: int, rounds: int, results: Any) -> None:
     )  # fmt: skip
     measured = measure(rank, size, rounds)
     if rank == 0:
-        results.put(measured)
+        queue.put(measured)
     dist.destroy_process_group()
 
 
@@ -375,6 +376,42 @@ def report(size: int, m: dict[str, Any]) -> None:
     ddp = t["fdp DDP"]
     cells = ", ".join(f"{k} {v * 1e3:.1f} ms ({v / ddp:.2f}x)" for k, v in t.items())
     print(f"step time (x DDP): {cells}\n")
+
+
+SLUGS = {
+    "fdp DDP": "ddp",
+    "fdp ZeRO-2": "zero2",
+    "fdp fully sharded": "sharded",
+    "fdp fully sharded, no prefetch": "sharded_no_prefetch",
+    "torch fully_shard": "torch",
+    "fdp fully sharded, compiled": "sharded_compiled",
+    "torch fully_shard, compiled": "torch_compiled",
+}
+
+
+def figures(size: int, m: dict[str, Any]) -> list[tuple[str, float]]:
+    """One world's figures the pages quote: MiB, and step times / fdp DDP's and torch's."""
+    w, t = f"w{size}", m["time"]
+    params_bytes = held(params_of())
+    activations = m["local (no parallelism)"][1] - m["local (no parallelism)"][0] - params_bytes
+    got = [(f"{w}.activations_mib", activations / MB)]
+    got.append((f"{w}.goal_mib", (params_bytes * 4 / size + 4 * params_bytes / m["units"]) / MB))
+    for name, slug in SLUGS.items():
+        if isinstance(m.get(name), tuple):
+            got += [(f"{w}.{slug}.held_mib", m[name][0] / MB)]
+            got += [(f"{w}.{slug}.peak_mib", m[name][1] / MB)]
+            got += [(f"{w}.{slug}.peak_less_activations_mib", (m[name][1] - activations) / MB)]
+        if isinstance(m["sampled"].get(name), tuple):
+            got += [(f"{w}.{slug}.sampled_peak_mib", m["sampled"][name][1] / MB)]
+        if name in t:
+            got += [(f"{w}.{slug}.step_vs_ddp", t[name] / t["fdp DDP"])]
+            got += [(f"{w}.{slug}.step_vs_sharded", t[name] / t["fdp fully sharded"])]
+    if isinstance(m["torch fully_shard"], tuple):
+        got += [(f"{w}.peak_vs_torch", m["fdp fully sharded"][1] / m["torch fully_shard"][1])]
+        got += [(f"{w}.step_vs_torch", t["fdp fully sharded"] / t["torch fully_shard"])]
+    compiled, eager = m["sampled"]["fdp fully sharded, compiled"], m["sampled"]["fdp fully sharded"]
+    got += [(f"{w}.compiled_peak_vs_eager", compiled[1] / eager[1])]
+    return got
 
 
 PLOTTED = ("fdp DDP", "fdp ZeRO-2", "fdp fully sharded", "torch fully_shard")
@@ -435,16 +472,15 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        results = ctx.Queue()
-        procs = [
-            ctx.Process(target=run, args=(r, size, port, rounds, results)) for r in range(size)
-        ]
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=run, args=(r, size, port, rounds, queue)) for r in range(size)]
         for p in procs:
             p.start()
-        measured[size] = results.get(timeout=900)
+        measured[size] = queue.get(timeout=900)
         report(size, measured[size])
         for p in procs:
             p.join(60)
+    results.record("fsdp_memory", {k: v for s, m in measured.items() for k, v in figures(s, m)})
     if args.plot:
         plot(measured, args.plot)
 
