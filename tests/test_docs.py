@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,9 +40,9 @@ def test_the_pages_have_code() -> None:
 def test_code_blocks_run(page: Path, tmp_path: Path) -> None:
     script = tmp_path / f"{page.stem}.py"
     script.write_text("\n\n".join(python_blocks(page)))
-    env = {
     if "import transformers" in script.read_text() and not importlib.util.find_spec("transformers"):
         pytest.skip("transformers (the test group) is not installed")
+    env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
         "RANK": "0",
@@ -155,3 +156,55 @@ def test_every_path_and_module_named_resolves() -> None:
             if name not in NOT_PATHS and not _resolves(name):
                 missing.append(f"{page.relative_to(ROOT)}: {name}")
     assert not missing, "\n".join(sorted(set(missing)))
+
+
+def _results() -> Any:
+    """benchmarks/results.py, which keeps the figures the pages quote."""
+    spec = importlib.util.spec_from_file_location("results", ROOT / "benchmarks" / "results.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_quoted_benchmark_figure_is_the_recorded_one() -> None:
+    # README and docs/fsdp.md once quoted one run's figures twice apart (0.96x
+    # and 0.99x): now every figure is written from benchmarks/results.json.
+    results = _results()
+    recorded = results.load()
+    quoted = [(p.name, m["key"]) for p in PAGES for m in results.FIGURE.finditer(p.read_text())]
+    assert len(quoted) > 150
+    figures = {f"{s}.{k}" for s, run in recorded.items() for k in run["figures"]}
+    assert [(page, key) for page, key in quoted if key not in figures] == []
+    assert results.stale(recorded) == [], "run: python benchmarks/results.py --write"
+    runs = (ROOT / "docs" / "performance.md").read_text()
+    assert results.runs_block(recorded) in runs
+    scripts = {run["command"].split()[1] for run in recorded.values()}
+    assert all((ROOT / script).is_file() for script in scripts), scripts
+
+
+def test_the_readme_quotes_only_recorded_figures() -> None:
+    results = _results()
+    text = (ROOT / "README.md").read_text()
+    performance = text[text.index("## Performance") : text.index("## Guarantees")]
+    numbers = list(re.finditer(r"(?<![\w.])\d+\.\d+(?=x| ms| s\b)", performance))
+    assert len(numbers) > 15
+    marked = {m.start("number") for m in results.FIGURE.finditer(performance)}
+    unmarked = [m[0] for m in numbers if m.start() not in marked]
+    assert unmarked == [], "README figures not written from benchmarks/results.json"
+
+
+def test_results_render_rewrites_only_the_number() -> None:
+    results = _results()
+    recorded = {"bench_x": {"figures": {"ratio": 0.9876, "loss": 2.94e-5, "ms": 512.4}}}
+    page = (
+        "**<!--fig:bench_x.ratio-->1.00x**; <!--fig:bench_x.loss-->1.0e-4 relative; "
+        "<!--fig:bench_x.ms-->500 ms, 0.76-0.89 elsewhere"
+    )
+    assert results.render(page, recorded) == (
+        "**<!--fig:bench_x.ratio-->0.99x**; <!--fig:bench_x.loss-->2.9e-5 relative; "
+        "<!--fig:bench_x.ms-->512 ms, 0.76-0.89 elsewhere"
+    )
+    with pytest.raises(KeyError, match=r"bench_x\.missing, which no run recorded"):
+        results.render("<!--fig:bench_x.missing-->1.0", recorded)

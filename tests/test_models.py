@@ -292,3 +292,96 @@ def test_fsdp_with_default_units_matches_fully_shard_and_one_process(name: str) 
         check(grads, torch_grads, f"{name} rank {rank}: fdp against torch's fully_shard")
         check(grads, grads_of(ref), f"{name} rank {rank}: fdp against one process")
         check(buffers, buffers_of(own[rank]), f"{name} rank {rank}: buffers (each rank's own)")
+
+
+# --------------------------------------------------------------- docs/models.md's promises
+# Each claim of "What carries over" and "What is refused", on GPT-2.
+
+
+def _gpt2(**options: Any) -> nn.Module:
+    """GPT-2 as ``build`` makes it (dropout off unless ``options`` say), with ``options``."""
+    torch.manual_seed(0)
+    t: Any = transformers
+    options = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **options}
+    config = t.GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=16, vocab_size=64,
+                          bos_token_id=0, eos_token_id=1, **options)  # fmt: skip
+    model: nn.Module = t.GPT2LMHeadModel(config)
+    return model
+
+
+def test_eval_and_train_take_effect_on_the_next_call_and_under_data_parallel() -> None:
+    model = _gpt2(use_cache=False, resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)
+    fn, state = fdp.make_functional(model)
+    ids = whole("gpt2", 2)["input_ids"]
+    model.eval()  # after make_functional: read at each call
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        torch.testing.assert_close(fn(state, input_ids=ids).logits, expected, rtol=0, atol=0)
+        out = fdp.data_parallel(fn, state, (), devices=["cpu", "cpu"], kwargs={"input_ids": ids})
+        torch.testing.assert_close(out.logits, expected, **TOL)
+        model.train()  # dropout again: the same draws as the module's own call
+        torch.manual_seed(1)
+        trained = fn(state, input_ids=ids).logits
+        torch.manual_seed(1)
+        torch.testing.assert_close(trained, model(input_ids=ids).logits, rtol=0, atol=0)
+    assert not torch.allclose(trained, expected)
+
+
+def _frozen(rank: int, size: int) -> Any:
+    got: list[Any] = []
+    for tool in ("ddp", "fsdp"):
+        model = _gpt2(use_cache=False)
+        model.get_parameter("transformer.wpe.weight").requires_grad_(False)  # frozen
+        fn, state = fdp.make_functional(model)
+        if tool == "ddp":
+            ddp = fdp.DistributedDataParallel(state)
+            torch.autograd.backward(fn(ddp(state), **inputs("gpt2", rank)).loss)
+            got.append(grads_of(model))
+            continue
+        fsdp = fdp.FullyShardedDataParallel(state)
+        shards = fsdp.shard(state)
+        torch.autograd.backward(fn(fsdp(shards), **inputs("gpt2", rank)).loss)
+        one: Callable[[torch.Tensor], torch.Tensor] = torch.ones_like
+        zero: Callable[[torch.Tensor], torch.Tensor] = torch.zeros_like
+        full = fsdp.full({u: tuple(zero(t) if t.grad is None else t.grad for t in ts)
+                          for u, ts in shards.items()})  # fmt: skip
+        none = fsdp.full({u: tuple(one(t) if t.grad is None else zero(t) for t in ts)
+                          for u, ts in shards.items()})  # fmt: skip
+        without = {k for k, v in none.items() if v.numel() and bool(v.all())}
+        got.append(({k: v for k, v in full.items() if state[k].requires_grad}, without))
+    return got
+
+
+def test_frozen_parameters_get_no_gradient_under_ddp_and_fsdp() -> None:
+    ref = _gpt2(use_cache=False)
+    ref.get_parameter("transformer.wpe.weight").requires_grad_(False)
+    losses = [ref(**inputs("gpt2", r)).loss for r in range(2)]
+    torch.autograd.backward(torch.stack(losses).mean())
+    expected = grads_of(ref)
+    assert "transformer.wpe.weight" not in expected
+    for rank, (ddp_grads, (fsdp_grads, without)) in enumerate(ranks.world(2).run(_frozen)):
+        check(ddp_grads, expected, f"rank {rank}: DDP with a frozen parameter")
+        check(fsdp_grads, expected, f"rank {rank}: FSDP with a frozen parameter")
+        frozen = {k for k, v in ref.state_dict().items() if k not in expected}
+        assert without == frozen - {"lm_head.weight"}, without  # shards without a .grad
+
+
+def test_two_tensors_for_one_tied_tensor_are_refused_by_name() -> None:
+    fn, state = fdp.make_functional(build("gpt2"))
+    assert "lm_head.weight" not in state  # tied to the input embedding: listed once
+    untied = {**state, "lm_head.weight": state["transformer.wte.weight"].detach().clone()}
+    with pytest.raises(ValueError, match=r"'transformer\.wte\.weight' and 'lm_head\.weight'"):
+        fn(untied, **inputs("gpt2", 0))
+
+
+def test_a_kv_cache_output_is_refused_by_name_under_data_parallel() -> None:
+    model = _gpt2(use_cache=True)
+    fn, state = fdp.make_functional(model)
+    ids = whole("gpt2", 2)["input_ids"]
+    with pytest.raises(ValueError, match=r"non-tensor leaf output\[1\] differs between replicas"):
+        fdp.data_parallel(fn, state, (), devices=["cpu", "cpu"], kwargs={"input_ids": ids})
+    # use_cache=False, as the page says for training: the one-process logits.
+    out = fdp.data_parallel(
+        fn, state, (), devices=["cpu", "cpu"], kwargs={"input_ids": ids, "use_cache": False}
+    )
+    torch.testing.assert_close(out.logits, model(input_ids=ids, use_cache=False).logits, **TOL)
