@@ -39,7 +39,10 @@ def _wrapped(rank: int, size: int, name: str, checkpointing: str | None) -> Any:
     model = build(name)
     if checkpointing is not None:
         reentrant = checkpointing == "reentrant"
-        model.activation_checkpointing_enable({"use_reentrant": reentrant})  # type: ignore[operator]
+        # transformers 5.24 renamed it (the old name warns); 5.20 (Python 3.10) has only the old.
+        enable: Any = getattr(model, "activation_checkpointing_enable", None)
+        enable = enable or model.gradient_checkpointing_enable
+        enable({"use_reentrant": reentrant})
     fn, state = fdp.make_functional(model)
     fsdp = fdp.FullyShardedDataParallel(state)
     shards = fsdp.shard(state)
@@ -89,7 +92,11 @@ def test_activation_checkpointing_regathers_in_the_recompute(name: str, how: str
     ref, _ = reference(name, 2)
     for rank, (grads, between, *_) in enumerate(ranks.world(2).run(_wrapped, name, how)):
         check(grads, grads_of(ref), f"{name} {how} rank {rank}")
-        assert between == _fsdp_unit.Phase.RESHARDED
+        # Nothing held between forward and backward. transformers 5.20 (Python
+        # 3.10) runs a reentrant checkpoint's first forward under no_grad, where
+        # wrap frees the gathered buffers entirely: SHARDED, not RESHARDED.
+        held_nothing = {_fsdp_unit.Phase.RESHARDED, _fsdp_unit.Phase.SHARDED}
+        assert between in held_nothing, (name, how, between)
 
 
 def _eval_and_module(rank: int, size: int) -> Any:
