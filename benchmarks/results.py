@@ -120,8 +120,8 @@ def main() -> None:
     if args.write:
         for page in pages():
             text = page.read_text()
-            if render(text, results) != text:
-                page.write_text(render(text, results))
+            if (new := render(text, results)) != text:
+                page.write_text(new)
                 print(f"wrote {page.relative_to(ROOT)}")
         return
     differ = stale(results)

@@ -15,10 +15,10 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.helpers import benchmark_script
 from tests.ranks import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,20 +158,10 @@ def test_every_path_and_module_named_resolves() -> None:
     assert not missing, "\n".join(sorted(set(missing)))
 
 
-def _results() -> Any:
-    """benchmarks/results.py, which keeps the figures the pages quote."""
-    spec = importlib.util.spec_from_file_location("results", ROOT / "benchmarks" / "results.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_every_quoted_benchmark_figure_is_the_recorded_one() -> None:
     # README and docs/fsdp.md once quoted one run's figures twice apart (0.96x
     # and 0.99x): now every figure is written from benchmarks/results.json.
-    results = _results()
+    results = benchmark_script("results")
     recorded = results.load()
     quoted = [(p.name, m["key"]) for p in PAGES for m in results.FIGURE.finditer(p.read_text())]
     assert len(quoted) > 150
@@ -185,7 +175,7 @@ def test_every_quoted_benchmark_figure_is_the_recorded_one() -> None:
 
 
 def test_the_readme_quotes_only_recorded_figures() -> None:
-    results = _results()
+    results = benchmark_script("results")
     text = (ROOT / "README.md").read_text()
     performance = text[text.index("## Performance") : text.index("## Guarantees")]
     numbers = list(re.finditer(r"(?<![\w.])\d+\.\d+(?=x| ms| s\b)", performance))
@@ -196,7 +186,7 @@ def test_the_readme_quotes_only_recorded_figures() -> None:
 
 
 def test_results_render_rewrites_only_the_number() -> None:
-    results = _results()
+    results = benchmark_script("results")
     recorded = {"bench_x": {"figures": {"ratio": 0.9876, "loss": 2.94e-5, "ms": 512.4}}}
     page = (
         "**<!--fig:bench_x.ratio-->1.00x**; <!--fig:bench_x.loss-->1.0e-4 relative; "

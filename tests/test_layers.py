@@ -12,9 +12,10 @@ for by an option) is not.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 from pathlib import Path
+
+from tests.helpers import benchmark_script
 
 FDP = Path(__file__).resolve().parent.parent / "fdp"
 LAYERS = {
@@ -151,11 +152,7 @@ def test_design_md_shows_the_structure_as_it_is() -> None:
     # Its figures were written by hand and fell behind (55 modules, 186 edges
     # when there were 61 and 210): now benchmarks/structure.py writes them.
     root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("structure", root / "benchmarks" / "structure.py")
-    assert spec is not None
-    assert spec.loader is not None
-    structure = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(structure)
+    structure = benchmark_script("structure")
     text = (root / "docs" / "design.md").read_text()
     shown = text[text.index(structure.BEGIN) : text.index(structure.END) + len(structure.END)]
     expected = structure.design_block(structure.static_figures())
