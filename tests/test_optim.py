@@ -1,5 +1,9 @@
 """fdp.optim against torch.optim (foreach=True) on the same trees and gradients (fdp.optim._base).
 
+The default eager step runs torch's fused kernels (tests/test_optim_fused.py
+compares it with torch's ``fused=True`` bitwise); here both of fdp's paths
+are held to torch's foreach step to rounding.
+
 Each step's gradient is a fixed function of the step and the current
 parameters, so the two trajectories only agree if every update does. One
 leaf has no gradient on odd steps (torch skips it and keeps its step).
@@ -179,9 +183,13 @@ def test_an_eager_cpu_step_makes_its_temporaries_run_by_run_and_equals_torch(nam
     from fdp.optim._lists import RUN_BYTES
 
     expected = torch_steps(name, large_tree())
+    make, _, hyper = CONFIGS[name]
     for donate in (False, True):
-        with _Denominators() as made:
-            got = tensor_leaves(fdp_steps(name, detached_copy(large_tree()), donate=donate))
+        with _Denominators() as made:  # the foreach step (the fused one makes no temporary)
+            opt = make(**hyper, fused=False)
+            got = tensor_leaves(
+                fdp_steps(name, detached_copy(large_tree()), opt=opt, donate=donate)
+            )
         for g, e in zip(got, expected, strict=True):
             torch.testing.assert_close(g, e.detach(), rtol=1e-6, atol=1e-7)
         big = 1536 * 1024 * 4  # the one leaf larger than a run: a run of its own
@@ -369,7 +377,7 @@ TORCH_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], Callable[..., Any
     "adam": (torch.optim.Adam, fdp.optim.adam),
     "adamw": (torch.optim.AdamW, fdp.optim.adamw),
 }
-REFUSED = {"fused": True, "capturable": True}
+REFUSED = {"capturable": True}
 
 
 @pytest.mark.parametrize("name", list(TORCH_OPTIMIZERS))

@@ -59,6 +59,8 @@ from fdp._compat._profiler import (
 )
 from fdp._compat._tensors import (
     foreach_copy_,
+    fused_optimizer_devices,
+    fused_optimizer_kernel,
     registered_node,
     storage_free,
     storage_users,
@@ -81,6 +83,8 @@ __all__ = [
     "foreach_copy_",
     "functorch_active",
     "functorch_disabled",
+    "fused_optimizer_devices",
+    "fused_optimizer_kernel",
     "group_timeout",
     "has_tangent",
     "in_backward",

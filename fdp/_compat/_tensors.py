@@ -5,6 +5,7 @@ Part of :mod:`fdp._compat` (its docstring says how each function degrades).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +32,24 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
             d.copy_(s)
     elif dst:
         foreach(dst, src)
+
+
+def fused_optimizer_kernel(name: str) -> Callable[..., None] | None:
+    """torch's fused optimizer kernel ``torch._fused_<name>_`` (``adam``, ``adamw``, ``sgd``).
+
+    Private (torch >= 2.4 on CPU). ``None`` if it disappears: ``fdp.optim``
+    then runs its foreach step, the same values to rounding.
+    """
+    kernel: Callable[..., None] | None = getattr(torch, f"_fused_{name}_", None)
+    return kernel
+
+
+def fused_optimizer_devices() -> frozenset[str]:
+    """The device types torch's fused optimizer kernels run on (none if unknown)."""
+    from torch.utils import _foreach_utils
+
+    supported = getattr(_foreach_utils, "_get_fused_kernels_supported_devices", None)
+    return frozenset(supported()) if supported is not None else frozenset()
 
 
 Flatten = Any  # obj -> (children, context)

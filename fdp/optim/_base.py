@@ -29,8 +29,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from fdp import _mode, _tree
-from fdp.optim import _lists
+from fdp import _compat, _mode, _tree
+from fdp.optim import _fused, _lists
 from fdp.optim._hyper import check_hyper
 from fdp.optim._lists import Lists
 
@@ -123,13 +123,22 @@ class Optimizer:
         if "step" in slots:
             raise ValueError(f'{where}: `slots` must not name "step", the step count\'s key')
 
-    def __init__(self, lr: Rate, *, maximize: bool = False) -> None:
+    def __init__(self, lr: Rate, *, maximize: bool = False, fused: bool | None = None) -> None:
         if not callable(lr):  # a schedule: a function of the step count (fdp/optim/_schedules.py)
             check_hyper(self.name, "lr", lr, lambda v: v >= 0, ">= 0")
-        if not isinstance(maximize, bool):
-            raise TypeError(f"fdp.optim.{self.name}: `maximize` expected a bool; got {maximize!r}")
+        for option, value in (("maximize", maximize), ("fused", fused)):
+            if not isinstance(value, bool) and not (option == "fused" and value is None):
+                want = "a bool" + (" or None" if option == "fused" else "")
+                raise TypeError(f"fdp.optim.{self.name}: `{option}` expected {want}; got {value!r}")
+        if fused and type(self)._kernel is Optimizer._kernel:
+            raise ValueError(
+                f"fdp.optim.{self.name}: `fused=True` expected an optimizer with torch's fused "
+                "kernel (sgd, adam, adamw); this one has none: drop fused"
+            )
         self.lr = lr
         self.maximize = maximize  # ascend: the gradients negated first, as torch.optim does
+        # None: torch's fused kernel where it applies (fdp/optim/_fused.py); False: foreach only.
+        self.fused = fused
 
     def __repr__(self) -> str:
         hyper = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -186,14 +195,69 @@ class Optimizer:
         ops: _lists.Ops = _lists.Foreach()
         lr = self._rate(s["step"][live[0]], differentiable(self.lr, p, g, s))
         if differentiable(lr, p, g, s):
-            if donate:
-                raise ValueError(
-                    f"{call}: `donate=True` writes in place, which cannot carry a derivative; "
-                    "got inputs that require grad or are under a torch.func transform "
-                    "(drop donate=True to differentiate through the step)"
-                )
+            _refuse_derivative(call, donate=donate, fused=self.fused is True)
             ops = _lists.Plain()
+        elif self.fused is not False and not _mode.traced():
+            if donate:
+                p = _untied(p, live)
+            p, s, live = self._fused_step(call, params, (p, g, s), live, donate, lr)
+            if not live:
+                return _tree.unflatten(spec, p), {k: _tree.unflatten(spec, v) for k, v in s.items()}
         return self._update_lists(ops, call, params, (p, g, s), live, spec, donate, lr)
+
+    def _kernel(self) -> _fused.Kernel | None:
+        """torch's fused kernel for this rule (see ``fdp/optim/_fused.py``), or ``None``."""
+        return None
+
+    def _fused_step(
+        self,
+        call: str,
+        params: Any,
+        leaves: tuple[list[Any], list[Any], dict[str, list[Any]]],
+        live: list[int],
+        donate: bool,
+        lr: float | torch.Tensor,
+    ) -> tuple[list[Any], dict[str, list[Any]], list[int]]:
+        """Steps the live leaves the fused kernel can; returns the lists and the leaves left."""
+        p, g, s = leaves
+        kernel = self._kernel()
+        devices = _compat.fused_optimizer_devices()
+        fused = [
+            i
+            for i in live
+            if kernel is not None
+            and _fused.fusable([p[i], g[i], *(s[k][i] for k in self.slots)], devices)
+        ]
+        if self.fused and len(fused) < len(live):
+            i = next(i for i in live if i not in set(fused))
+            raise ValueError(
+                f"{call}: `fused=True` leaf {_tree.path(params, i, 'params')} expected a "
+                "float16/bfloat16/float32/float64 tensor on a device with torch's fused kernels "
+                "(gradient and state in its strides); got "
+                f"{_tree.describe(p[i])} of strides {p[i].stride()}, gradient strides "
+                f"{g[i].stride()} (drop fused to step it with foreach ops)"
+            )
+        if kernel is None or not fused:
+            return p, s, live
+        try:
+            with torch.no_grad():
+                steps = _lists.Foreach()("add", [s["step"][i] for i in fused], 1, own=donate)
+                slots = {k: [_real(s[k][i]) for i in fused] for k in self.slots}
+                real = ([_real(p[i]) for i in fused], [_real(g[i]) for i in fused], slots)
+                new_p, new_slots = _fused.run(kernel, real, list(steps), donate, lr)
+        except (RuntimeError, TypeError):
+            _explain_state(call, params, p, s, fused)
+            raise
+        p, s = list(p), {k: list(v) for k, v in s.items()}
+        for j, i in enumerate(fused):
+            s["step"][i] = steps[j]
+            if not donate:
+                back = p[i].is_complex()
+                p[i] = _like(_complex(new_p[j], back), p[i])
+                for k in self.slots:
+                    s[k][i] = _complex(new_slots[k][j], back)
+        done = set(fused)
+        return p, s, [i for i in live if i not in done]
 
     def _rate(self, count: torch.Tensor, keep_tensor: bool) -> float | torch.Tensor:
         """This update's learning rate: ``lr``, or the schedule at the updates done so far.
@@ -318,6 +382,20 @@ def differentiable(lr: Any, p: list[Any], g: list[Any], s: dict[str, list[Any]])
         return True
     computed = [t for t in p if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     return torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *computed))
+
+
+def _refuse_derivative(call: str, *, donate: bool, fused: bool) -> None:
+    """A step that must carry derivatives cannot write in place nor run a fused kernel."""
+    for option, on, why in (
+        ("donate", donate, "writes in place"),
+        ("fused", fused, "runs torch's fused kernel"),
+    ):
+        if on:
+            raise ValueError(
+                f"{call}: `{option}=True` {why}, which cannot carry a derivative; got inputs "
+                "that require grad or are under a torch.func transform "
+                f"(drop {option}=True to differentiate through the step)"
+            )
 
 
 def _explain_state(

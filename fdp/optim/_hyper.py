@@ -40,16 +40,12 @@ def float_betas(name: str, betas: Any) -> tuple[float, float]:
 _TORCH_HOW: dict[str, tuple[tuple[object, ...], str]] = {
     "foreach": (
         (None, True, False),
-        "fdp always computes as torch.optim's foreach implementation",
+        "True: torch.optim's foreach implementation op for op (as fused=False)",
     ),
     "differentiable": (
         (False, True),
         "fdp's step is differentiable whenever its inputs require grad or are under a "
         "torch.func transform",
-    ),
-    "fused": (
-        (None, False),
-        "fdp has no fused kernel; its results are the foreach implementation's: drop fused",
     ),
     "capturable": (
         (False,),
@@ -78,6 +74,17 @@ def torch_options(name: str, options: Mapping[str, Any], *, own: tuple[str, ...]
             raise ValueError(
                 f"{call}: `{key}` expected one of {list(accepted)}; got {value!r} ({why})"
             )
+
+
+def implementation(name: str, fused: bool | None, options: Mapping[str, Any]) -> bool | None:
+    """``fused`` as the optimizer takes it: ``foreach=True`` asks for the foreach step."""
+    foreach = options.get("foreach")
+    if foreach is True and fused is True:
+        raise ValueError(
+            f"fdp.optim.{name}: `foreach` and `fused` expected at most one True; got both "
+            "(torch.optim refuses both too)"
+        )
+    return False if foreach is True else fused
 
 
 def _readable_traced(value: torch.Tensor) -> bool:

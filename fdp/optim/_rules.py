@@ -15,9 +15,14 @@ from typing import Any
 
 import torch
 
+from fdp import _compat
 from fdp.optim._base import Optimizer, Rate
-from fdp.optim._hyper import check_hyper, float_betas, torch_options
+from fdp.optim._fused import Kernel
+from fdp.optim._hyper import check_hyper, float_betas, implementation, torch_options
 from fdp.optim._lists import Lists, Ops, one_minus
+
+Slots = dict[str, list[torch.Tensor]]
+LR = float | torch.Tensor
 
 
 class SGD(Optimizer):
@@ -34,8 +39,9 @@ class SGD(Optimizer):
         nesterov: bool = False,
         weight_decay: float = 0.0,
         maximize: bool = False,
+        fused: bool | None = None,
     ) -> None:
-        super().__init__(lr, maximize=maximize)
+        super().__init__(lr, maximize=maximize, fused=fused)
         check_hyper(self.name, "momentum", momentum, lambda v: v >= 0, ">= 0")
         check_hyper(self.name, "weight_decay", weight_decay, lambda v: v >= 0, ">= 0")
         if nesterov and (momentum <= 0 or dampening != 0):
@@ -74,6 +80,32 @@ class SGD(Optimizer):
             grads = ops("add", grads, bufs, alpha=self.momentum) if self.nesterov else bufs
         return self._scaled_add(ops, params, grads, -lr, donate), new_slots
 
+    def _kernel(self) -> Kernel | None:
+        """``torch._fused_sgd_``: the buffer from zeros at step 1 as torch starts it."""
+        sgd = _compat.fused_optimizer_kernel("sgd")
+        if sgd is None:
+            return None
+
+        def call(params: Lists, grads: Lists, slots: Slots, steps: Lists, lr: LR) -> None:
+            bufs = list(slots.get("momentum_buffer", []))
+            hyper = {"weight_decay": self.weight_decay, "momentum": self.momentum, "lr": lr}
+            hyper |= {"dampening": self.dampening, "nesterov": self.nesterov}
+            # Undamped, momentum * 0 + g is the first step's buffer; damped, torch's
+            # first step skips the damping, so those leaves run on their own.
+            firsts = [self.dampening != 0 and float(t) == 1 for t in steps]
+            for first in {*firsts}:
+                idx = [j for j, f in enumerate(firsts) if f == first]
+                sgd(
+                    [params[j] for j in idx],
+                    [grads[j] for j in idx],
+                    [bufs[j] for j in idx] if bufs else [],
+                    **hyper,
+                    maximize=self.maximize,
+                    is_first_step=first,
+                )
+
+        return call
+
 
 class Adam(Optimizer):
     """``torch.optim.Adam``/``AdamW`` (``foreach=True``) as pure functions; see :func:`adam`."""
@@ -90,8 +122,9 @@ class Adam(Optimizer):
         amsgrad: bool = False,
         decoupled: bool = False,
         maximize: bool = False,
+        fused: bool | None = None,
     ) -> None:
-        super().__init__(lr, maximize=maximize)
+        super().__init__(lr, maximize=maximize, fused=fused)
         betas = float_betas(self.name, betas)
         for i, beta in enumerate(betas):
             check_hyper(self.name, f"betas[{i}]", beta, lambda v: 0 <= v < 1, "in [0, 1)")
@@ -169,6 +202,22 @@ class Adam(Optimizer):
         direction = ops("mul", ops("div", exp_avg, denom), step_size, own=True)
         return ops("add", params, direction, own=donate)
 
+    def _kernel(self) -> Kernel | None:
+        """``torch._fused_adam_`` (``_fused_adamw_`` decoupled), as torch's ``fused=True``."""
+        adam = _compat.fused_optimizer_kernel("adamw" if self.decoupled else "adam")
+        if adam is None:
+            return None
+        beta1, beta2 = self.betas
+        hyper = {"beta1": beta1, "beta2": beta2, "weight_decay": self.weight_decay}
+        hyper |= {"eps": self.eps, "amsgrad": self.amsgrad, "maximize": self.maximize}
+
+        def call(params: Lists, grads: Lists, slots: Slots, steps: Lists, lr: LR) -> None:
+            exp_avg, exp_avg_sq = slots["exp_avg"], slots["exp_avg_sq"]
+            most = slots.get("max_exp_avg_sq", [])
+            adam(params, grads, exp_avg, exp_avg_sq, most, steps, lr=lr, **hyper)
+
+        return call
+
 
 def sgd(
     lr: Rate = 1e-3,
@@ -178,6 +227,7 @@ def sgd(
     nesterov: bool = False,
     weight_decay: float = 0.0,
     maximize: bool = False,
+    fused: bool | None = None,
     **torch_only: Any,
 ) -> SGD:
     """``torch.optim.SGD`` as a pure ``init``/``update`` pair over a parameter tree.
@@ -204,6 +254,7 @@ def sgd(
         nesterov=nesterov,
         weight_decay=weight_decay,
         maximize=maximize,
+        fused=implementation("sgd", fused, torch_only),
     )
 
 
@@ -216,6 +267,7 @@ def adam(
     amsgrad: bool = False,
     maximize: bool = False,
     decoupled_weight_decay: bool = False,
+    fused: bool | None = None,
     **torch_only: Any,
 ) -> Adam:
     """``torch.optim.Adam`` as a pure ``init``/``update`` pair over a parameter tree.
@@ -235,7 +287,7 @@ def adam(
     """
     own = (*_ADAM_OWN, "decoupled_weight_decay")
     hyper = (lr, betas, eps, weight_decay, amsgrad)
-    return _adam("adam", own, torch_only, *hyper, decoupled_weight_decay, maximize)
+    return _adam("adam", own, torch_only, *hyper, decoupled_weight_decay, maximize, fused)
 
 
 def adamw(
@@ -246,6 +298,7 @@ def adamw(
     weight_decay: float = 0.01,
     amsgrad: bool = False,
     maximize: bool = False,
+    fused: bool | None = None,
     **torch_only: Any,
 ) -> Adam:
     """``torch.optim.AdamW`` (decoupled weight decay) as a pure ``init``/``update`` pair.
@@ -260,7 +313,7 @@ def adamw(
         ['exp_avg', 'exp_avg_sq', 'step']
     """
     hyper = (lr, betas, eps, weight_decay, amsgrad)
-    return _adam("adamw", _ADAM_OWN, torch_only, *hyper, True, maximize)
+    return _adam("adamw", _ADAM_OWN, torch_only, *hyper, True, maximize, fused)
 
 
 def _adam(
@@ -274,6 +327,7 @@ def _adam(
     amsgrad: bool,
     decoupled: bool,
     maximize: bool,
+    fused: bool | None,
 ) -> Adam:
     """:func:`adam` and :func:`adamw`: torch's other options checked, then the optimizer."""
     torch_options(name, torch_only, own=own)
@@ -285,8 +339,9 @@ def _adam(
         amsgrad=amsgrad,
         decoupled=decoupled,
         maximize=maximize,
+        fused=implementation(name, fused, torch_only),
     )
 
 
-_SGD_OWN = ("lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize")
-_ADAM_OWN = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+_SGD_OWN = ("lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize", "fused")
+_ADAM_OWN = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "fused")
