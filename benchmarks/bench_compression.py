@@ -16,9 +16,10 @@ Per row: the bytes each rank sends per step against the float32 variant's
 an all-reduce sends ``2 (w-1)/w`` of its buffer, a reduce-scatter, an
 all-gather and an all-to-all ``(w-1)/w`` of the whole), the step time
 against float32's, and the relative difference of the loss after the same
-steps on the same data. The int8 row's ``bytes_vs_fp32`` is its all-gathers'
-bytes (what the option changes) and ``step_bytes_vs_fp32`` the whole step's;
-the other rows', both the whole step's. The last line is one JSON object
+steps on the same data. Every row's ``bytes_vs_fp32`` is the bytes of the
+collectives its option changes: the int8 row's, the parameters' all-gathers;
+the bf16 rows', the gradients' reductions (everything but those all-gathers).
+``step_bytes_vs_fp32`` is the whole step's. The last line is one JSON object
 ``{"rows": [...]}``.
 
     python benchmarks/bench_compression.py [--quick]
@@ -161,18 +162,19 @@ def main() -> None:
         family = "ddp float32" if name.startswith("ddp") else "fsdp float32"
         step_bytes = got["sent"][name] / got["sent"][family]
         gather = "int8" in name  # what the option changes: the all-gathers
+        reduced = {k: got["sent"][k] - got["gathered"][k] for k in (name, family)}
         row = {
             "name": name,
             "bytes_vs_fp32": got["gathered"][name] / got["gathered"][family]
             if gather
-            else step_bytes,
+            else reduced[name] / reduced[family],
             "step_bytes_vs_fp32": step_bytes,
             "step_vs_fp32": got["times"][name] / got["times"][family],
             "loss_rel_diff": abs(got["losses"][name] - got["losses"][family])
             / got["losses"][family],
         }
         rows.append(row)
-        what = "all-gather bytes" if gather else "bytes"
+        what = "all-gather bytes" if gather else "reduction bytes"
         print(
             f"{name}: {what} {row['bytes_vs_fp32']:.3f}x (step's {step_bytes:.3f}x), "
             f"step {row['step_vs_fp32']:.3f}x, "

@@ -1,7 +1,7 @@
 """Train the digits MLP with AdamW sharded across ranks (fdp.ZeroRedundancy), with checkpoints.
 
 The model and data of train_digits.py, launched with torchrun. Each step
-takes ``torch.func.grad`` of this rank's share of the batch;
+takes ``fdp.grad`` of this rank's share of the batch;
 ``fdp.ZeroRedundancy`` averages the gradients across ranks, updates this
 rank's slice of the parameters with AdamW (each rank keeps the AdamW state
 of its slice only) and gathers the new parameters. Every
@@ -110,7 +110,7 @@ def run(
     def loss(p: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(mlp(p, x), y)
 
-    grad_and_loss = torch.func.grad_and_value(loss)
+    grad_and_loss = fdp.grad_and_value(loss)
     losses: list[float] = []
     progress = common.Progress(range(step // steps_per_epoch, args.epochs), unit="epoch")
     for epoch in progress:

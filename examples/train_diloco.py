@@ -89,7 +89,7 @@ def train(args: argparse.Namespace, algorithm: str) -> tuple[Params, float]:
     for step in progress:
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(step))
         idx = order[: args.batch_size * world][rank::world]
-        grads, loss = torch.func.grad_and_value(cross_entropy)(params, x_train[idx], y_train[idx])
+        grads, loss = fdp.grad_and_value(cross_entropy)(params, x_train[idx], y_train[idx])
         if algorithm == "ddp":
             grads = fdp.all_reduce_grads(grads)
             sent += nbytes(grads)

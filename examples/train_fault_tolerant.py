@@ -91,7 +91,7 @@ def replica(args: argparse.Namespace) -> int:
         info["step"], info["n"] = ft.current_step(), ft.participants()
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(s["data"]))
         idx = order[: args.batch_size][args.replica :: args.replicas]  # this group's share
-        grads = torch.func.grad(cross_entropy)(s["params"], x_train[idx], y_train[idx])
+        grads = fdp.grad(cross_entropy)(s["params"], x_train[idx], y_train[idx])
         params, opt_state = opt.update(ft.all_reduce_grads(grads), s["opt"], s["params"])
         shrunk = s["shrunk"] + int(info["n"] < args.replicas)
         return {"params": params, "opt": opt_state, "data": s["data"] + 1, "shrunk": shrunk}

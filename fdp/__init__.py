@@ -24,6 +24,8 @@ from fdp._ft._diloco import DiLoCo as DiLoCo
 from fdp._ft._diloco import LocalSGD as LocalSGD
 from fdp._ft._fault_tolerance import FaultTolerance as FaultTolerance
 from fdp._functional import make_functional as make_functional
+from fdp._grad import grad as grad
+from fdp._grad import grad_and_value as grad_and_value
 from fdp._parallel_apply import parallel_apply as parallel_apply
 from fdp._replicate import replicate as replicate
 from fdp._scatter_gather import gather as gather
@@ -60,6 +62,8 @@ __all__ = [
     "data_parallel",
     "fp16_compress_hook",
     "gather",
+    "grad",
+    "grad_and_value",
     "init_distributed",
     "latest_checkpoint",
     "load_checkpoint",

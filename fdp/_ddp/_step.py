@@ -428,6 +428,10 @@ class Step:
                         flat.copy_(result)
                 if usage is None and self.reduction.serial and counting:
                     usage = self._launch_usage()  # after every hook's last collective
+                if self.returned and _delivery.asked():  # fdp.grad: see returning_unused
+                    for i in self.hooked:
+                        if i not in self.used:
+                            _delivery.hand_unused(self.leaves[i], self._view(i))
                 if usage is not None and self.returned:
                     usage[1].wait()  # counted for join's mirroring ranks only
                 elif usage is not None:
