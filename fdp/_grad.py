@@ -15,13 +15,14 @@ the same refusals.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from fdp import _compat, _mode, _tree
-from fdp._ddp import _delivery
 
 __all__ = ["grad", "grad_and_value"]
 
@@ -139,7 +140,7 @@ def _autograd(
         inputs += fresh
         specs.append((spec, fresh))
         call[n] = _tree.unflatten(spec, fresh)
-    with torch.enable_grad(), _delivery.returning_unused(inputs) as reduced:
+    with torch.enable_grad(), returning_unused(inputs) as reduced:
         loss, aux = _split(func(*call, **kwargs), has_aux)
         found: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
         if loss.requires_grad:
@@ -178,3 +179,41 @@ def _split(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
             f"{_tree.describe(out)}"
         )
     return out, aux
+
+
+# While fdp.grad's torch.autograd.grad runs: id(leaf) -> [its reduced gradient].
+# A leaf this rank did not use comes back None from autograd.grad, though the
+# other ranks' average reached its bucket; torch.func.grad gives that average.
+_ASKED: dict[int, list[torch.Tensor | None]] = {}
+_ASKED_LOCK = threading.Lock()
+
+
+@contextmanager
+def returning_unused(leaves: Sequence[torch.Tensor]) -> Iterator[list[list[torch.Tensor | None]]]:
+    """The reduced gradients of ``leaves`` this rank did not use, from DDP's finish.
+
+    ``fdp/_ddp/_step.py`` hands them out. Scoped to one call: nothing is
+    kept after it. The finish may run on another thread (a device's backward
+    thread): hence ids under a lock, not a thread-local.
+    """
+    slots: list[list[torch.Tensor | None]] = [[None] for _ in leaves]
+    with _ASKED_LOCK:
+        _ASKED.update({id(t): slot for t, slot in zip(leaves, slots, strict=True)})
+    try:
+        yield slots
+    finally:
+        with _ASKED_LOCK:
+            for t in leaves:
+                _ASKED.pop(id(t), None)
+
+
+def hand_unused(leaf: torch.Tensor, reduced: torch.Tensor) -> None:
+    """Gives :func:`returning_unused` the reduced gradient of a leaf this rank did not use."""
+    with _ASKED_LOCK:
+        slot = _ASKED.get(id(leaf))
+    if slot is not None:
+        slot[0] = reduced
+
+
+def asked() -> bool:
+    return bool(_ASKED)

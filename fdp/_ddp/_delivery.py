@@ -13,9 +13,7 @@ gives them.
 from __future__ import annotations
 
 import enum
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -64,41 +62,3 @@ def decide(
 def left_out(leaf: torch.Tensor) -> bool:
     """Whether the running, selecting backward leaves ``leaf`` out (its node ran for others)."""
     return _compat.leaf_destination(leaf) == "none"
-
-
-# While fdp.grad's torch.autograd.grad runs: id(leaf) -> [its reduced gradient].
-# A leaf this rank did not use comes back None from autograd.grad, though the
-# other ranks' average reached its bucket; torch.func.grad gives that average.
-_ASKED: dict[int, list[torch.Tensor | None]] = {}
-_ASKED_LOCK = threading.Lock()
-
-
-@contextmanager
-def returning_unused(leaves: Sequence[torch.Tensor]) -> Iterator[list[list[torch.Tensor | None]]]:
-    """The reduced gradients of ``leaves`` this rank did not use, handed out by DDP's finish.
-
-    Scoped to one call (``fdp/_grad.py``): nothing is kept after it. The
-    finish may run on another thread (a device's backward thread): hence ids
-    under a lock, not a thread-local.
-    """
-    slots: list[list[torch.Tensor | None]] = [[None] for _ in leaves]
-    with _ASKED_LOCK:
-        _ASKED.update({id(t): slot for t, slot in zip(leaves, slots, strict=True)})
-    try:
-        yield slots
-    finally:
-        with _ASKED_LOCK:
-            for t in leaves:
-                _ASKED.pop(id(t), None)
-
-
-def hand_unused(leaf: torch.Tensor, reduced: torch.Tensor) -> None:
-    """Gives :func:`returning_unused` the reduced gradient of a leaf this rank did not use."""
-    with _ASKED_LOCK:
-        slot = _ASKED.get(id(leaf))
-    if slot is not None:
-        slot[0] = reduced
-
-
-def asked() -> bool:
-    return bool(_ASKED)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function as _label
 
-from fdp import _compat
+from fdp import _compat, _grad
 from fdp._bucket import Layout
 from fdp._comm import _comm_hooks, _transforms
 from fdp._comm._comm_hooks import CommHook, GradBucket
@@ -428,10 +428,10 @@ class Step:
                         flat.copy_(result)
                 if usage is None and self.reduction.serial and counting:
                     usage = self._launch_usage()  # after every hook's last collective
-                if self.returned and _delivery.asked():  # fdp.grad: see returning_unused
+                if self.returned and _grad.asked():  # fdp.grad: see returning_unused
                     for i in self.hooked:
                         if i not in self.used:
-                            _delivery.hand_unused(self.leaves[i], self._view(i))
+                            _grad.hand_unused(self.leaves[i], self._view(i))
                 if usage is not None and self.returned:
                     usage[1].wait()  # counted for join's mirroring ranks only
                 elif usage is not None:
