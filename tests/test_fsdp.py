@@ -77,15 +77,16 @@ def no_decay_for_vectors(name: str, t: torch.Tensor) -> str:
 
 
 def make_optimizer(kind: str) -> Any:
-    """AdamW, or AdamW without weight decay on 1-D leaves (docs/recipes.md's groups)."""
+    """AdamW, or AdamW without weight decay on 1-D leaves (docs/recipes.md's groups), or
+    ("mixed") SGD with momentum there: groups with different slots."""
     if kind == "adamw":
         return fdp.optim.adamw(0.05, weight_decay=0.1)
+    vectors: fdp.optim.Optimizer = fdp.optim.adamw(0.05, weight_decay=0.0)
+    if kind == "mixed":
+        vectors = fdp.optim.sgd(0.05, momentum=0.9)
     return fdp.optim.param_groups(
         no_decay_for_vectors,
-        {
-            "decay": fdp.optim.adamw(0.05, weight_decay=0.1),
-            "no_decay": fdp.optim.adamw(0.05, weight_decay=0.0),
-        },
+        {"decay": fdp.optim.adamw(0.05, weight_decay=0.1), "no_decay": vectors},
     )
 
 

@@ -118,10 +118,6 @@ def test_bad_labels_and_optimizers_are_named() -> None:
     wrong = fdp.optim.param_groups(lambda n, t: "other", {"decay": fdp.optim.sgd(0.1)})
     with pytest.raises(ValueError, match=r"gave leaf params\['head'\] the label 'other'"):
         wrong.update(grads_for(params, 0), wrong.init(params), params)
-    with pytest.raises(ValueError, match=r"same state slots"):
-        fdp.optim.param_groups(
-            by_name, {"decay": fdp.optim.adamw(0.1), "no_decay": fdp.optim.sgd(0.1)}
-        )
     with pytest.raises(TypeError, match=r"`optimizers\['x'\]` expected an fdp.optim optimizer"):
         fdp.optim.param_groups(by_name, {"x": object()})
     with pytest.raises(ValueError, match=r"`label` expected a tree of labels"):

@@ -43,6 +43,7 @@ from fdp._sharding import (
     _fsdp_state,
     _fsdp_unit,
     _shards,
+    _zero,
 )
 from fdp._sharding._shards import ZeroState
 from fdp.optim import _param_groups
@@ -370,6 +371,7 @@ class FullyShardedDataParallel:
             state = opt.init(shards)
             shards, state = opt.update(grads, state, shards)
         """
+        _zero.refuse_whole_leaf("fdp.FullyShardedDataParallel.optimizer", optimizer)
         if not isinstance(optimizer, _param_groups.ParamGroups):
             return optimizer
         labels = optimizer.labels(self._meta)

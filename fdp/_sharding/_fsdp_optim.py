@@ -42,8 +42,9 @@ class ShardedGroups:
         return f"fdp.FullyShardedDataParallel.optimizer({self.groups!r})"
 
     def init(self, shards: ShardTree) -> dict[str, Any]:
-        """The state before the first step, over the shards (the plain optimizer's format)."""
-        return self.groups.init(shards)
+        """The state before the first step, over the shards: every group's slots on each
+        (a shard holds several groups' pieces)."""
+        return self.groups.init_every(shards)
 
     def update(
         self, grads: ShardTree, state: dict[str, Any], shards: ShardTree, *, donate: bool = False

@@ -86,6 +86,7 @@ class ZeroRedundancy:
                 f"{call}: `optimizer` expected an fdp.optim optimizer (slots, init and update: "
                 f"fdp.optim.OptimizerProtocol); got {_tree.describe(optimizer)}"
             )
+        refuse_whole_leaf(call, optimizer)
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"{call}: `stage` expected 1 or 2; got {stage!r}")
         cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
@@ -123,9 +124,9 @@ class ZeroRedundancy:
         leaves = self._checked_params("fdp.ZeroRedundancy.init", params)
         per_part = []
         with torch.no_grad():
-            for part in self.shards.parts:
+            for part, optimizer in zip(self.shards.parts, self._part_optimizers, strict=True):
                 segs = [_segment(part, leaves, s).clone() for s in part.segments]
-                state = self.optimizer.init(segs)
+                state = optimizer.init(segs)  # param_groups: each segment's leaf's label
                 if set(state) != set(self._keys):
                     raise TypeError(
                         f"fdp.ZeroRedundancy.init: `optimizer`.init gave a state with entries "
@@ -433,6 +434,16 @@ class ZeroRedundancy:
             described = _agreement.signature(grads, leaves, "grads", requires_grad=False)
             found = self._fingerprints[missing] = _agreement.Fingerprint(described)
         return found
+
+
+def refuse_whole_leaf(call: str, optimizer: Any) -> None:
+    """Refuses an optimizer that needs whole leaves (Muon): slices of them are not leaves."""
+    if getattr(optimizer, "whole_leaf", False):
+        raise ValueError(
+            f"{call}: `optimizer` {optimizer!r} needs each whole leaf (a matrix function of "
+            "it), and a shard holds slices of leaves; sharded whole-leaf steps are not "
+            "supported yet: train with fdp.DistributedDataParallel (whole leaves on every rank)"
+        )
 
 
 def _bind(optimizer: OptimizerProtocol, params: Any, parts: Sequence[Part]) -> list[Any]:

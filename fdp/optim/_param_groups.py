@@ -1,14 +1,15 @@
 """``fdp.optim.param_groups``: torch.optim's parameter groups over a parameter tree.
 
 Each leaf gets a label (from a function of its name and tensor, or a tree of
-labels), each label an optimizer of the same kind (the same state slots)
-with its own hyperparameters: no weight decay on biases and norms, a
-smaller learning rate for a pretrained trunk. One step runs every group's
+labels), each label an optimizer with its own hyperparameters: no weight
+decay on biases and norms, a smaller learning rate for a pretrained trunk,
+Muon on the weight matrices and AdamW on the rest. One step runs every group's
 optimizer on its own leaves; a leaf's ``None`` gradient already means "leave
 it as it is" to every ``fdp.optim`` optimizer, so each group's update sees
-the other groups' gradients as ``None``. The state has the single
-optimizer's format, so checkpoints and :class:`fdp.ZeroRedundancy` take it
-unchanged; ZeroRedundancy labels its slices by the leaves they come from.
+the other groups' gradients as ``None``. The state has one optimizer's
+format, every group's slots (``None`` at a leaf whose group has no such
+slot), so checkpoints and :class:`fdp.ZeroRedundancy` take it unchanged;
+ZeroRedundancy labels its slices by the leaves they come from.
 """
 
 from __future__ import annotations
@@ -43,15 +44,25 @@ def register_sharded(owner: Sharded) -> None:
     _SHARDED.add(owner)
 
 
-def _refuse_shards(call: str, params: Any) -> None:
+def refuse_shards(call: str, params: Any, *, why: str, instead: str) -> None:
+    """Raises if ``params`` are a registered holder's shards: ``why`` they cannot be stepped."""
     for owner in list(_SHARDED):
         if owner.holds_shards(params):
             raise ValueError(
                 f"{call}: `params` are the shards of {owner!r}: each shard holds pieces of "
-                "several leaves in one 1-D tensor, so `label` would see every shard as a 1-D "
-                "tensor (t.ndim <= 1 everywhere) and name no leaf; use "
-                "fsdp.optimizer(fdp.optim.param_groups(...)), which labels each piece by its leaf"
+                f"several leaves in one 1-D tensor, {why}; {instead}"
             )
+
+
+def _refuse_shards(call: str, params: Any) -> None:
+    refuse_shards(
+        call,
+        params,
+        why="so `label` would see every shard as a 1-D tensor (t.ndim <= 1 everywhere) "
+        "and name no leaf",
+        instead="use fsdp.optimizer(fdp.optim.param_groups(...)), which labels each piece by "
+        "its leaf",
+    )
 
 
 class ParamGroups:
@@ -66,7 +77,6 @@ class ParamGroups:
                 f"{call}: `optimizers` expected a non-empty dict of label -> fdp.optim optimizer; "
                 f"got {_tree.describe(optimizers)}"
             )
-        slots = {k: tuple(getattr(o, "slots", ())) for k, o in optimizers.items()}
         for k, opt in optimizers.items():
             if not (
                 callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))
@@ -75,14 +85,18 @@ class ParamGroups:
                     f"{call}: `optimizers[{k!r}]` expected an fdp.optim optimizer; "
                     f"got {_tree.describe(opt)}"
                 )
-            first = next(iter(slots))
-            if slots[k] != slots[first]:
-                raise ValueError(
-                    f"{call}: `optimizers` expected optimizers with the same state slots (one "
-                    f"state format); got {slots[first]} for {first!r} and {slots[k]} for {k!r}"
-                )
         self.label, self.optimizers = label, dict(optimizers)
-        self.slots = slots[next(iter(slots))]
+        # Every group's slots, in order: a leaf holds its own group's, None in the others
+        # (Muon's momentum on the matrices, AdamW's moments on the rest).
+        self.slots = tuple(
+            dict.fromkeys(k for o in optimizers.values() for k in getattr(o, "slots", ()))
+        )
+        self.whole_leaf = any(getattr(o, "whole_leaf", False) for o in optimizers.values())
+
+    @property
+    def shared_slots(self) -> bool:
+        """Whether every group keeps the same slots (one optimizer's state format)."""
+        return all(tuple(getattr(o, "slots", ())) == self.slots for o in self.optimizers.values())
 
     def __repr__(self) -> str:
         return f"fdp.optim.param_groups({self.label!r}, {self.optimizers!r})"
@@ -121,8 +135,32 @@ class ParamGroups:
         return got
 
     def init(self, params: Any) -> dict[str, Any]:
-        """The state before the first step (the single optimizer's format)."""
-        return dict(next(iter(self.optimizers.values())).init(params))
+        """The state before the first step: each leaf's own group's slots, ``None`` in others'."""
+        if self.shared_slots:  # one format: the first optimizer's init says it all
+            return dict(next(iter(self.optimizers.values())).init(params))
+        return self.init_labelled(params, self.labels(params))
+
+    def init_labelled(self, params: Any, labels: Sequence[str | None]) -> dict[str, Any]:
+        """:meth:`init` with each leaf's label given (``labels``, one per leaf)."""
+        leaves, spec = _tree.flatten(params)
+        out: dict[str, list[Any]] = {k: [None] * len(leaves) for k in ("step", *self.slots)}
+        for label, opt in self.optimizers.items():
+            mine = [t if lab == label else None for t, lab in zip(leaves, labels, strict=True)]
+            if all(t is None for t in mine):
+                continue
+            for key, tree in opt.init(_tree.unflatten(spec, mine)).items():
+                for i, value in enumerate(_tree.flatten(tree)[0]):
+                    if mine[i] is not None:
+                        out[key][i] = value
+        return {k: _tree.unflatten(spec, v) for k, v in out.items()}
+
+    def init_every(self, params: Any) -> dict[str, Any]:
+        """Every group's slots for every leaf (trees that cannot be labelled: shards)."""
+        state: dict[str, Any] = {}
+        for opt in self.optimizers.values():
+            for key, tree in opt.init(params).items():
+                state.setdefault(key, tree)
+        return state
 
     def update(
         self, grads: Any, state: dict[str, Any], params: T, *, donate: bool = False
@@ -142,7 +180,9 @@ class Bound:
         self.groups, self.labels, self.slots = groups, labels, groups.slots
 
     def init(self, params: Any) -> dict[str, Any]:
-        return self.groups.init(params)
+        if self.groups.shared_slots:
+            return self.groups.init(params)
+        return self.groups.init_labelled(params, self.labels)
 
     def update(
         self, grads: Any, state: dict[str, Any], params: T, *, donate: bool = False
@@ -158,7 +198,8 @@ class Bound:
             if all(m is None for m in mine):
                 continue
             extra = {"donate": True} if donate else {}
-            params, state = opt.update(_tree.unflatten(spec, mine), state, params, **extra)
+            params, new = opt.update(_tree.unflatten(spec, mine), state, params, **extra)
+            state = {**state, **new}  # the other groups' slots stay
         return params, state
 
 
@@ -170,12 +211,12 @@ def param_groups(label: Label | Any, optimizers: Mapping[str, Any]) -> ParamGrou
             dotted path, ``"layers.0.b"``, as ``named_parameters`` gives it;
             a namedtuple's field by name),
             or a tree of labels shaped like the parameters.
-        optimizers: ``{label: optimizer}``, optimizers with the same state
-            slots (e.g. AdamW with and without weight decay).
+        optimizers: ``{label: optimizer}`` (e.g. AdamW with and without
+            weight decay, or Muon and AdamW).
 
     Returns:
-        An optimizer with ``init`` and ``update``, in the state format of the
-        optimizers it holds.
+        An optimizer with ``init`` and ``update``; its state holds every
+        group's slots (``None`` where a leaf's group has no such slot).
 
     Raises:
         ValueError: a leaf's label is not in ``optimizers``, or the

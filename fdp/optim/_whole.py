@@ -1,0 +1,201 @@
+"""Optimizers whose update needs each whole leaf: ``fdp.optim.WholeLeafOptimizer``.
+
+Muon orthogonalizes each weight matrix's momentum; Shampoo preconditions it
+from both sides; normalized SGD divides it by its norm. Each update is
+three parts, and only the middle one needs the whole leaf:
+
+1. :meth:`WholeLeafOptimizer.direction`, element by element: the state's new
+   slots (momentum) and the direction the update starts from;
+2. :meth:`WholeLeafOptimizer.transform`, per leaf: a function of the whole
+   direction (Newton-Schulz, a norm), given a stack of same-shaped leaves
+   at once (one batched call);
+3. :meth:`WholeLeafOptimizer.apply`, element by element: the new parameters
+   from the transformed updates (decay, a rate that depends on the shape).
+
+Written that way, a step over whole leaves is the three parts in a row; a
+sharded strategy can run parts 1 and 3 on its slices and part 2 where the
+whole leaf is (``Optimizer``'s docstring has the contract every optimizer
+keeps; this class adds the split).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import torch
+
+from fdp import _tree
+from fdp.optim import _param_groups
+from fdp.optim._base import Optimizer
+from fdp.optim._lists import Lists, Ops
+
+T = TypeVar("T")
+
+
+class WholeLeafOptimizer(Optimizer):
+    """An optimizer whose update is a function of each whole leaf (Muon, normalized SGD).
+
+    Subclass it, set ``name``, ``slots`` and ``min_ndim`` (leaves with fewer
+    dimensions are refused, naming ``fdp.optim.param_groups``), and write
+    :meth:`direction` and :meth:`transform` (and :meth:`apply` when the
+    step is not ``params - lr * update``). Schedules, ``donate=True``,
+    compiled steps, steps under ``torch.func`` transforms, ``param_groups``
+    and checkpoints work as for ``sgd`` and ``adamw``. Complex leaves are
+    refused (a matrix function of their real view would not be theirs).
+
+    Example (normalized SGD with momentum)::
+
+        >>> import torch, fdp
+        >>> class NormalizedSGD(fdp.optim.WholeLeafOptimizer):
+        ...     name, slots, min_ndim = "normalized_sgd", ("momentum_buffer",), 1
+        ...     def direction(self, ops, params, grads, slots, steps, donate):
+        ...         bufs = ops("lerp", slots["momentum_buffer"], grads, 0.1, own=donate)
+        ...         return bufs, {"momentum_buffer": bufs}
+        ...     def transform(self, directions):
+        ...         dims = tuple(range(1, directions.ndim))  # dim 0 stacks the leaves
+        ...         return directions / directions.norm(dim=dims, keepdim=True).clamp(min=1e-12)
+        >>> opt = NormalizedSGD(0.5)
+        >>> p = {"w": torch.ones(2, 2)}
+        >>> p, state = opt.update({"w": torch.full((2, 2), 3.0)}, opt.init(p), p)
+        >>> p["w"][0].tolist()
+        [0.75, 0.75]
+    """
+
+    whole_leaf = True  # what ZeroRedundancy and fsdp.optimizer look for
+    min_ndim = 1
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        where = f"fdp.optim.WholeLeafOptimizer subclass {cls.__qualname__}"
+        for method in ("direction", "transform"):
+            if getattr(cls, method) is getattr(WholeLeafOptimizer, method):
+                raise TypeError(f"{where}: expected a `{method}` method (see its docstring)")
+
+    def direction(
+        self,
+        ops: Ops,
+        params: Lists,
+        grads: Lists,
+        slots: Mapping[str, Lists],
+        steps: Lists,
+        donate: bool,
+    ) -> tuple[Lists, Mapping[str, Lists]]:
+        """Element by element: each leaf's direction, and the new slots.
+
+        The arguments are :meth:`Optimizer.rule`'s. A direction may be a
+        new slot itself: :meth:`transform` must not write into it.
+        """
+        raise NotImplementedError
+
+    def transform(self, directions: torch.Tensor) -> torch.Tensor:
+        """Whole leaves: the updates of a stack of same-shaped leaves' directions.
+
+        ``directions`` has the leaves along dimension 0 (``(k, *shape)``);
+        return a tensor of the same shape (in any dtype: it is cast to the
+        leaf's), a function of each leaf alone, without writing into
+        ``directions``.
+        """
+        raise NotImplementedError
+
+    def apply(
+        self,
+        ops: Ops,
+        params: Lists,
+        updates: Lists,
+        shapes: list[torch.Size],
+        lr: float | torch.Tensor,
+        donate: bool,
+    ) -> Lists:
+        """Element by element: the new parameters, ``params - lr * updates`` unless overridden.
+
+        ``shapes`` are the whole leaves' shapes (a slice's own shape may differ).
+        """
+        return self._scaled_add(ops, params, updates, -lr, donate)
+
+    def rule(
+        self,
+        ops: Ops,
+        params: Lists,
+        grads: Lists,
+        slots: Mapping[str, Lists],
+        steps: Lists,
+        donate: bool,
+        lr: float | torch.Tensor,
+    ) -> tuple[Lists, Mapping[str, Lists]]:
+        """The three parts over whole leaves (see the module docstring)."""
+        directions, new_slots = self.direction(ops, params, grads, slots, steps, donate)
+        updates = transform_leaves(self.transform, list(directions))
+        shapes = [p.shape for p in params]
+        return self.apply(ops, params, updates, shapes, lr, donate), new_slots
+
+    def init(self, params: Any) -> dict[str, Any]:
+        """The state before the first step; leaves this optimizer cannot step are refused."""
+        self._check_leaves(f"fdp.optim.{self.name}.init", params, None)
+        return super().init(params)
+
+    def update(
+        self, grads: Any, state: dict[str, Any], params: T, *, donate: bool = False
+    ) -> tuple[T, dict[str, Any]]:
+        """One step (see :meth:`Optimizer.update`); leaves it cannot step are refused."""
+        self._check_leaves(f"fdp.optim.{self.name}.update", params, grads)
+        return super().update(grads, state, params, donate=donate)
+
+    def _check_leaves(self, call: str, params: Any, grads: Any) -> None:
+        """Refuses complex leaves and leaves of too few dimensions (with a gradient, if given)."""
+        leaves, spec = _tree.flatten(params)
+        stepped = None
+        if grads is not None:
+            g, got = _tree.flatten(grads)
+            stepped = [x is not None for x in g] if got == spec else None
+        for i, t in enumerate(leaves):
+            if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
+                continue
+            if stepped is not None and not stepped[i]:  # another group's leaf (param_groups)
+                continue
+            where = f"`params` leaf {_tree.path(params, i, 'params')}"
+            if t.is_complex():
+                raise ValueError(
+                    f"{call}: {where} expected a real floating-point tensor; got {t.dtype} "
+                    f"({self.name} transforms whole real leaves): step it with another "
+                    "optimizer through fdp.optim.param_groups"
+                )
+            if t.ndim < self.min_ndim:
+                _param_groups.refuse_shards(
+                    call,
+                    params,
+                    why=f"and {self.name} needs each whole leaf",
+                    instead="fully sharded whole-leaf steps are not supported yet: train with "
+                    "fdp.DistributedDataParallel (whole leaves on every rank)",
+                )
+                raise ValueError(
+                    f"{call}: {where} expected a tensor of at least {self.min_ndim} "
+                    f"dimensions; got shape {tuple(t.shape)}. Give such leaves (biases, norms) "
+                    "another optimizer with fdp.optim.param_groups, e.g. "
+                    f"param_groups(lambda name, t: '{self.name}' if t.ndim >= {self.min_ndim} "
+                    f"else 'adamw', {{'{self.name}': ..., 'adamw': fdp.optim.adamw(...)}})"
+                )
+
+
+def transform_leaves(transform: Any, directions: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``transform`` over same-shaped leaves stacked (one call per shape, dtype and device)."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for j, d in enumerate(directions):
+        groups.setdefault((tuple(d.shape), d.dtype, d.device), []).append(j)
+    out: list[Any] = [None] * len(directions)
+    for idx in groups.values():
+        if len(idx) == 1:  # no copy
+            stacked = directions[idx[0]].unsqueeze(0)
+        else:
+            stacked = torch.stack([directions[j] for j in idx])
+        updates = transform(stacked)
+        if not isinstance(updates, torch.Tensor) or updates.shape != stacked.shape:
+            raise TypeError(
+                "fdp.optim.WholeLeafOptimizer.transform: expected a tensor of the stack's shape "
+                f"{tuple(stacked.shape)}; got {_tree.describe(updates)}"
+            )
+        for j, u in zip(idx, updates.unbind(0), strict=True):
+            # In the leaf's dtype: exact (torch adds a bfloat16 update to a float32
+            # parameter the same way), and a tensor rate times it is not rounded to bfloat16.
+            out[j] = u.to(directions[j].dtype)
+    return out

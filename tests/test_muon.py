@@ -1,0 +1,367 @@
+"""fdp.optim.muon and WholeLeafOptimizer (fdp/optim/_muon.py, _whole.py) vs torch.optim.Muon."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import optree
+import pytest
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
+
+import fdp
+from tests import ranks
+from tests.helpers import Pair, batch, mlp, mlp_params, shard, tensor_leaves
+
+STEPS = 10
+
+
+def _map(fn: Any, tree: Any) -> Any:
+    return optree.tree_map(fn, tree)
+
+
+def _step(opt: Any) -> None:
+    opt.step()  # torch.optim.Muon.step is untyped
+
+
+def matrices(seed: int = 0) -> dict[str, Any]:
+    """Matrices in every container, None leaves, same shapes twice (one batched call)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def m(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    return {
+        "dict": {"tall": m(12, 5), "wide": m(5, 12)},
+        "list": [[m(8, 8), m(8, 8)], [m(3, 7)]],
+        "pair": Pair(first=m(6, 4), second=None),
+    }
+
+
+def grads_at(params: Any, step: int) -> Any:
+    return _map(lambda t: torch.sin(t * (step + 1)) + 0.1 * step, params)
+
+
+def torch_steps(params: Any, make: Any, steps: int = STEPS) -> list[torch.Tensor]:
+    """torch's optimizer on copies of the tensor leaves, with grads_at's gradients."""
+    leaves = [t.clone().requires_grad_() for t in tensor_leaves(params)]
+    opt = make(leaves)
+    for step in range(steps):
+        for t, g in zip(leaves, tensor_leaves(grads_at(params, step)), strict=True):
+            t.grad = g
+        opt.step()
+    return [t.detach() for t in leaves]
+
+
+def fdp_steps(params: Any, opt: Any, *, donate: bool = False, steps: int = STEPS) -> Any:
+    p = _map(torch.clone, params) if donate else params
+    state = opt.init(p)
+    for step in range(steps):
+        p, state = opt.update(grads_at(params, step), state, p, donate=donate)
+    return p
+
+
+HYPER = [
+    {},
+    {"nesterov": False},
+    {"adjust_lr": "match_rms_adamw", "weight_decay": 0.0},
+    {"adjust_lr": "original", "momentum": 0.0, "ns_steps": 3},
+    {"ns_coefficients": (2.0, -1.5, 0.5), "eps": 1e-3},
+]
+
+
+@pytest.mark.parametrize("hyper", HYPER)
+@pytest.mark.parametrize("donate", [False, True])
+def test_ten_steps_are_torch_muons_bitwise(hyper: dict[str, Any], donate: bool) -> None:
+    params = matrices()
+    torch_hyper = {("adjust_lr_fn" if k == "adjust_lr" else k): v for k, v in hyper.items()}
+    want = torch_steps(params, lambda ps: torch.optim.Muon(ps, lr=0.02, **torch_hyper))
+    got = fdp_steps(params, fdp.optim.muon(0.02, **hyper), donate=donate)
+    for g, w in zip(tensor_leaves(got), want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_the_step_is_pure_and_the_state_is_torch_s_momentum() -> None:
+    params = matrices()
+    before = _map(torch.clone, params)
+    opt = fdp.optim.muon(0.02)
+    state = opt.init(params)
+    _, state = opt.update(grads_at(params, 0), state, params)
+    for a, b in zip(tensor_leaves(params), tensor_leaves(before), strict=True):
+        assert torch.equal(a, b)
+    leaves = [t.clone().requires_grad_() for t in tensor_leaves(params)]
+    ref = torch.optim.Muon(leaves, lr=0.02)
+    for t, g in zip(leaves, tensor_leaves(grads_at(params, 0)), strict=True):
+        t.grad = g
+    _step(ref)
+    bufs = [ref.state[t]["momentum_buffer"] for t in leaves]
+    for got, want in zip(tensor_leaves(state["momentum_buffer"]), bufs, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("shape", [(4, 6, 3), (2, 3, 5, 5)])
+def test_stacks_of_matrices_are_each_matrix_as_torch_steps_it(shape: tuple[int, ...]) -> None:
+    """A 3-D (MoE experts) or 4-D leaf: one torch Muon parameter per matrix of the stack."""
+    g = torch.Generator().manual_seed(3)
+    stack = torch.randn(*shape, generator=g)
+    params = {"experts": stack}
+    per_matrix = {f"m{i}": m for i, m in enumerate(stack.reshape(-1, *shape[-2:]))}
+    want = torch_steps(per_matrix, lambda ps: torch.optim.Muon(ps, lr=0.05), steps=1)
+    got = fdp_steps(params, fdp.optim.muon(0.05), steps=1)
+    expected = torch.stack(want).reshape(shape)
+    # One step: grads_at of the stack equals grads_at of each matrix.
+    assert torch.equal(got["experts"], expected)
+
+
+def test_newton_schulz_batched_equals_torchs_per_matrix() -> None:
+    g = torch.randn(5, 16, 9, generator=torch.Generator().manual_seed(4))
+    batched = fdp.optim.muon().transform(g)
+    for got, m in zip(batched, g, strict=True):
+        assert torch.equal(got, torch_newton_schulz(m, (3.4445, -4.775, 2.0315), 5, 1e-7))
+
+
+def _split(name: str, t: torch.Tensor) -> str:
+    return "muon" if t.ndim >= 2 else "adamw"
+
+
+def muon_adamw() -> fdp.optim.ParamGroups:
+    # AdamW's foreach step, bitwise torch's foreach=True (its fused kernel agrees to rounding).
+    adamw = fdp.optim.adamw(0.003, fused=False)
+    return fdp.optim.param_groups(_split, {"muon": fdp.optim.muon(0.02), "adamw": adamw})
+
+
+def torch_muon_adamw(params: Any, steps: int, grads: Any) -> list[torch.Tensor]:
+    leaves = [t.clone().requires_grad_() for t in tensor_leaves(params)]
+    mats = [t for t in leaves if t.ndim >= 2]
+    rest = [t for t in leaves if t.ndim < 2]
+    opts = [torch.optim.Muon(mats, lr=0.02), torch.optim.AdamW(rest, lr=0.003, foreach=True)]
+    for step in range(steps):
+        for t, g in zip(leaves, tensor_leaves(grads(step)), strict=True):
+            t.grad = g
+        for o in opts:
+            o.step()
+    return [t.detach() for t in leaves]
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_muon_on_matrices_adamw_elsewhere_equals_torchs_two_optimizers(donate: bool) -> None:
+    params = {**matrices(), "bias": torch.randn(5), "norm": [torch.ones(7)]}
+    want = torch_muon_adamw(params, STEPS, lambda s: grads_at(params, s))
+    opt = muon_adamw()
+    state = opt.init(params)
+    assert state["momentum_buffer"]["bias"] is None
+    assert state["exp_avg"]["dict"]["tall"] is None
+    got = fdp_steps(params, opt, donate=donate)
+    for g, w in zip(tensor_leaves(got), want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_the_grouped_state_checkpoints_and_resumes(tmp_path: Path) -> None:
+    params = {**matrices(), "bias": torch.randn(5)}
+    opt = muon_adamw()
+    p, state = params, opt.init(params)
+    for step in range(3):
+        p, state = opt.update(grads_at(params, step), state, p)
+    fdp.save_checkpoint(tmp_path / "c", {"params": p, "opt": state}, rng=False)
+    like = {"params": _map(torch.zeros_like, p), "opt": opt.init(params)}
+    loaded = fdp.load_checkpoint(tmp_path / "c", like, rng=False)
+    for step in range(3, 6):
+        p, state = opt.update(grads_at(params, step), state, p)
+        loaded["params"], loaded["opt"] = opt.update(
+            grads_at(params, step), loaded["opt"], loaded["params"]
+        )
+    for a, b in zip(tensor_leaves(loaded["params"]), tensor_leaves(p), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_schedule_is_torchs_rate_set_before_each_step() -> None:
+    params = matrices()
+    schedule = fdp.optim.linear_schedule(0.05, 0.01, 4)
+    leaves = [t.clone().requires_grad_() for t in tensor_leaves(params)]
+    ref = torch.optim.Muon(leaves, lr=0.05)
+    for step in range(6):
+        ref.param_groups[0]["lr"] = float(schedule(torch.tensor(float(step))))
+        for t, g in zip(leaves, tensor_leaves(grads_at(params, step)), strict=True):
+            t.grad = g
+        _step(ref)
+    got = fdp_steps(params, fdp.optim.muon(schedule), steps=6)
+    for g, w in zip(tensor_leaves(got), leaves, strict=True):
+        assert torch.equal(g, w.detach())
+
+
+@pytest.mark.compile
+def test_compiled_update_is_one_graph_and_torchs_values() -> None:
+    params = matrices()
+    want = torch_steps(params, lambda ps: torch.optim.Muon(ps, lr=0.02))
+    opt = fdp.optim.muon(torch.tensor(0.02))
+    update = torch.compile(opt.update, fullgraph=True, backend="aot_eager")
+    p, state = params, opt.init(params)
+    for step in range(STEPS):
+        p, state = update(grads_at(params, step), state, p)
+    for g, w in zip(tensor_leaves(p), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_the_learning_rates_derivative_under_torch_func_grad() -> None:
+    """d(new params)/d(lr) = -wd * p - ratio * NS(direction): the update does not depend on lr."""
+    w = torch.randn(6, 4, generator=torch.Generator().manual_seed(5))
+    grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(6))
+    opt0 = fdp.optim.muon(0.02)
+    state = opt0.init({"w": w})
+
+    def new_sum(lr: torch.Tensor) -> torch.Tensor:
+        new, _ = fdp.optim.muon(lr).update({"w": grad}, state, {"w": w})
+        return (new["w"] * w).sum()
+
+    got = torch.func.grad(new_sum)(torch.tensor(0.02))
+    direction = grad.lerp(torch.zeros_like(grad).lerp(grad, 0.05), 0.95)
+    update = torch_newton_schulz(direction, (3.4445, -4.775, 2.0315), 5, 1e-7)
+    ratio = max(1.0, 6 / 4) ** 0.5
+    expected = ((-0.1 * w - ratio * update.float()) * w).sum()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ns_steps", [0, 5])
+def test_vmap_over_independent_runs_equals_each_run(ns_steps: int) -> None:
+    """Under vmap the matrix products are batched: bfloat16 Newton-Schulz rounds them
+    otherwise and its iterations amplify that (updates agree to about 5e-2), so the exact
+    check is the per-matrix scaling with no iteration."""
+    ws = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(7))
+    gs = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(8))
+    opt = fdp.optim.muon(0.02, ns_steps=ns_steps)
+
+    def one(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        new, _ = opt.update({"w": g}, opt.init({"w": w}), {"w": w})
+        out: torch.Tensor = new["w"]
+        return out
+
+    got = torch.func.vmap(one)(ws, gs)
+    rate = 0.02 * (5 / 4) ** 0.5
+    for i in range(3):
+        update = (ws[i] * (1 - 0.02 * 0.1) - got[i]) / rate
+        want = (ws[i] * (1 - 0.02 * 0.1) - one(ws[i], gs[i])) / rate
+        atol = 1e-5 if ns_steps == 0 else 0.1
+        torch.testing.assert_close(update, want, rtol=0, atol=atol)
+
+
+def test_one_dimensional_complex_and_bad_options_are_refused_by_name() -> None:
+    opt = fdp.optim.muon()
+    with pytest.raises(ValueError, match=r"leaf params\['b'\] expected a tensor of at least 2 .*"
+                       r"param_groups"):  # fmt: skip
+        opt.init({"w": torch.ones(2, 2), "b": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"leaf params\['b'\] expected a tensor of at least 2"):
+        opt.update({"b": torch.ones(2)}, {"step": {"b": None}}, {"b": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"leaf params\['z'\] expected a real floating-point"):
+        opt.init({"z": torch.ones(2, 2, dtype=torch.complex64)})
+    for bad, match in (
+        ({"adjust_lr": "sqrt"}, r"`adjust_lr` expected one of \[None, 'original', "),
+        ({"ns_steps": 100}, r"`ns_steps` expected an int in \[0, 100\); got 100"),
+        ({"ns_coefficients": (1.0, 2.0)}, r"`ns_coefficients` expected three numbers"),
+        ({"momentum": -0.1}, r"`momentum`"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            fdp.optim.muon(**bad)
+
+
+def test_a_whole_leaf_optimizer_without_its_parts_is_refused_at_definition() -> None:
+    with pytest.raises(TypeError, match=r"expected a `transform` method"):
+
+        class Half(fdp.optim.WholeLeafOptimizer):  # refused as it is defined
+            name = "half"
+
+            def direction(self, ops: Any, params: Any, grads: Any, slots: Any, steps: Any,
+                          donate: bool) -> Any:  # fmt: skip
+                return grads, {}
+
+
+class NormalizedSGD(fdp.optim.WholeLeafOptimizer):
+    """docs/optim.md's second whole-leaf rule: the momentum divided by its norm."""
+
+    name, slots, min_ndim = "normalized_sgd", ("momentum_buffer",), 1
+
+    def direction(self, ops: Any, params: Any, grads: Any, slots: Any, steps: Any,
+                  donate: bool) -> Any:  # fmt: skip
+        bufs = ops("lerp", slots["momentum_buffer"], grads, 0.1, own=donate)
+        return bufs, {"momentum_buffer": bufs}
+
+    def transform(self, directions: torch.Tensor) -> torch.Tensor:
+        dims = tuple(range(1, directions.ndim))
+        norms: torch.Tensor = directions.norm(dim=dims, keepdim=True)
+        return directions / norms.clamp(min=1e-12)
+
+
+def test_a_rule_of_your_own_steps_each_leaf_by_its_whole_norm() -> None:
+    params = {"w": torch.randn(4, 3), "v": torch.randn(4, 3), "b": torch.randn(5)}
+    got = fdp_steps(params, NormalizedSGD(0.1), steps=3)
+    for key, p in params.items():
+        buf, ref = torch.zeros_like(p), p.clone()
+        for step in range(3):
+            buf = buf.lerp(grads_at(params, step)[key], 0.1)
+            ref = ref - 0.1 * buf / buf.norm()
+        torch.testing.assert_close(got[key], ref, rtol=1e-6, atol=1e-6)
+
+
+def _sharded_refusals(rank: int, size: int) -> list[str]:
+    params = {"w": torch.ones(4, 4)}
+    messages = []
+    with pytest.raises(ValueError, match=r"ZeroRedundancy: `optimizer` .* needs each whole") as e:
+        fdp.ZeroRedundancy(muon_adamw(), params)
+    messages.append(str(e.value))
+    fsdp = fdp.FullyShardedDataParallel(params)
+    with pytest.raises(ValueError, match=r"optimizer: `optimizer` .* needs each whole leaf") as e:
+        fsdp.optimizer(fdp.optim.muon())
+    messages.append(str(e.value))
+    shards = fsdp.shard(params)
+    with pytest.raises(ValueError, match=r"are the shards of .* muon needs each whole leaf") as e:
+        fdp.optim.muon().init(shards)
+    messages.append(str(e.value))
+    return messages
+
+
+def test_sharded_steps_refuse_whole_leaf_optimizers_on_every_rank() -> None:
+    for messages in ranks.world(2).run(_sharded_refusals):
+        assert all("fdp.DistributedDataParallel" in m for m in messages), messages
+
+
+def _ddp_muon(rank: int, size: int) -> list[torch.Tensor]:
+    params = _mlp()
+    ddp = fdp.DistributedDataParallel(params)
+    x, y = batch(4 * size)
+    opt = muon_adamw()
+    state = opt.init(params)
+
+    def loss(p: Any) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(mlp(ddp(p), shard(x, rank)), shard(y, rank))
+
+    for _ in range(4):
+        grads = fdp.grad(loss)(params)
+        params, state = opt.update(grads, state, params)
+    return tensor_leaves(params)
+
+
+def _mlp() -> dict[str, Any]:
+    params: dict[str, Any] = _map(torch.Tensor.detach, mlp_params(head_bias=True))
+    return params
+
+
+def test_ddp_muon_equals_one_process_on_the_whole_batch() -> None:
+    size = 2
+    x, y = batch(4 * size)
+    params = _mlp()
+
+    reference = _map(lambda t: t.clone().requires_grad_(), params)
+    leaves = tensor_leaves(reference)
+    opts = [
+        torch.optim.Muon([t for t in leaves if t.ndim >= 2], lr=0.02),
+        torch.optim.AdamW([t for t in leaves if t.ndim < 2], lr=0.003, foreach=True),
+    ]
+    for _ in range(4):
+        for t in leaves:
+            t.grad = None
+        torch.autograd.backward(torch.nn.functional.mse_loss(mlp(reference, x), y))
+        for o in opts:
+            o.step()
+    for got in ranks.world(size).run(_ddp_muon):
+        for g, w in zip(got, leaves, strict=True):
+            torch.testing.assert_close(g, w.detach(), rtol=1e-5, atol=1e-6)
