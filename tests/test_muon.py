@@ -365,3 +365,91 @@ def test_ddp_muon_equals_one_process_on_the_whole_batch() -> None:
     for got in ranks.world(size).run(_ddp_muon):
         for g, w in zip(got, leaves, strict=True):
             torch.testing.assert_close(g, w.detach(), rtol=1e-5, atol=1e-6)
+
+
+class CountingMuon(fdp.optim.Muon):
+    """Muon that counts the matrices it orthogonalizes (on this rank)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.matrices = 0
+
+    def transform(self, directions: torch.Tensor) -> torch.Tensor:
+        self.matrices += directions.shape[0]
+        return super().transform(directions)
+
+
+def _sharded_split(muon: fdp.optim.Muon) -> fdp.optim.ParamGroups:
+    return fdp.optim.param_groups(_split, {"muon": muon, "adamw": fdp.optim.adamw(0.003)})
+
+
+def _deep_mlp() -> dict[str, Any]:
+    params: dict[str, Any] = _map(torch.Tensor.detach, mlp_params(depth=3, head_bias=True))
+    return params
+
+
+def _zero_muon(
+    rank: int, size: int, stage: int, steps: int, compiled: bool
+) -> tuple[list[torch.Tensor], int]:
+    params = _deep_mlp()
+    x, y = batch(4 * size)
+    muon = CountingMuon(0.02)
+    zero = fdp.ZeroRedundancy(_sharded_split(muon), params, stage=stage, bucket_cap_mb=200 / 2**20)
+
+    def loss(p: Any, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(mlp(p, xb), yb)
+
+    def train_step(p: Any, state: Any) -> tuple[Any, Any]:
+        grads = torch.func.grad(loss)(p, shard(x, rank), shard(y, rank))
+        return zero.step(grads, state, p)
+
+    step = (
+        torch.compile(train_step, backend="aot_eager", fullgraph=True) if compiled else train_step
+    )
+    state = zero.init(params)
+    for _ in range(steps):
+        params, state = step(params, state)
+    return tensor_leaves(params), muon.matrices
+
+
+def _muon_reference(size: int, steps: int) -> list[torch.Tensor]:
+    """One process, the whole batch: torch's Muon on the matrices, AdamW on the rest."""
+    x, y = batch(4 * size)
+    reference = _map(lambda t: t.clone().requires_grad_(), _deep_mlp())
+    leaves = tensor_leaves(reference)
+    opts = [
+        torch.optim.Muon([t for t in leaves if t.ndim >= 2], lr=0.02),
+        torch.optim.AdamW([t for t in leaves if t.ndim < 2], lr=0.003, foreach=True),
+    ]
+    for _ in range(steps):
+        for t in leaves:
+            t.grad = None
+        torch.autograd.backward(torch.nn.functional.mse_loss(mlp(reference, x), y))
+        for o in opts:
+            _step(o)
+    return [t.detach() for t in leaves]
+
+
+@pytest.mark.parametrize(
+    ("size", "stage", "compiled"),
+    [
+        (2, 2, False),
+        (3, 2, False),
+        (4, 2, False),
+        (3, 1, False),
+        pytest.param(2, 2, True, marks=pytest.mark.compile),
+    ],
+)
+def test_zero_muon_orthogonalizes_each_matrix_once_and_equals_torch(
+    size: int, stage: int, compiled: bool
+) -> None:
+    """Under ZeroRedundancy each matrix's pieces go to one owner: the group orthogonalizes
+    it once per step, and ten steps equal one process's torch Muon + AdamW."""
+    steps = 10
+    want = _muon_reference(size, steps)
+    results = ranks.world(size).run(_zero_muon, stage, steps, compiled)
+    matrices = sum(1 for t in want if t.ndim >= 2)
+    assert sum(count for _, count in results) == matrices * steps
+    for got, _ in results:
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -119,6 +119,20 @@ def all_to_all(t: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tensor:
         return got
 
 
+def all_to_all_split(
+    t: torch.Tensor, receive: Sequence[int], send: Sequence[int], *, group: ProcessGroup | None
+) -> torch.Tensor:
+    """The 1-D ``t`` cut in ``send[j]`` elements for rank ``j``; ``receive[j]`` from rank ``j``."""
+    if _mode.traced():
+        out: torch.Tensor = funcol.all_to_all_single(t, list(receive), list(send), resolve(group))
+        return out
+    with torch.no_grad(), _compat.functorch_disabled():
+        plain = _compat.unwrap_functorch(t).contiguous()
+        got = plain.new_empty(sum(receive))
+        dist.all_to_all_single(got, plain, list(receive), list(send), group=group)
+        return got
+
+
 def reduce_scatter_wide(
     t: torch.Tensor, *, wire: torch.dtype, group: ProcessGroup | None
 ) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _mode, _tree
 from fdp._comm import _agreement, _transforms
-from fdp._sharding import _shards, _zero_comm, _zero_join
+from fdp._sharding import _owners, _shards, _zero_comm, _zero_join
 from fdp._sharding._shards import Part, Shards, ZeroState
 from fdp.optim import _base, _clip
 from fdp.optim._base import OptimizerProtocol, check_grad
@@ -86,7 +86,6 @@ class ZeroRedundancy:
                 f"{call}: `optimizer` expected an fdp.optim optimizer (slots, init and update: "
                 f"fdp.optim.OptimizerProtocol); got {_tree.describe(optimizer)}"
             )
-        refuse_whole_leaf(call, optimizer)
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"{call}: `stage` expected 1 or 2; got {stage!r}")
         cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
@@ -107,6 +106,8 @@ class ZeroRedundancy:
         self.shards: Shards = _shards.plan(params, trained, cap=cap, group=group)
         self._keys = ("step", *optimizer.slots)
         self._part_optimizers = _bind(optimizer, params, self.shards.parts)
+        whole = _owners.whole_leaves(call, optimizer, params)  # Muon: each matrix on one owner
+        self._owners = _owners.Owners(self.shards, whole, group) if whole else None
         self.last_grad_norm: torch.Tensor | None = None
         self._fingerprints: dict[tuple[bool, ...], _agreement.Fingerprint] = {}
         self._pool = _zero_comm.Pool()
@@ -126,7 +127,8 @@ class ZeroRedundancy:
         with torch.no_grad():
             for part, optimizer in zip(self.shards.parts, self._part_optimizers, strict=True):
                 segs = [_segment(part, leaves, s).clone() for s in part.segments]
-                state = optimizer.init(segs)  # param_groups: each segment's leaf's label
+                # param_groups: each segment's leaf's label; Muon: slices, not matrices
+                state = getattr(optimizer, "init_pieces", optimizer.init)(segs)
                 if set(state) != set(self._keys):
                     raise TypeError(
                         f"fdp.ZeroRedundancy.init: `optimizer`.init gave a state with entries "
@@ -252,6 +254,12 @@ class ZeroRedundancy:
         lr = getattr(self.optimizer, "lr", None)
         s = self.shards
         if _base.differentiable(lr, p, g, {"slots": slots_now}):
+            if self._owners is not None:
+                raise ValueError(
+                    f"{call}: `optimizer` needs whole leaves, whose exchange between ranks "
+                    "carries no derivative; got inputs that require grad or are under a "
+                    "torch.func transform (step without them, or with fdp.DistributedDataParallel)"
+                )
             # Checked before the first collective, as on the fast path.
             fingerprint = self._fingerprint(grads, g)
             fingerprint.finish(
@@ -375,7 +383,14 @@ class ZeroRedundancy:
         params = [_segment(part, p, s, detach=detach) for s in segs]
         mine = {key: slots[key][k] for key in self._keys}
         extra = {"donate": True} if donate else {}  # an optimizer of the user's may lack it
-        new, st = self._part_optimizers[k].update(grads, mine, params, **extra)
+        opt, owners = self._part_optimizers[k], self._owners
+        if owners is None:
+            new, st = opt.update(grads, mine, params, **extra)
+        else:  # see fdp/_sharding/_owners.py
+            pending = opt.begin(grads, mine, params, **extra)
+            stepped = {i for i in owners.optimizers if g[i] is not None}
+            updates = owners.exchange(part, pending.directions, stepped)
+            new, st = opt.finish(pending, updates, shapes=owners.shapes_of(part))
         for key in self._keys:
             slots[key][k] = st[key]
         pieces, pos = [], 0

@@ -36,6 +36,8 @@ from fdp.optim._hyper import check_hyper
 from fdp.optim._lists import Lists
 
 T = TypeVar("T")
+# Optimizer.rule's signature: (ops, params, grads, slots, steps, donate, lr) -> (params, slots).
+Rule = Callable[..., tuple[Lists, Mapping[str, Lists]]]
 # A learning rate: a number, a 0-d tensor, or a schedule of the step count.
 Rate = float | torch.Tensor | Callable[[torch.Tensor], float | torch.Tensor]
 
@@ -176,6 +178,12 @@ class Optimizer:
         allocations and the memory traffic of pure results (eagerly 1.3x
         torch's step otherwise); the values are the same.
         """
+        return self._update_with(self.rule, grads, state, params, donate=donate)
+
+    def _update_with(
+        self, rule: Rule, grads: Any, state: dict[str, Any], params: T, *, donate: bool
+    ) -> tuple[T, dict[str, Any]]:
+        """:meth:`update` running ``rule`` (``WholeLeafOptimizer`` runs its parts so)."""
         call = f"fdp.optim.{self.name}.update"
         p, spec = _tree.flatten(params)
         g = _matching(call, "grads", grads, spec, params)
@@ -198,13 +206,14 @@ class Optimizer:
         if differentiable(lr, p, g, s):
             _refuse_derivative(call, donate=donate, fused=self.fused is True)
             ops = _lists.Plain()
-        elif self.fused is not False and not _mode.traced():
+        elif self.fused is not False and not _mode.traced() and rule == self.rule:
             if donate:
                 p = _untied(p, live)
             p, s, live = self._fused_step(call, params, (p, g, s), live, donate, lr)
             if not live:
                 return _tree.unflatten(spec, p), {k: _tree.unflatten(spec, v) for k, v in s.items()}
-        return self._update_lists(ops, call, params, (p, g, s), live, spec, donate, lr)
+        leaves = (p, g, s)
+        return self._update_lists(rule, ops, call, params, leaves, live, spec, donate, lr)
 
     def _kernel(self) -> _fused.Kernel | None:
         """torch's fused kernel for this rule (see ``fdp/optim/_fused.py``), or ``None``."""
@@ -276,6 +285,7 @@ class Optimizer:
 
     def _update_lists(
         self,
+        rule: Rule,
         ops: _lists.Ops,
         call: str,
         params: Any,
@@ -304,7 +314,7 @@ class Optimizer:
                 live_g = [_real(g[i]) for i in live]
                 if self.maximize:
                     live_g = list(ops("neg", live_g))
-                new_p, new_slots = self.rule(
+                new_p, new_slots = rule(
                     ops, [_real(p[i]) for i in live], live_g, slots, steps, donate, lr
                 )
         except (RuntimeError, TypeError):

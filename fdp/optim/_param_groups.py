@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from fdp import _tree
+from fdp.optim._pending import Chain, Pending
 
 T = TypeVar("T")
 Label = Callable[[str, torch.Tensor], str]
@@ -140,15 +141,19 @@ class ParamGroups:
             return dict(next(iter(self.optimizers.values())).init(params))
         return self.init_labelled(params, self.labels(params))
 
-    def init_labelled(self, params: Any, labels: Sequence[str | None]) -> dict[str, Any]:
-        """:meth:`init` with each leaf's label given (``labels``, one per leaf)."""
+    def init_labelled(
+        self, params: Any, labels: Sequence[str | None], *, pieces: bool = False
+    ) -> dict[str, Any]:
+        """:meth:`init` with each leaf's label given (``labels``, one per leaf); ``pieces``:
+        the leaves are slices of leaves (whole-leaf optimizers do not check their shapes)."""
         leaves, spec = _tree.flatten(params)
         out: dict[str, list[Any]] = {k: [None] * len(leaves) for k in ("step", *self.slots)}
         for label, opt in self.optimizers.items():
             mine = [t if lab == label else None for t, lab in zip(leaves, labels, strict=True)]
             if all(t is None for t in mine):
                 continue
-            for key, tree in opt.init(_tree.unflatten(spec, mine)).items():
+            init = getattr(opt, "init_pieces", opt.init) if pieces else opt.init
+            for key, tree in init(_tree.unflatten(spec, mine)).items():
                 for i, value in enumerate(_tree.flatten(tree)[0]):
                     if mine[i] is not None:
                         out[key][i] = value
@@ -180,9 +185,7 @@ class Bound:
         self.groups, self.labels, self.slots = groups, labels, groups.slots
 
     def init(self, params: Any) -> dict[str, Any]:
-        if self.groups.shared_slots:
-            return self.groups.init(params)
-        return self.groups.init_labelled(params, self.labels)
+        return self.groups.init_labelled(params, self.labels, pieces=True)
 
     def update(
         self, grads: Any, state: dict[str, Any], params: T, *, donate: bool = False
@@ -201,6 +204,45 @@ class Bound:
             params, new = opt.update(_tree.unflatten(spec, mine), state, params, **extra)
             state = {**state, **new}  # the other groups' slots stay
         return params, state
+
+    def begin(
+        self, grads: Any, state: dict[str, Any], params: Any, *, donate: bool = False
+    ) -> Pending:
+        """The groups' step up to the whole-leaf transform (``WholeLeafOptimizer.begin``).
+
+        Groups of element-wise optimizers step completely here; whole-leaf
+        groups give their directions, which :meth:`finish` completes.
+        """
+        g, spec = _tree.flatten(grads)
+        directions: list[torch.Tensor | None] = [None] * len(g)
+        pendings = []
+        for label, opt in self.groups.optimizers.items():
+            mine = [gi if lab == label else None for gi, lab in zip(g, self.labels, strict=True)]
+            if all(m is None for m in mine):
+                continue
+            if getattr(opt, "whole_leaf", False):
+                pending = opt.begin(_tree.unflatten(spec, mine), state, params, donate=donate)
+                params, state = pending.params, {**state, **pending.state}
+                for i, d in enumerate(pending.directions):
+                    if d is not None:
+                        directions[i] = d
+                pendings.append(pending)
+            else:
+                extra = {"donate": True} if donate else {}
+                params, new = opt.update(_tree.unflatten(spec, mine), state, params, **extra)
+                state = {**state, **new}
+        return Pending(directions, params, state, Chain(pendings))
+
+    def finish(
+        self,
+        pending: Pending,
+        updates: list[torch.Tensor | None],
+        *,
+        params: Any = None,
+        shapes: list[torch.Size | None] | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        """The whole-leaf groups' new parameters (``WholeLeafOptimizer.finish``)."""
+        return pending.finish(updates, params=params, shapes=shapes)
 
 
 def param_groups(label: Label | Any, optimizers: Mapping[str, Any]) -> ParamGroups:

@@ -20,15 +20,17 @@ keeps; this class adds the split).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import torch
 
 from fdp import _tree
-from fdp.optim import _param_groups
-from fdp.optim._base import Optimizer
+from fdp.optim import _lists, _param_groups
+from fdp.optim._base import Optimizer, _is_param, _like
 from fdp.optim._lists import Lists, Ops
+from fdp.optim._pending import Pending
 
 T = TypeVar("T")
 
@@ -134,12 +136,67 @@ class WholeLeafOptimizer(Optimizer):
         self._check_leaves(f"fdp.optim.{self.name}.init", params, None)
         return super().init(params)
 
+    def init_pieces(self, pieces: Any) -> dict[str, Any]:
+        """:meth:`init` of slices of leaves (a sharded strategy's), which are not checked."""
+        return super().init(pieces)
+
     def update(
         self, grads: Any, state: dict[str, Any], params: T, *, donate: bool = False
     ) -> tuple[T, dict[str, Any]]:
         """One step (see :meth:`Optimizer.update`); leaves it cannot step are refused."""
         self._check_leaves(f"fdp.optim.{self.name}.update", params, grads)
-        return super().update(grads, state, params, donate=donate)
+        pending = self.begin(grads, state, params, donate=donate)
+        live = [(i, d) for i, d in enumerate(pending.directions) if d is not None]
+        done = transform_leaves(self.transform, [d for _, d in live])
+        updates: list[torch.Tensor | None] = [None] * len(pending.directions)
+        for (i, _), u in zip(live, done, strict=True):
+            updates[i] = u
+        return self.finish(pending, updates)
+
+    def begin(
+        self, grads: Any, state: dict[str, Any], params: Any, *, donate: bool = False
+    ) -> Pending:
+        """The step's first part: the new state and each stepped leaf's direction.
+
+        :meth:`update` is ``begin``, :meth:`transform` of each direction,
+        then :meth:`finish`; a sharded strategy calls the two on its slices
+        and transforms where the whole leaves are. Checks as ``update``.
+        """
+        leaves, _ = _tree.flatten(params)
+        g = _tree.flatten(grads)[0]
+        live = [i for i, t in enumerate(leaves) if _is_param(t) and i < len(g) and g[i] is not None]
+        box: dict[str, Any] = {}
+
+        def rule(
+            ops: Ops, ps: Lists, gs: Lists, slots: Mapping[str, Lists], steps: Lists, own: bool,
+            lr: float | torch.Tensor,
+        ) -> tuple[Lists, Mapping[str, Lists]]:  # fmt: skip
+            directions, new_slots = self.direction(ops, ps, gs, slots, steps, own)
+            box.update(ops=ops, params=list(ps), directions=list(directions), lr=lr)
+            return ps, new_slots
+
+        new_params, new_state = self._update_with(rule, grads, state, params, donate=donate)
+        directions: list[torch.Tensor | None] = [None] * len(leaves)
+        for j, i in enumerate(live if box else []):
+            directions[i] = box["directions"][j]
+        return Pending(directions, new_params, new_state, _Finisher(self, box, live, donate))
+
+    def finish(
+        self,
+        pending: Pending,
+        updates: list[torch.Tensor | None],
+        *,
+        params: Any = None,
+        shapes: list[torch.Size | None] | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        """The step's last part: the new parameters from each stepped leaf's update.
+
+        ``updates`` are aligned with ``pending.directions``; ``params`` (by
+        default ``pending.params``) is the tree whose stepped leaves are
+        replaced; ``shapes`` the whole leaves' shapes where a leaf is a
+        slice of one (by default each leaf's own).
+        """
+        return pending.finish(updates, params=params, shapes=shapes)
 
     def _check_leaves(self, call: str, params: Any, grads: Any) -> None:
         """Refuses complex leaves and leaves of too few dimensions (with a gradient, if given)."""
@@ -199,3 +256,31 @@ def transform_leaves(transform: Any, directions: list[torch.Tensor]) -> list[tor
             # parameter the same way), and a tensor rate times it is not rounded to bfloat16.
             out[j] = u.to(directions[j].dtype)
     return out
+
+
+class _Finisher:
+    """``apply`` over the stepped leaves, in the ops and rate ``begin`` used."""
+
+    def __init__(
+        self, opt: WholeLeafOptimizer, box: dict[str, Any], live: list[int], donate: bool
+    ) -> None:
+        self.opt, self.box, self.live, self.donate = opt, box, live, donate
+
+    def __call__(
+        self, updates: list[Any], params: Any, shapes: list[torch.Size | None] | None
+    ) -> Any:
+        if not self.box:  # nothing was stepped
+            return params
+        leaves, spec = _tree.flatten(params)
+        ops, live = self.box["ops"], self.live
+        ups = [updates[i] for i in live]
+        whole = [shapes[i] if shapes is not None else None for i in live]
+        sizes = [w if w is not None else leaves[i].shape for w, i in zip(whole, live, strict=True)]
+        foreach = isinstance(ops, _lists.Foreach)
+        with torch.no_grad() if foreach else contextlib.nullcontext():
+            new = self.opt.apply(ops, self.box["params"], ups, sizes, self.box["lr"], self.donate)
+        out = list(leaves)
+        for j, i in enumerate(live):
+            if not self.donate:  # donated: written in place
+                out[i] = _like(new[j], leaves[i]) if foreach else new[j]
+        return _tree.unflatten(spec, out)

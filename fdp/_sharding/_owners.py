@@ -1,0 +1,198 @@
+"""Whole-leaf optimizers on shards: each leaf orthogonalized once, on its owner rank.
+
+ZeRO and fully sharded training cut leaves into flat slices across ranks;
+Muon's Newton-Schulz iteration needs each whole matrix. A step here, per
+bucket: every rank computes the directions of its slices (element by
+element, ``WholeLeafOptimizer.begin``); one all-to-all sends each leaf's
+pieces to the leaf's *owner*; each owner puts its leaves together, runs
+``transform`` once per leaf (same-shaped leaves stacked, one call), and a
+second all-to-all sends each piece of the updates back, where
+``WholeLeafOptimizer.finish`` applies them to the slices. No leaf is
+transformed twice in the group, and a rank holds at most one bucket's
+owned leaves at once (the bucket cap bounds it).
+
+Owners are planned once, greedily from the largest cost down to the least
+loaded rank, the cost of a matrix being Newton-Schulz's ``m * n * min(m,
+n)`` per matrix of a stack. Which leaves are stepped depends on the
+gradients' ``None`` pattern, which the strategies check is the same on
+every rank, so every rank runs the same all-to-alls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from fdp import _bucket, _tree
+from fdp._comm import _raw
+from fdp._sharding._shards import Part, Shards
+from fdp.optim import _param_groups
+from fdp.optim._whole import WholeLeafOptimizer, transform_leaves
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+def whole_leaves(call: str, optimizer: Any, params: Any) -> dict[int, WholeLeafOptimizer]:
+    """Each leaf a whole-leaf optimizer steps (by label under ``param_groups``), checked."""
+    if isinstance(optimizer, WholeLeafOptimizer):
+        optimizer._check_leaves(call, params, None)
+        return {i: optimizer for i, t in enumerate(_tree.flatten(params)[0]) if _real(t)}
+    if not isinstance(optimizer, _param_groups.ParamGroups):
+        return {}
+    labels = optimizer.labels(params)
+    leaves, spec = _tree.flatten(params)
+    out: dict[int, WholeLeafOptimizer] = {}
+    for label, opt in optimizer.optimizers.items():
+        if not isinstance(opt, WholeLeafOptimizer):
+            continue
+        mine = [t if lab == label else None for t, lab in zip(leaves, labels, strict=True)]
+        opt._check_leaves(call, _tree.unflatten(spec, mine), None)
+        out |= {i: opt for i, t in enumerate(mine) if _real(t)}
+    return out
+
+
+def _real(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0
+
+
+class Owners:
+    """Who transforms each whole leaf of a sharded layout, and the exchange that does it."""
+
+    def __init__(
+        self, layout: Shards, optimizers: dict[int, WholeLeafOptimizer], group: ProcessGroup | None
+    ) -> None:
+        self.layout, self.optimizers, self.group = layout, optimizers, group
+        self.shapes: dict[int, torch.Size] = {}
+        self.orders: dict[int, tuple[int, ...]] = {}
+        for part in layout.parts:
+            for j, i in enumerate(part.bucket.indices):
+                if i in optimizers:
+                    self.shapes[i], self.orders[i] = part.bucket.shapes[j], part.bucket.order(j)
+        self.owner = _plan(self.shapes, layout.world)
+        self.transformed = 0  # leaves (matrices counted per stack) this rank transformed
+
+    def shapes_of(self, part: Part) -> list[torch.Size | None]:
+        """The whole leaves' shapes, one per segment of ``part`` (``finish``'s ``shapes``)."""
+        return [self.shapes.get(s.leaf) for s in part.segments]
+
+    def exchange(
+        self, part: Part, directions: Sequence[torch.Tensor | None], stepped: set[int]
+    ) -> list[torch.Tensor | None]:
+        """The updates of ``part``'s segments from their directions (``None`` where none).
+
+        ``stepped``: the leaves stepped this time, the same on every rank.
+        """
+        leaves = [i for i in part.bucket.indices if i in stepped and i in self.optimizers]
+        out: list[torch.Tensor | None] = [None] * len(part.segments)
+        if not leaves:
+            return out
+        world, rank = self.layout.world, self.layout.rank
+        at = {s.leaf: k for k, s in enumerate(part.segments)}
+        mine = [i for i in leaves if i in at]
+        send = [[i for i in mine if self.owner[i] == r] for r in range(world)]
+        chunks = [_direction(directions, at[i], i) for r in range(world) for i in send[r]]
+        pieces = {i: _pieces(self.layout, i) for i in leaves if self.owner[i] == rank}
+        receive = [sum(n for i in pieces for q, n in pieces[i] if q == r) for r in range(world)]
+        sizes = [sum(part.segments[at[i]].hi - part.segments[at[i]].lo for i in s) for s in send]
+        like = next(d for d in directions if d is not None) if mine else part_like(part)
+        flat = torch.cat(chunks) if chunks else like.new_empty(0)
+        got = _raw.all_to_all_split(flat, receive, sizes, group=self.group)
+        back = self._transform(got, receive, pieces)
+        returned = _raw.all_to_all_split(back, sizes, receive, group=self.group)
+        order = [i for s in send for i in s]  # by owner, then in leaf order
+        cut = returned.split_with_sizes([len_(part, at[i]) for i in order])
+        for i, piece in zip(order, cut, strict=True):
+            out[at[i]] = piece
+        return out
+
+    def _transform(
+        self,
+        got: torch.Tensor,
+        receive: list[int],
+        pieces: dict[int, list[tuple[int, int]]],
+    ) -> torch.Tensor:
+        """The owned leaves put together, transformed, and cut back into the same pieces."""
+        world = self.layout.world
+        by_rank = list(got.split_with_sizes(receive))
+        held: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for r in range(world):  # rank r's pieces come in leaf order
+            lengths = [n for i in pieces for q, n in pieces[i] if q == r]
+            held[r] = list(by_rank[r].split_with_sizes(lengths))
+        parts: dict[int, list[torch.Tensor]] = {}
+        cursor = [0] * world
+        for i in pieces:
+            for q, _ in pieces[i]:
+                parts.setdefault(i, []).append(held[q][cursor[q]])
+                cursor[q] += 1
+        owned = list(pieces)
+        wholes = [
+            _bucket.memory_unflat(
+                torch.cat(parts[i]), self.shapes[i], self.orders[i], complex_=False
+            )
+            for i in owned
+        ]
+        updates: list[torch.Tensor] = [wholes[0]] * len(owned) if owned else []
+        by_optimizer: dict[int, list[int]] = {}
+        for k, i in enumerate(owned):
+            by_optimizer.setdefault(id(self.optimizers[i]), []).append(k)
+        for ks in by_optimizer.values():
+            transform = self.optimizers[owned[ks[0]]].transform
+            for k, u in zip(ks, transform_leaves(transform, [wholes[k] for k in ks]), strict=True):
+                updates[k] = u
+        self.transformed += sum(_matrices(self.shapes[i]) for i in owned)
+        back: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for i, u in zip(owned, updates, strict=True):
+            flat = _bucket.memory_flat(u, self.orders[i])
+            cut = flat.split_with_sizes([n for _, n in pieces[i]])
+            for (q, _), piece in zip(pieces[i], cut, strict=True):
+                back[q].append(piece)
+        out = [p for r in range(world) for p in back[r]]
+        return torch.cat(out) if out else got.new_empty(0)
+
+
+def part_like(part: Part) -> torch.Tensor:
+    """An empty tensor of ``part``'s dtype and device (a rank with nothing to send)."""
+    return torch.empty(0, dtype=part.bucket.dtype, device=part.bucket.device)
+
+
+def len_(part: Part, k: int) -> int:
+    s = part.segments[k]
+    return s.hi - s.lo
+
+
+def _direction(directions: Sequence[torch.Tensor | None], k: int, leaf: int) -> torch.Tensor:
+    d = directions[k]
+    if d is None:  # the None pattern is checked equal on every rank before the step
+        raise RuntimeError(f"fdp internal error: no direction for stepped leaf {leaf}")
+    return d
+
+
+def _pieces(layout: Shards, i: int) -> list[tuple[int, int]]:
+    """Leaf ``i``'s pieces as ``(rank, length)``, in rank (and element) order."""
+    return [(r, n) for r, _, n in sorted(layout.placements[i], key=lambda p: p[1]) if n > 0]
+
+
+def _matrices(shape: torch.Size) -> int:
+    return math.prod(shape[:-2]) if len(shape) > 2 else 1
+
+
+def _cost(shape: torch.Size) -> int:
+    if len(shape) < 2:
+        return shape.numel()
+    m, n = shape[-2], shape[-1]
+    return _matrices(shape) * m * n * min(m, n)
+
+
+def _plan(shapes: dict[int, torch.Size], world: int) -> dict[int, int]:
+    """Greedy: the costliest leaf first, to the least loaded rank (ties: the lower rank)."""
+    load = [0] * world
+    owner: dict[int, int] = {}
+    for i in sorted(shapes, key=lambda i: (-_cost(shapes[i]), i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += _cost(shapes[i])
+    return owner
