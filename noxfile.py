@@ -301,6 +301,7 @@ def bench(session: nox.Session) -> None:
     script("fsdp_memory.py", "--plot", "docs/figures/memory_per_rank.png", compiles=True)
     script("bench_models.py")
     script("bench_models_step.py", compiles=True)
+    script("bench_muon.py")
     script("bench_pack_order.py", compiles=True)
     run(session, "python", "benchmarks/figures.py")  # the timelines in docs/figures/
     run(session, "python", "benchmarks/results.py", "--write")  # the pages' figures

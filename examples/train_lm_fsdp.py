@@ -100,6 +100,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=8, help="transformer blocks")
     parser.add_argument("--heads", type=int, default=4, help="attention heads")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument(
+        "--optimizer", choices=("adamw", "muon"), default="adamw",
+        help="muon: Muon on the blocks' matrices (each on one owner rank), AdamW elsewhere",
+    )  # fmt: skip
+    parser.add_argument("--muon-lr", type=float, default=0.02, help="Muon's learning rate")
     parser.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping norm")
     parser.add_argument("--seed", type=int, default=0, help="text, initialisation, batches")
     common.add_checkpoint_args(parser, "lm_fsdp", every=50)
@@ -130,7 +135,7 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     fsdp = fdp.FullyShardedDataParallel(
         params, param_dtype=torch.bfloat16, reduce_dtype=torch.float32
     )
-    opt = fdp.optim.adamw(args.lr, weight_decay=0.01)
+    opt = fsdp.optimizer(make_optimizer(args))
     shards = fsdp.shard(params)
     total_bytes = sum(t.numel() * t.element_size() for t in _leaves(params))
     del params  # each rank keeps its shards only
@@ -156,6 +161,19 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         title = f"character LM, fdp.FullyShardedDataParallel, {world} ranks"
         common.save_plot(losses, args.plot, title=title, xlabel="step", first=first)
     return summary(args, state, losses, total_bytes, len(chars))
+
+
+def make_optimizer(args: argparse.Namespace) -> Any:
+    """AdamW; or Muon on the blocks' weight matrices and AdamW on the embeddings, the head
+    and the norms, as the Muon papers train a transformer (``fsdp.optimizer`` steps each
+    matrix whole on one rank)."""
+    adamw = fdp.optim.adamw(args.lr, weight_decay=0.01)
+    if args.optimizer == "adamw":
+        return adamw
+    matrices = lambda name, t: "muon" if name.startswith("blocks") and t.ndim >= 2 else "adamw"  # noqa: E731
+    return fdp.optim.param_groups(
+        matrices, {"muon": fdp.optim.muon(args.muon_lr, weight_decay=0.01), "adamw": adamw}
+    )
 
 
 def summary(
@@ -185,6 +203,7 @@ def summary(
         "param_bytes_total": total,
         "peak_rss_bytes_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "world_size": dist.get_world_size(),
+        "optimizer": args.optimizer,
         "steps": state["step"],
     }
     common.log(

@@ -86,6 +86,7 @@ ZERO = ("examples/train_digits_zero.py", "--epochs", "3", "--checkpoint-every", 
 ZERO_ARGS = (*ZERO, "--min-accuracy", "0", "--resume")
 LM = ("examples/train_lm_fsdp.py", "--steps", "12", "--checkpoint-every", "5", "--resume")
 LM_ARGS = (*LM, "--dim", "32", "--blocks", "2", "--loss-threshold", "100")
+LM_MUON_ARGS = (*LM_ARGS, "--optimizer", "muon")  # each matrix on one owner rank
 # A Hugging Face GPT-2, fully sharded (fsdp.wrap, fdp.optim) or DDP with torch's AdamW.
 HF = ("examples/finetune_hf.py", "--steps", "12", "--checkpoint-every", "5", "--resume")
 HF_FSDP_ARGS = (*HF, "--fsdp", "--loss-threshold", "100")
@@ -175,7 +176,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
     """The examples' final states from runs that nothing interrupted (one agent)."""
     tmp = tmp_path_factory.mktemp("whole")
     states = {}
-    runs = {"zero": ZERO_ARGS, "lm": LM_ARGS, "ported": PORTED_ARGS}
+    runs = {"zero": ZERO_ARGS, "lm": LM_ARGS, "lm_muon": LM_MUON_ARGS, "ported": PORTED_ARGS}
     if HAS_TRANSFORMERS:
         runs |= {"hf_fsdp": HF_FSDP_ARGS, "hf_ddp": HF_DDP_ARGS}
     for name, args in runs.items():
@@ -190,6 +191,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
     [
         "zero",
         "lm",
+        "lm_muon",
         "ported",
         pytest.param("hf_fsdp", marks=NEEDS_TRANSFORMERS),
         pytest.param("hf_ddp", marks=NEEDS_TRANSFORMERS),
@@ -202,6 +204,7 @@ def test_a_killed_rank_restarts_and_ends_where_an_uninterrupted_run_does(
     args, first = {
         "zero": (ZERO_ARGS, "step_10"),
         "lm": (LM_ARGS, "step_5"),
+        "lm_muon": (LM_MUON_ARGS, "step_5"),
         "ported": (PORTED_ARGS, "step_10"),
         "hf_fsdp": (HF_FSDP_ARGS, "step_5"),
         "hf_ddp": (HF_DDP_ARGS, "step_5"),

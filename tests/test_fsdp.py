@@ -81,6 +81,11 @@ def make_optimizer(kind: str) -> Any:
     ("mixed") SGD with momentum there: groups with different slots."""
     if kind == "adamw":
         return fdp.optim.adamw(0.05, weight_decay=0.1)
+    if kind == "muon":  # Muon on leaves of 2+ dims (the conv kernel: a stack), AdamW elsewhere
+        return fdp.optim.param_groups(
+            lambda name, t: "muon" if t.ndim >= 2 and t.is_floating_point() else "adamw",
+            {"muon": fdp.optim.muon(0.02), "adamw": fdp.optim.adamw(0.05, weight_decay=0.0)},
+        )
     vectors: fdp.optim.Optimizer = fdp.optim.adamw(0.05, weight_decay=0.0)
     if kind == "mixed":
         vectors = fdp.optim.sgd(0.05, momentum=0.9)

@@ -12,7 +12,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
 
 import fdp
 from tests import ranks
-from tests.helpers import Pair, batch, mlp, mlp_params, shard, tensor_leaves
+from tests.helpers import Pair, batch, mlp, mlp_params, shard, tensor_leaves, tree_allclose
 
 STEPS = 10
 
@@ -302,26 +302,16 @@ def test_a_rule_of_your_own_steps_each_leaf_by_its_whole_norm() -> None:
         torch.testing.assert_close(got[key], ref, rtol=1e-6, atol=1e-6)
 
 
-def _sharded_refusals(rank: int, size: int) -> list[str]:
-    params = {"w": torch.ones(4, 4)}
-    messages = []
-    with pytest.raises(ValueError, match=r"ZeroRedundancy: `optimizer` .* needs each whole") as e:
-        fdp.ZeroRedundancy(muon_adamw(), params)
-    messages.append(str(e.value))
-    fsdp = fdp.FullyShardedDataParallel(params)
-    with pytest.raises(ValueError, match=r"optimizer: `optimizer` .* needs each whole leaf") as e:
-        fsdp.optimizer(fdp.optim.muon())
-    messages.append(str(e.value))
-    shards = fsdp.shard(params)
+def _shards_refused(rank: int, size: int) -> str:
+    fsdp = fdp.FullyShardedDataParallel({"w": torch.ones(4, 4)})
     with pytest.raises(ValueError, match=r"are the shards of .* muon needs each whole leaf") as e:
-        fdp.optim.muon().init(shards)
-    messages.append(str(e.value))
-    return messages
+        fdp.optim.muon().init(fsdp.shard({"w": torch.ones(4, 4)}))
+    return str(e.value)
 
 
-def test_sharded_steps_refuse_whole_leaf_optimizers_on_every_rank() -> None:
-    for messages in ranks.world(2).run(_sharded_refusals):
-        assert all("fdp.DistributedDataParallel" in m for m in messages), messages
+def test_muon_on_shards_directly_is_refused_naming_fsdp_optimizer() -> None:
+    for message in ranks.world(2).run(_shards_refused):
+        assert "fsdp.optimizer(...)" in message, message
 
 
 def _ddp_muon(rank: int, size: int) -> list[torch.Tensor]:
@@ -368,14 +358,14 @@ def test_ddp_muon_equals_one_process_on_the_whole_batch() -> None:
 
 
 class CountingMuon(fdp.optim.Muon):
-    """Muon that counts the matrices it orthogonalizes (on this rank)."""
+    """Muon that counts the leaves it orthogonalizes (on this rank)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.matrices = 0
+        self.leaves = 0
 
     def transform(self, directions: torch.Tensor) -> torch.Tensor:
-        self.matrices += directions.shape[0]
+        self.leaves += directions.shape[0]
         return super().transform(directions)
 
 
@@ -409,7 +399,7 @@ def _zero_muon(
     state = zero.init(params)
     for _ in range(steps):
         params, state = step(params, state)
-    return tensor_leaves(params), muon.matrices
+    return tensor_leaves(params), muon.leaves
 
 
 def _muon_reference(size: int, steps: int) -> list[torch.Tensor]:
@@ -453,3 +443,47 @@ def test_zero_muon_orthogonalizes_each_matrix_once_and_equals_torch(
     for got, _ in results:
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def _fsdp_muon(rank: int, size: int, steps: int, grouped: bool) -> tuple[list[Any], int]:
+    from tests.test_fsdp import _by_func_grad, _detached, data, make_params, mine
+
+    params = make_params()
+    fsdp = fdp.FullyShardedDataParallel(params)
+    shards = _detached(fsdp.shard(params))
+    muon = CountingMuon(0.02)
+    opt = fsdp.optimizer(_fsdp_split(muon) if grouped else muon)
+    state = opt.init(shards)
+    x, y = data(size)
+    out = []
+    for _ in range(steps):
+        grads = _by_func_grad(fsdp, shards, mine(x, rank), mine(y, rank))
+        grads = {k: tuple(g if k != "frozen" else None for g in gs) for k, gs in grads.items()}
+        shards, state = opt.update(grads, state, shards)
+        full = fsdp.full(shards)
+        out.append({k: full[k] for k in ("embed", "blocks", "conv", "head")})
+    return out, muon.leaves
+
+
+def _fsdp_split(muon: fdp.optim.Muon) -> fdp.optim.ParamGroups:
+    return fdp.optim.param_groups(
+        lambda name, t: "muon" if t.ndim >= 2 and t.is_floating_point() else "adamw",
+        {"muon": muon, "adamw": fdp.optim.adamw(0.05, weight_decay=0.0)},
+    )
+
+
+def test_fsdp_muon_orthogonalizes_each_matrix_once_and_equals_one_process() -> None:
+    """fsdp.optimizer(param_groups(Muon, AdamW)) over the shards: each leaf of 2+ dims (a
+    stack: the conv kernel) on one owner per step; the parameters equal the grouped step on
+    the unsharded tree (whose Muon is torch's bitwise, tests above)."""
+    from tests.test_fsdp import TOL, reference
+
+    size, steps = 2, 2
+    expected = reference(size, steps, "muon")
+    results = ranks.world(size).run(_fsdp_muon, steps, True)
+    total = sum(count for _, count in results)
+    leaves = sum(1 for t in tensor_leaves(expected[0]) if t.ndim >= 2 and t.is_floating_point())
+    assert total == leaves * steps  # the conv stack counts once: one leaf, one owner
+    for per_step, _ in results:
+        for got, want in zip(per_step, expected, strict=True):
+            tree_allclose(got, {k: want[k] for k in got}, **TOL)

@@ -42,8 +42,8 @@ from fdp._sharding import (
     _fsdp_reshard,
     _fsdp_state,
     _fsdp_unit,
+    _owners,
     _shards,
-    _zero,
 )
 from fdp._sharding._shards import ZeroState
 from fdp.optim import _param_groups
@@ -371,11 +371,17 @@ class FullyShardedDataParallel:
             state = opt.init(shards)
             shards, state = opt.update(grads, state, shards)
         """
-        _zero.refuse_whole_leaf("fdp.FullyShardedDataParallel.optimizer", optimizer)
+        call = "fdp.FullyShardedDataParallel.optimizer"
+        whole = _owners.whole_leaves(call, optimizer, self._meta)
+        owners = _owners.Owners(self._layout, whole, self.group) if whole else None
         if not isinstance(optimizer, _param_groups.ParamGroups):
-            return optimizer
+            if owners is None:
+                return optimizer
+            optimizer = _param_groups.param_groups(lambda name, t: "all", {"all": optimizer})
         labels = optimizer.labels(self._meta)
-        return _fsdp_optim.ShardedGroups(optimizer, labels, self._layout, self._bucket_units)
+        return _fsdp_optim.ShardedGroups(
+            optimizer, labels, self._layout, self._bucket_units, owners=owners
+        )
 
     def clip_grad_norm(
         self,

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fdp._sharding import _owners
 from fdp._sharding._shards import Part, Segment, Shards
 from fdp.optim import _param_groups
 
@@ -32,8 +33,10 @@ class ShardedGroups:
         labels: Sequence[str | None],
         layout: Shards,
         where: Sequence[tuple[str, int]],
+        *,
+        owners: _owners.Owners | None = None,
     ) -> None:
-        self.groups, self.slots = groups, groups.slots
+        self.groups, self.slots, self._owners = groups, groups.slots, owners
         self._parts, self._where = layout.parts, list(where)  # part k is where[k]'s shard
         segment_labels = [labels[s.leaf] for part in layout.parts for s in part.segments]
         self._bound = groups.bind(segment_labels)
@@ -63,8 +66,36 @@ class ShardedGroups:
                 s["step"].append(state["step"][unit][b].clone())
                 for k in self.slots:
                     s[k].append(_piece(state[k][unit][b], seg))
-        new_p, new_s = self._bound.update(g, s, p, donate=donate)
+        if self._owners is None:
+            new_p, new_s = self._bound.update(g, s, p, donate=donate)
+        else:
+            new_p, new_s = self._whole_step(grads, (p, g, s), donate)
         return self._assemble(shards, state, new_p, new_s, keys, donate=donate)
+
+    def _whole_step(
+        self, grads: ShardTree, segments: tuple[list[Any], list[Any], dict[str, Any]], donate: bool
+    ) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
+        """Whole-leaf groups (Muon): each leaf transformed on its owner (``_owners.py``)."""
+        owners = self._owners
+        if owners is None:
+            raise RuntimeError("fdp internal error: a whole-leaf step without owners")
+        p, g, s = segments
+        pending = self._bound.begin(g, s, p, donate=donate)
+        stepped = {
+            i
+            for part, (unit, b) in zip(self._parts, self._where, strict=True)
+            if grads[unit][b] is not None
+            for i in part.bucket.indices
+        }
+        per_part, n = [], 0
+        for part in self._parts:
+            per_part.append(pending.directions[n : n + len(part.segments)])
+            n += len(part.segments)
+        done = owners.exchange(self._parts, per_part, stepped)  # every unit at once
+        updates = [u for part_updates in done for u in part_updates]
+        shapes = [shape for part in self._parts for shape in owners.shapes_of(part)]
+        new_p, new_s = self._bound.finish(pending, updates, shapes=shapes)
+        return new_p, new_s
 
     def _assemble(
         self,

@@ -80,34 +80,62 @@ class Owners:
         return [self.shapes.get(s.leaf) for s in part.segments]
 
     def exchange(
-        self, part: Part, directions: Sequence[torch.Tensor | None], stepped: set[int]
-    ) -> list[torch.Tensor | None]:
-        """The updates of ``part``'s segments from their directions (``None`` where none).
+        self,
+        parts: Sequence[Part],
+        directions: Sequence[Sequence[torch.Tensor | None]],
+        stepped: set[int],
+    ) -> list[list[torch.Tensor | None]]:
+        """Each part's segments' updates from their directions (``None`` where none).
 
-        ``stepped``: the leaves stepped this time, the same on every rank.
+        ``directions[k]`` are part ``k``'s, a tensor per segment; ``stepped``:
+        the leaves stepped this time, the same on every rank. One pair of
+        all-to-alls per dtype of the parts, whatever their number.
         """
-        leaves = [i for i in part.bucket.indices if i in stepped and i in self.optimizers]
-        out: list[torch.Tensor | None] = [None] * len(part.segments)
-        if not leaves:
-            return out
+        out: list[list[torch.Tensor | None]] = [[None] * len(p.segments) for p in parts]
+        kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for k, part in enumerate(parts):
+            kinds.setdefault((part.bucket.dtype, part.bucket.device), []).append(k)
+        for ks in kinds.values():
+            at: dict[int, tuple[int, int]] = {}  # leaf -> (part, segment) on this rank
+            leaves = []
+            for k in ks:
+                leaves += [
+                    i for i in parts[k].bucket.indices if i in stepped and i in self.optimizers
+                ]
+                at |= {s.leaf: (k, j) for j, s in enumerate(parts[k].segments)}
+            if leaves:
+                like = part_like(parts[ks[0]])
+                self._exchange(leaves, at, parts, directions, out, like)
+        return out
+
+    def _exchange(
+        self,
+        leaves: list[int],
+        at: dict[int, tuple[int, int]],
+        parts: Sequence[Part],
+        directions: Sequence[Sequence[torch.Tensor | None]],
+        out: list[list[torch.Tensor | None]],
+        like: torch.Tensor,
+    ) -> None:
+        """There (pieces to owners), transformed, and back: ``out`` gets the updates."""
         world, rank = self.layout.world, self.layout.rank
-        at = {s.leaf: k for k, s in enumerate(part.segments)}
         mine = [i for i in leaves if i in at]
         send = [[i for i in mine if self.owner[i] == r] for r in range(world)]
+        length = {i: _length(parts[at[i][0]], at[i][1]) for i in mine}
         chunks = [_direction(directions, at[i], i) for r in range(world) for i in send[r]]
         pieces = {i: _pieces(self.layout, i) for i in leaves if self.owner[i] == rank}
         receive = [sum(n for i in pieces for q, n in pieces[i] if q == r) for r in range(world)]
-        sizes = [sum(part.segments[at[i]].hi - part.segments[at[i]].lo for i in s) for s in send]
-        like = next(d for d in directions if d is not None) if mine else part_like(part)
-        flat = torch.cat(chunks) if chunks else like.new_empty(0)
+        sizes = [sum(length[i] for i in s) for s in send]
+        flat = torch.cat(chunks) if chunks else like
         got = _raw.all_to_all_split(flat, receive, sizes, group=self.group)
         back = self._transform(got, receive, pieces)
         returned = _raw.all_to_all_split(back, sizes, receive, group=self.group)
         order = [i for s in send for i in s]  # by owner, then in leaf order
-        cut = returned.split_with_sizes([len_(part, at[i]) for i in order])
-        for i, piece in zip(order, cut, strict=True):
-            out[at[i]] = piece
-        return out
+        for i, piece in zip(
+            order, returned.split_with_sizes([length[i] for i in order]), strict=True
+        ):
+            k, j = at[i]
+            out[k][j] = piece
 
     def _transform(
         self,
@@ -159,13 +187,15 @@ def part_like(part: Part) -> torch.Tensor:
     return torch.empty(0, dtype=part.bucket.dtype, device=part.bucket.device)
 
 
-def len_(part: Part, k: int) -> int:
-    s = part.segments[k]
+def _length(part: Part, j: int) -> int:
+    s = part.segments[j]
     return s.hi - s.lo
 
 
-def _direction(directions: Sequence[torch.Tensor | None], k: int, leaf: int) -> torch.Tensor:
-    d = directions[k]
+def _direction(
+    directions: Sequence[Sequence[torch.Tensor | None]], where: tuple[int, int], leaf: int
+) -> torch.Tensor:
+    d = directions[where[0]][where[1]]
     if d is None:  # the None pattern is checked equal on every rank before the step
         raise RuntimeError(f"fdp internal error: no direction for stepped leaf {leaf}")
     return d

@@ -389,7 +389,7 @@ class ZeroRedundancy:
         else:  # see fdp/_sharding/_owners.py
             pending = opt.begin(grads, mine, params, **extra)
             stepped = {i for i in owners.optimizers if g[i] is not None}
-            updates = owners.exchange(part, pending.directions, stepped)
+            (updates,) = owners.exchange([part], [pending.directions], stepped)
             new, st = opt.finish(pending, updates, shapes=owners.shapes_of(part))
         for key in self._keys:
             slots[key][k] = st[key]
@@ -449,16 +449,6 @@ class ZeroRedundancy:
             described = _agreement.signature(grads, leaves, "grads", requires_grad=False)
             found = self._fingerprints[missing] = _agreement.Fingerprint(described)
         return found
-
-
-def refuse_whole_leaf(call: str, optimizer: Any) -> None:
-    """Refuses an optimizer that needs whole leaves (Muon): slices of them are not leaves."""
-    if getattr(optimizer, "whole_leaf", False):
-        raise ValueError(
-            f"{call}: `optimizer` {optimizer!r} needs each whole leaf (a matrix function of "
-            "it), and a shard holds slices of leaves; sharded whole-leaf steps are not "
-            "supported yet: train with fdp.DistributedDataParallel (whole leaves on every rank)"
-        )
 
 
 def _bind(optimizer: OptimizerProtocol, params: Any, parts: Sequence[Part]) -> list[Any]:

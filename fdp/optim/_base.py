@@ -154,14 +154,14 @@ class Optimizer:
             "step": _tree.unflatten(
                 spec,
                 [
-                    torch.zeros((), dtype=torch.float64, device=t.device) if _is_param(t) else None
+                    torch.zeros((), dtype=torch.float64, device=t.device) if is_param(t) else None
                     for t in leaves
                 ],
             )
         }
         for slot in self.slots:
             zeros = [
-                torch.zeros_like(t, memory_format=torch.preserve_format) if _is_param(t) else None
+                torch.zeros_like(t, memory_format=torch.preserve_format) if is_param(t) else None
                 for t in leaves
             ]
             state[slot] = _tree.unflatten(spec, zeros)
@@ -191,7 +191,7 @@ class Optimizer:
         live = [
             i
             for i, (pi, gi) in enumerate(zip(p, g, strict=True))
-            if _is_param(pi) and gi is not None
+            if is_param(pi) and gi is not None
         ]
         for i in live:
             check_grad(call, params, i, p[i], g[i])
@@ -263,7 +263,7 @@ class Optimizer:
             s["step"][i] = steps[j]
             if not donate:
                 back = p[i].is_complex()
-                p[i] = _like(_complex(new_p[j], back), p[i])
+                p[i] = like_leaf(_complex(new_p[j], back), p[i])
                 for k in self.slots:
                     s[k][i] = _complex(new_slots[k][j], back)
         done = set(fused)
@@ -327,7 +327,7 @@ class Optimizer:
                 continue
             back = p[i].is_complex()
             new = _complex(new_p[j], back)
-            out_p[i] = _like(new, p[i]) if foreach else new
+            out_p[i] = like_leaf(new, p[i]) if foreach else new
             for k in self.slots:
                 out[k][i] = _complex(new_slots[k][j], back)
         return _tree.unflatten(spec, out_p), {k: _tree.unflatten(spec, v) for k, v in out.items()}
@@ -432,13 +432,13 @@ def _explain_state(
                 )
 
 
-def _like_traced(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+def _like_leaf_traced(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """``new`` as it is: setting ``requires_grad`` would break the graph."""
     return new
 
 
-@_mode.traced_as(_like_traced)
-def _like(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+@_mode.traced_as(_like_leaf_traced)
+def like_leaf(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """``new`` as a leaf that requires grad if ``old`` did (see the module doc)."""
     return new.requires_grad_() if old.requires_grad else new
 
@@ -451,7 +451,7 @@ def _complex(t: torch.Tensor, back: bool) -> torch.Tensor:
     return torch.view_as_complex(t) if back else t
 
 
-def _is_param(t: Any) -> bool:
+def is_param(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 

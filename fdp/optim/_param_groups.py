@@ -163,7 +163,8 @@ class ParamGroups:
         """Every group's slots for every leaf (trees that cannot be labelled: shards)."""
         state: dict[str, Any] = {}
         for opt in self.optimizers.values():
-            for key, tree in opt.init(params).items():
+            init = getattr(opt, "init_pieces", opt.init)  # shards are slices, not matrices
+            for key, tree in init(params).items():
                 state.setdefault(key, tree)
         return state
 

@@ -28,7 +28,7 @@ import torch
 
 from fdp import _tree
 from fdp.optim import _lists, _param_groups
-from fdp.optim._base import Optimizer, _is_param, _like
+from fdp.optim._base import Optimizer, is_param, like_leaf
 from fdp.optim._lists import Lists, Ops
 from fdp.optim._pending import Pending
 
@@ -164,7 +164,7 @@ class WholeLeafOptimizer(Optimizer):
         """
         leaves, _ = _tree.flatten(params)
         g = _tree.flatten(grads)[0]
-        live = [i for i, t in enumerate(leaves) if _is_param(t) and i < len(g) and g[i] is not None]
+        live = [i for i, t in enumerate(leaves) if is_param(t) and i < len(g) and g[i] is not None]
         box: dict[str, Any] = {}
 
         def rule(
@@ -222,8 +222,8 @@ class WholeLeafOptimizer(Optimizer):
                     call,
                     params,
                     why=f"and {self.name} needs each whole leaf",
-                    instead="fully sharded whole-leaf steps are not supported yet: train with "
-                    "fdp.DistributedDataParallel (whole leaves on every rank)",
+                    instead="use fsdp.optimizer(...), which sends each leaf's pieces to one "
+                    "rank to step it whole",
                 )
                 raise ValueError(
                     f"{call}: {where} expected a tensor of at least {self.min_ndim} "
@@ -282,5 +282,5 @@ class _Finisher:
         out = list(leaves)
         for j, i in enumerate(live):
             if not self.donate:  # donated: written in place
-                out[i] = _like(new[j], leaves[i]) if foreach else new[j]
+                out[i] = like_leaf(new[j], leaves[i]) if foreach else new[j]
         return _tree.unflatten(spec, out)
