@@ -14,7 +14,11 @@ processes:
   every rank gathers every gradient (``fsdp.full``), runs the whole step and
   keeps its shards (target: owner-based <= 0.75x of it at 4 ranks);
 - ZeRO-2 Muon (``ZeroRedundancy``), owner-based;
-- DDP Muon: every rank steps every matrix of the averaged gradients.
+- DDP Muon: every rank steps every matrix of the averaged gradients; and
+  with ``fdp.optim.split_transforms`` (each rank its share, one all-gather).
+
+Then ``examples/train_lm_fsdp.py`` on 2 ranks (150 steps; 60 with
+``--quick``) with AdamW and with ``--optimizer muon``: both final losses.
 
 Each row: the step's median time, its ratio to fully sharded AdamW, the
 matrices the busiest rank orthogonalized per step, and the bytes per rank
@@ -36,8 +40,11 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import results
@@ -123,11 +130,15 @@ def zero_step(width: int, x: torch.Tensor, y: torch.Tensor) -> tuple[Step, Any]:
     return step, muon
 
 
-def ddp_step(width: int, x: torch.Tensor, y: torch.Tensor) -> tuple[Step, Any]:
+def ddp_step(
+    width: int, x: torch.Tensor, y: torch.Tensor, *, split: bool = False
+) -> tuple[Step, Any]:
     params = make_params(width)
     ddp = fdp.DistributedDataParallel(params)
     muon = Counting(0.02)
-    opt = groups(muon)
+    opt: Any = groups(muon)
+    if split:  # each rank orthogonalizes its share; one all-gather
+        opt = fdp.optim.split_transforms(opt)
     box: list[Any] = [params, opt.init(params)]
 
     def step() -> None:
@@ -144,12 +155,13 @@ def mlp(params: list[dict[str, torch.Tensor]], h: torch.Tensor) -> torch.Tensor:
     return F.linear(h, head["w"], head["b"])
 
 
-METHODS = {
+METHODS: dict[str, Callable[[int, torch.Tensor, torch.Tensor], tuple[Step, Any]]] = {
     "fsdp adamw": lambda w, x, y: fsdp_step(w, x, y, "adamw"),
     "fsdp muon owner-based": lambda w, x, y: fsdp_step(w, x, y, "owners"),
     "fsdp muon redundant": lambda w, x, y: fsdp_step(w, x, y, "redundant"),
     "zero muon": zero_step,
     "ddp muon": ddp_step,
+    "ddp muon split": lambda w, x, y: ddp_step(w, x, y, split=True),
 }
 
 
@@ -160,6 +172,8 @@ def added_bytes(method: str, width: int, world: int) -> float:
         return 4.0 * sum(matrices) * (world - 1) / world
     if "owner" in method or method == "zero muon":  # pieces off their owner, there and back
         return 2 * 4.0 * sum(matrices) * (world - 1) / world / world
+    if method == "ddp muon split":  # every update gathered from its owner
+        return 4.0 * sum(matrices) * (world - 1) / world
     return 0.0
 
 
@@ -228,6 +242,7 @@ SLUGS = {
     "fsdp muon redundant": "fsdp_redundant",
     "zero muon": "zero",
     "ddp muon": "ddp",
+    "ddp muon split": "ddp_split",
 }
 
 
@@ -238,7 +253,9 @@ def main() -> None:
     args, _ = parser.parse_known_args()  # nox -s bench passes every script the same flags
     args.width = args.width or (256 if args.quick else 512)
     args.rounds = 3 if args.quick else 7
+    args.lm_steps = 60 if args.quick else 150
     rows = run(2, args) + run(4, args)
+    losses = lm_losses(args.lm_steps)
     figures: dict[str, float] = {}
     for row in rows:
         print(f"{row['ranks']} ranks {row['method']:>22}: {row['ms']:8.1f} ms "
@@ -249,8 +266,33 @@ def main() -> None:
         figures |= {f"{prefix}.vs_fsdp_adamw": row["vs_fsdp_adamw"],
                     f"{prefix}.vs_redundant": row["vs_redundant"],
                     f"{prefix}.matrices_busiest_rank": row["matrices_busiest_rank"]}  # fmt: skip
+    for optimizer, loss in losses.items():
+        print(f"train_lm_fsdp.py --optimizer {optimizer}, {args.lm_steps} steps on 2 ranks: "
+              f"final loss {loss}", file=sys.stderr)  # fmt: skip
+        rows.append({"ranks": 2, "method": f"lm {optimizer}", "steps": args.lm_steps,
+                     "final_loss": loss})  # fmt: skip
+        figures[f"lm.{optimizer}_final_loss"] = loss
     print(json.dumps({"rows": rows}))
     results.record("bench_muon", figures)
+
+
+def lm_losses(steps: int) -> dict[str, float]:
+    """``examples/train_lm_fsdp.py``'s final loss with AdamW and with Muon: same data, steps."""
+    root = Path(__file__).resolve().parent.parent
+    losses = {}
+    for optimizer in ("adamw", "muon"):
+        with tempfile.TemporaryDirectory() as tmp:
+            done = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc_per_node=2", str(root / "examples" / "train_lm_fsdp.py"),
+                 "--optimizer", optimizer, "--steps", str(steps), "--checkpoint-dir", tmp,
+                 "--loss-threshold", "100"],
+                capture_output=True, text=True, timeout=900, check=True,
+            )  # fmt: skip
+        last = [line for line in done.stdout.splitlines() + done.stderr.splitlines() if
+                line.startswith("{")][-1]  # fmt: skip
+        losses[optimizer] = float(json.loads(last)["final_loss"])
+    return losses
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -314,11 +315,16 @@ def test_muon_on_shards_directly_is_refused_naming_fsdp_optimizer() -> None:
         assert "fsdp.optimizer(...)" in message, message
 
 
-def _ddp_muon(rank: int, size: int) -> list[torch.Tensor]:
+def _ddp_muon(rank: int, size: int, split: bool) -> tuple[list[torch.Tensor], int]:
     params = _mlp()
     ddp = fdp.DistributedDataParallel(params)
     x, y = batch(4 * size)
-    opt = muon_adamw()
+    muon = CountingMuon(0.02)
+    opt: Any = fdp.optim.param_groups(
+        _split, {"muon": muon, "adamw": fdp.optim.adamw(0.003, fused=False)}
+    )
+    if split:  # each rank orthogonalizes its share, one all-gather
+        opt = fdp.optim.split_transforms(opt)
     state = opt.init(params)
 
     def loss(p: Any) -> torch.Tensor:
@@ -327,7 +333,7 @@ def _ddp_muon(rank: int, size: int) -> list[torch.Tensor]:
     for _ in range(4):
         grads = fdp.grad(loss)(params)
         params, state = opt.update(grads, state, params)
-    return tensor_leaves(params)
+    return tensor_leaves(params), muon.leaves
 
 
 def _mlp() -> dict[str, Any]:
@@ -335,8 +341,10 @@ def _mlp() -> dict[str, Any]:
     return params
 
 
-def test_ddp_muon_equals_one_process_on_the_whole_batch() -> None:
-    size = 2
+@pytest.mark.parametrize(("size", "split"), [(2, False), (2, True), (3, True)])
+def test_ddp_muon_equals_one_process_on_the_whole_batch(size: int, split: bool) -> None:
+    """DDP's averaged gradients, Muon + AdamW on every rank; with split_transforms each
+    matrix is orthogonalized by one rank (once in the group), the values the same."""
     x, y = batch(4 * size)
     params = _mlp()
 
@@ -352,7 +360,10 @@ def test_ddp_muon_equals_one_process_on_the_whole_batch() -> None:
         torch.autograd.backward(torch.nn.functional.mse_loss(mlp(reference, x), y))
         for o in opts:
             o.step()
-    for got in ranks.world(size).run(_ddp_muon):
+    results = ranks.world(size).run(_ddp_muon, split)
+    matrices = sum(1 for t in leaves if t.ndim >= 2) * 4
+    assert sum(count for _, count in results) == matrices * (1 if split else size)
+    for got, _ in results:
         for g, w in zip(got, leaves, strict=True):
             torch.testing.assert_close(g, w.detach(), rtol=1e-5, atol=1e-6)
 
@@ -487,3 +498,101 @@ def test_fsdp_muon_orthogonalizes_each_matrix_once_and_equals_one_process() -> N
     for per_step, _ in results:
         for got, want in zip(per_step, expected, strict=True):
             tree_allclose(got, {k: want[k] for k in got}, **TOL)
+
+
+# ----------------------------------------------- fully sharded Muon against torch, directly
+
+WIDTHS = (6, 8, 8, 5, 3)  # 4 units: matrices of three shapes, two of the same
+
+
+def _layers(dtype: torch.dtype = torch.float32) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    return [
+        {"w": (torch.randn(a, b, generator=g) / a**0.5).to(dtype), "b": torch.zeros(b, dtype=dtype)}
+        for a, b in itertools.pairwise(WIDTHS)
+    ]
+
+
+def _layer(unit: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(h @ unit["w"] + unit["b"])
+
+
+def _layers_loss(params: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    h = x.to(params[0]["w"].dtype)
+    for unit in params:
+        h = _layer(unit, h)
+    return torch.nn.functional.mse_loss(h.float(), y)
+
+
+def _fsdp_layers(rank: int, size: int, steps: int, how: str) -> tuple[list[torch.Tensor], int]:
+    dtype = torch.bfloat16 if how == "bf16" else torch.float32
+    params = _layers(dtype)
+    if how == "hsdp":
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, size // 2))
+        fsdp = fdp.FullyShardedDataParallel(params, mesh=mesh)
+    else:
+        fsdp = fdp.FullyShardedDataParallel(params)
+    muon = CountingMuon(0.02)
+    cap = {"exchange_cap_mb": 1e-5} if how == "capped" else {}  # an exchange per leaf
+    opt = fsdp.optimizer(_sharded_split(muon), **cap)
+    update = torch.compile(opt.update, backend="aot_eager") if how == "compiled" else opt.update
+    shards = fsdp.shard(params)
+    state = opt.init(shards)
+    x, y = batch(4 * size)
+
+    def loss(s: Any) -> torch.Tensor:
+        h = shard(x, rank).to(dtype)
+        for i in range(len(params)):
+            h = fsdp.apply(s, str(i), _layer, h)
+        return torch.nn.functional.mse_loss(h.float(), shard(y, rank)[:, : WIDTHS[-1]])
+
+    for _ in range(steps):
+        shards, state = update(fdp.grad(loss)(shards), state, shards)
+    return tensor_leaves(fsdp.full(shards)), muon.leaves
+
+
+def _layers_reference(size: int, steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    x, y = batch(4 * size)
+    leaves = [t.requires_grad_() for t in tensor_leaves(_layers(dtype))]
+    params = [
+        {"b": leaves[2 * k], "w": leaves[2 * k + 1]} for k in range(len(WIDTHS) - 1)
+    ]  # optree: sorted keys
+    opts = [
+        torch.optim.Muon([t for t in leaves if t.ndim >= 2], lr=0.02),
+        torch.optim.AdamW([t for t in leaves if t.ndim < 2], lr=0.003, foreach=True),
+    ]
+    for _ in range(steps):
+        for t in leaves:
+            t.grad = None
+        torch.autograd.backward(_layers_loss(params, x, y[:, : WIDTHS[-1]]))
+        for o in opts:
+            _step(o)
+    return [t.detach() for t in leaves]
+
+
+@pytest.mark.parametrize(
+    ("size", "how"),
+    [
+        (2, "eager"),
+        (3, "eager"),
+        (4, "eager"),
+        (4, "hsdp"),
+        (3, "capped"),
+        (2, "bf16"),
+        pytest.param(2, "compiled", marks=pytest.mark.compile),
+    ],
+)
+def test_fsdp_muon_ten_steps_equal_torchs_muon_and_adamw(size: int, how: str) -> None:
+    """Ten fully sharded steps against one process's torch.optim.Muon + AdamW on the whole
+    batch; each matrix orthogonalized once per step in each shard group (HSDP: each of
+    the two replica groups orthogonalizes every matrix once). bfloat16 parameters: against
+    one process in bfloat16, to bfloat16's precision through Newton-Schulz."""
+    steps = 10
+    want = _layers_reference(size, steps, torch.bfloat16 if how == "bf16" else torch.float32)
+    results = ranks.world(size).run(_fsdp_layers, steps, how)
+    groups = 2 if how == "hsdp" else 1
+    assert sum(count for _, count in results) == (len(WIDTHS) - 1) * steps * groups
+    rtol, atol = (2e-2, 2e-2) if how == "bf16" else (1e-5, 1e-6)
+    for got, _ in results:
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol)

@@ -614,25 +614,32 @@ def test_join_steps_ranks_with_different_numbers_of_batches() -> None:
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
-def _mixed_groups() -> fdp.optim.ParamGroups:
-    """Groups with different slots: AdamW's moments on matrices, SGD's momentum elsewhere."""
-    return fdp.optim.param_groups(
-        _no_decay,
-        {
-            "decay": fdp.optim.adamw(0.05, weight_decay=0.1, fused=False),
-            "no_decay": fdp.optim.sgd(0.02, momentum=0.9, fused=False),
-        },
-    )
+def _mixed_groups(kind: str) -> fdp.optim.ParamGroups:
+    """Groups with different slots: AdamW's moments on matrices, SGD's momentum elsewhere;
+    or ("muon") Muon's momentum on matrices (each on one owner rank), AdamW's elsewhere."""
+    if kind == "muon":
+        decay: fdp.optim.Optimizer = fdp.optim.muon(0.02)
+        rest: fdp.optim.Optimizer = fdp.optim.adamw(0.05, weight_decay=0.0, fused=False)
+    else:
+        decay = fdp.optim.adamw(0.05, weight_decay=0.1, fused=False)
+        rest = fdp.optim.sgd(0.02, momentum=0.9, fused=False)
+    return fdp.optim.param_groups(_no_decay, {"decay": decay, "no_decay": rest})
 
 
-def _mixed_reference(world: int, steps: int) -> list[torch.Tensor]:
+def _mixed_reference(world: int, steps: int, kind: str) -> list[torch.Tensor]:
     x, y = batch(PER_RANK * world)
     params = mlp_params(head_bias=True)
     leaves = tensor_leaves(params)
-    opts = [
-        torch.optim.AdamW([p for p in leaves if p.ndim > 1], lr=0.05, weight_decay=0.1),
-        torch.optim.SGD([p for p in leaves if p.ndim <= 1], lr=0.02, momentum=0.9),
+    matrices, vectors = [p for p in leaves if p.ndim > 1], [p for p in leaves if p.ndim <= 1]
+    opts: list[Any] = [
+        torch.optim.AdamW(matrices, lr=0.05, weight_decay=0.1),
+        torch.optim.SGD(vectors, lr=0.02, momentum=0.9),
     ]
+    if kind == "muon":
+        opts = [
+            torch.optim.Muon(matrices, lr=0.02),
+            torch.optim.AdamW(vectors, lr=0.05, weight_decay=0.0),
+        ]
     for _ in range(steps):
         for p in leaves:
             p.grad = None
@@ -643,7 +650,7 @@ def _mixed_reference(world: int, steps: int) -> list[torch.Tensor]:
 
 
 def _mixed_steps(
-    rank: int, size: int, path: str, steps: tuple[int, int], resume_world: int
+    rank: int, size: int, path: str, steps: tuple[int, int], resume_world: int, kind: str
 ) -> list[torch.Tensor]:
     """``steps[0]`` steps on every rank and a save; ranks below ``resume_world`` resume on a
     group of that size from the checkpoint and take ``steps[1]`` more (the same batch)."""
@@ -660,26 +667,28 @@ def _mixed_steps(
             p, state = zero.step(grads, state, p)
         return p, state
 
-    zero = fdp.ZeroRedundancy(_mixed_groups(), params, bucket_cap_mb=SMALL_CAP)
+    zero = fdp.ZeroRedundancy(_mixed_groups(kind), params, bucket_cap_mb=SMALL_CAP)
     state = zero.init(params)
     params, state = run(params, state, zero, steps[0], rank, size)
     fdp.save_checkpoint(path, {"params": params, "opt": state}, rng=False)
     group = torch.distributed.new_group(list(range(resume_world)))
     if rank >= resume_world:
         return []
-    zero = fdp.ZeroRedundancy(_mixed_groups(), params, group=group, bucket_cap_mb=SMALL_CAP)
+    zero = fdp.ZeroRedundancy(_mixed_groups(kind), params, group=group, bucket_cap_mb=SMALL_CAP)
     like = {"params": params, "opt": zero.init(params)}
     loaded = fdp.load_checkpoint(path, like, group=group, rng=False)
     params, _ = run(loaded["params"], loaded["opt"], zero, steps[1], rank, resume_world)
     return tensor_leaves(params)
 
 
-def test_groups_with_different_slots_resume_on_another_world_size(tmp_path: Any) -> None:
-    """AdamW + SGD(momentum) groups under ZeRO: each slice keeps only its group's slots (None
-    in the other's); 3 steps on 3 ranks, saved, 2 more on 2 ranks equal torch's two
-    optimizers on the whole batch (each step's mean gradient is the whole batch's)."""
-    want = _mixed_reference(3, 5)
-    got = ranks.world(3).run(_mixed_steps, str(tmp_path / "c"), (3, 2), 2)
+@pytest.mark.parametrize("kind", ["sgd", "muon"])
+def test_groups_with_different_slots_resume_on_another_world_size(tmp_path: Any, kind: str) -> None:
+    """AdamW + SGD(momentum), or Muon + AdamW, groups under ZeRO: each slice keeps only its
+    group's slots (None in the other's); 3 steps on 3 ranks, saved, 2 more on 2 ranks
+    equal torch's two optimizers on the whole batch (each step's mean gradient is the
+    whole batch's). Muon's owners are planned again for the new world."""
+    want = _mixed_reference(3, 5, kind)
+    got = ranks.world(3).run(_mixed_steps, str(tmp_path / "c"), (3, 2), 2, kind)
     for leaves in got[:2]:
         for g, w in zip(leaves, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function as _label
 from torch.distributed import ProcessGroup
 
-from fdp import _tree
+from fdp import _bucket, _tree
+from fdp._comm import _agreement
 from fdp._sharding import (
     _fsdp_accumulate,
     _fsdp_chain,
@@ -46,7 +47,7 @@ from fdp._sharding import (
     _shards,
 )
 from fdp._sharding._shards import ZeroState
-from fdp.optim import _param_groups
+from fdp.optim import _param_groups, _whole
 
 T = TypeVar("T")
 
@@ -350,7 +351,7 @@ class FullyShardedDataParallel:
                         out[i] = leaf.clone()
         return _tree.unflatten(self._planned.structure(call), self._tied(out))
 
-    def optimizer(self, optimizer: Any) -> Any:
+    def optimizer(self, optimizer: Any, *, exchange_cap_mb: float = _bucket.BUCKET_CAP_MB) -> Any:
         """``optimizer`` for this instance's shards, with ``param_groups`` labelled per leaf.
 
         A shard holds pieces of several leaves in one 1-D tensor, so a label
@@ -360,7 +361,11 @@ class FullyShardedDataParallel:
         leaf's name and a meta tensor of its shape and dtype), and the step
         equals the grouped step on the unsharded tree. The state is
         ``optimizer.init(shards)``'s. Any other optimizer is returned as it
-        is: it steps element by element, shards or not.
+        is: it steps element by element, shards or not. A whole-leaf optimizer
+        (``fdp.optim.muon``, alone or in ``param_groups``) steps owner-based:
+        each leaf's pieces go to one rank, which transforms the whole leaf
+        (``fdp/_sharding/_owners.py``); one exchange moves at most
+        ``exchange_cap_mb`` of whole leaves.
 
         Example::
 
@@ -372,8 +377,9 @@ class FullyShardedDataParallel:
             shards, state = opt.update(grads, state, shards)
         """
         call = "fdp.FullyShardedDataParallel.optimizer"
-        whole = _owners.whole_leaves(call, optimizer, self._meta)
-        owners = _owners.Owners(self._layout, whole, self.group) if whole else None
+        whole = _whole.whole_leaves(call, optimizer, self._meta)
+        cap = _agreement.check_cap(exchange_cap_mb, "exchange_cap_mb", call=call)
+        owners = _owners.Owners(self._layout, whole, self.group, cap=cap) if whole else None
         if not isinstance(optimizer, _param_groups.ParamGroups):
             if owners is None:
                 return optimizer

@@ -1,15 +1,16 @@
 """Whole-leaf optimizers on shards: each leaf orthogonalized once, on its owner rank.
 
 ZeRO and fully sharded training cut leaves into flat slices across ranks;
-Muon's Newton-Schulz iteration needs each whole matrix. A step here, per
-bucket: every rank computes the directions of its slices (element by
+Muon's Newton-Schulz iteration needs each whole matrix. A step here: every
+rank computes the directions of its slices (element by
 element, ``WholeLeafOptimizer.begin``); one all-to-all sends each leaf's
 pieces to the leaf's *owner*; each owner puts its leaves together, runs
 ``transform`` once per leaf (same-shaped leaves stacked, one call), and a
 second all-to-all sends each piece of the updates back, where
 ``WholeLeafOptimizer.finish`` applies them to the slices. No leaf is
-transformed twice in the group, and a rank holds at most one bucket's
-owned leaves at once (the bucket cap bounds it).
+transformed twice in the group, and one exchange moves at most a bucket
+cap's worth of whole leaves (25 MiB; a larger leaf alone), so an owner holds
+at most that much at once.
 
 Owners are planned once, greedily from the largest cost down to the least
 loaded rank, the cost of a matrix being Newton-Schulz's ``m * n * min(m,
@@ -20,60 +21,39 @@ every rank, so every rank runs the same all-to-alls.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
 
-from fdp import _bucket, _tree
+from fdp import _bucket
 from fdp._comm import _raw
 from fdp._sharding._shards import Part, Shards
-from fdp.optim import _param_groups
-from fdp.optim._whole import WholeLeafOptimizer, transform_leaves
+from fdp.optim._whole import WholeLeafOptimizer, plan_owners, transform_leaves
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
-
-
-def whole_leaves(call: str, optimizer: Any, params: Any) -> dict[int, WholeLeafOptimizer]:
-    """Each leaf a whole-leaf optimizer steps (by label under ``param_groups``), checked."""
-    if isinstance(optimizer, WholeLeafOptimizer):
-        optimizer._check_leaves(call, params, None)
-        return {i: optimizer for i, t in enumerate(_tree.flatten(params)[0]) if _real(t)}
-    if not isinstance(optimizer, _param_groups.ParamGroups):
-        return {}
-    labels = optimizer.labels(params)
-    leaves, spec = _tree.flatten(params)
-    out: dict[int, WholeLeafOptimizer] = {}
-    for label, opt in optimizer.optimizers.items():
-        if not isinstance(opt, WholeLeafOptimizer):
-            continue
-        mine = [t if lab == label else None for t, lab in zip(leaves, labels, strict=True)]
-        opt._check_leaves(call, _tree.unflatten(spec, mine), None)
-        out |= {i: opt for i, t in enumerate(mine) if _real(t)}
-    return out
-
-
-def _real(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0
 
 
 class Owners:
     """Who transforms each whole leaf of a sharded layout, and the exchange that does it."""
 
     def __init__(
-        self, layout: Shards, optimizers: dict[int, WholeLeafOptimizer], group: ProcessGroup | None
+        self,
+        layout: Shards,
+        optimizers: dict[int, WholeLeafOptimizer],
+        group: ProcessGroup | None,
+        *,
+        cap: int = int(_bucket.BUCKET_CAP_MB * 2**20),
     ) -> None:
         self.layout, self.optimizers, self.group = layout, optimizers, group
+        self.cap = cap  # the bytes of whole leaves one exchange moves (all ranks' pieces)
         self.shapes: dict[int, torch.Size] = {}
         self.orders: dict[int, tuple[int, ...]] = {}
         for part in layout.parts:
             for j, i in enumerate(part.bucket.indices):
                 if i in optimizers:
                     self.shapes[i], self.orders[i] = part.bucket.shapes[j], part.bucket.order(j)
-        self.owner = _plan(self.shapes, layout.world)
-        self.transformed = 0  # leaves (matrices counted per stack) this rank transformed
+        self.owner = plan_owners(self.shapes, layout.world)
 
     def shapes_of(self, part: Part) -> list[torch.Size | None]:
         """The whole leaves' shapes, one per segment of ``part`` (``finish``'s ``shapes``)."""
@@ -103,10 +83,23 @@ class Owners:
                     i for i in parts[k].bucket.indices if i in stepped and i in self.optimizers
                 ]
                 at |= {s.leaf: (k, j) for j, s in enumerate(parts[k].segments)}
-            if leaves:
-                like = part_like(parts[ks[0]])
-                self._exchange(leaves, at, parts, directions, out, like)
+            like = part_like(parts[ks[0]])
+            for chunk in self._chunks(leaves, like.element_size()):
+                self._exchange(chunk, at, parts, directions, out, like)
         return out
+
+    def _chunks(self, leaves: list[int], itemsize: int) -> list[list[int]]:
+        """``leaves`` in runs of at most ``cap`` bytes (a leaf at least): what an owner holds."""
+        runs: list[list[int]] = []
+        size = 0
+        for i in leaves:
+            nbytes = self.shapes[i].numel() * itemsize
+            if not runs or size + nbytes > self.cap:
+                runs.append([])
+                size = 0
+            runs[-1].append(i)
+            size += nbytes
+        return runs
 
     def _exchange(
         self,
@@ -171,7 +164,6 @@ class Owners:
             transform = self.optimizers[owned[ks[0]]].transform
             for k, u in zip(ks, transform_leaves(transform, [wholes[k] for k in ks]), strict=True):
                 updates[k] = u
-        self.transformed += sum(_matrices(self.shapes[i]) for i in owned)
         back: list[list[torch.Tensor]] = [[] for _ in range(world)]
         for i, u in zip(owned, updates, strict=True):
             flat = _bucket.memory_flat(u, self.orders[i])
@@ -204,25 +196,3 @@ def _direction(
 def _pieces(layout: Shards, i: int) -> list[tuple[int, int]]:
     """Leaf ``i``'s pieces as ``(rank, length)``, in rank (and element) order."""
     return [(r, n) for r, _, n in sorted(layout.placements[i], key=lambda p: p[1]) if n > 0]
-
-
-def _matrices(shape: torch.Size) -> int:
-    return math.prod(shape[:-2]) if len(shape) > 2 else 1
-
-
-def _cost(shape: torch.Size) -> int:
-    if len(shape) < 2:
-        return shape.numel()
-    m, n = shape[-2], shape[-1]
-    return _matrices(shape) * m * n * min(m, n)
-
-
-def _plan(shapes: dict[int, torch.Size], world: int) -> dict[int, int]:
-    """Greedy: the costliest leaf first, to the least loaded rank (ties: the lower rank)."""
-    load = [0] * world
-    owner: dict[int, int] = {}
-    for i in sorted(shapes, key=lambda i: (-_cost(shapes[i]), i)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] += _cost(shapes[i])
-    return owner

@@ -24,7 +24,7 @@ from fdp import _bucket, _mode, _tree
 from fdp._comm import _agreement, _transforms
 from fdp._sharding import _owners, _shards, _zero_comm, _zero_join
 from fdp._sharding._shards import Part, Shards, ZeroState
-from fdp.optim import _base, _clip
+from fdp.optim import _base, _clip, _whole
 from fdp.optim._base import OptimizerProtocol, check_grad
 
 T = TypeVar("T")
@@ -106,7 +106,7 @@ class ZeroRedundancy:
         self.shards: Shards = _shards.plan(params, trained, cap=cap, group=group)
         self._keys = ("step", *optimizer.slots)
         self._part_optimizers = _bind(optimizer, params, self.shards.parts)
-        whole = _owners.whole_leaves(call, optimizer, params)  # Muon: each matrix on one owner
+        whole = _whole.whole_leaves(call, optimizer, params)  # Muon: each matrix on one owner
         self._owners = _owners.Owners(self.shards, whole, group) if whole else None
         self.last_grad_norm: torch.Tensor | None = None
         self._fingerprints: dict[tuple[bool, ...], _agreement.Fingerprint] = {}

@@ -27,6 +27,7 @@ from fdp.optim._schedules import cosine_decay_schedule as cosine_decay_schedule
 from fdp.optim._schedules import join_schedules as join_schedules
 from fdp.optim._schedules import linear_schedule as linear_schedule
 from fdp.optim._schedules import warmup_cosine_decay_schedule as warmup_cosine_decay_schedule
+from fdp.optim._split import split_transforms as split_transforms
 from fdp.optim._whole import WholeLeafOptimizer as WholeLeafOptimizer
 
 __all__ = [
@@ -48,5 +49,6 @@ __all__ = [
     "muon",
     "param_groups",
     "sgd",
+    "split_transforms",
     "warmup_cosine_decay_schedule",
 ]

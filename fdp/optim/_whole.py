@@ -21,6 +21,7 @@ keeps; this class adds the split).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -284,3 +285,48 @@ class _Finisher:
             if not self.donate:  # donated: written in place
                 out[i] = like_leaf(new[j], leaves[i]) if foreach else new[j]
         return _tree.unflatten(spec, out)
+
+
+def whole_leaves(call: str, optimizer: Any, params: Any) -> dict[int, WholeLeafOptimizer]:
+    """Each leaf a whole-leaf optimizer steps (by label under ``param_groups``), checked."""
+    if isinstance(optimizer, WholeLeafOptimizer):
+        optimizer._check_leaves(call, params, None)
+        return {i: optimizer for i, t in enumerate(_tree.flatten(params)[0]) if _real(t)}
+    if not isinstance(optimizer, _param_groups.ParamGroups):
+        return {}
+    labels = optimizer.labels(params)
+    leaves, spec = _tree.flatten(params)
+    out: dict[int, WholeLeafOptimizer] = {}
+    for label, opt in optimizer.optimizers.items():
+        if not isinstance(opt, WholeLeafOptimizer):
+            continue
+        mine = [t if lab == label else None for t, lab in zip(leaves, labels, strict=True)]
+        opt._check_leaves(call, _tree.unflatten(spec, mine), None)
+        out |= {i: opt for i, t in enumerate(mine) if _real(t)}
+    return out
+
+
+def _real(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0
+
+
+def _matrices(shape: torch.Size) -> int:
+    return math.prod(shape[:-2]) if len(shape) > 2 else 1
+
+
+def _cost(shape: torch.Size) -> int:
+    if len(shape) < 2:
+        return shape.numel()
+    m, n = shape[-2], shape[-1]
+    return _matrices(shape) * m * n * min(m, n)
+
+
+def plan_owners(shapes: dict[int, torch.Size], world: int) -> dict[int, int]:
+    """Greedy: the costliest leaf first, to the least loaded rank (ties: the lower rank)."""
+    load = [0] * world
+    owner: dict[int, int] = {}
+    for i in sorted(shapes, key=lambda i: (-_cost(shapes[i]), i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += _cost(shapes[i])
+    return owner
