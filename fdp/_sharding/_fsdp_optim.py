@@ -94,7 +94,7 @@ class ShardedGroups:
         done = owners.exchange(self._parts, per_part, stepped)  # every unit at once
         updates = [u for part_updates in done for u in part_updates]
         shapes = [shape for part in self._parts for shape in owners.shapes_of(part)]
-        new_p, new_s = self._bound.finish(pending, updates, shapes=shapes)
+        new_p, new_s = pending.finish(updates, shapes=shapes)
         return new_p, new_s
 
     def _assemble(

@@ -390,7 +390,7 @@ class ZeroRedundancy:
             pending = opt.begin(grads, mine, params, **extra)
             stepped = {i for i in owners.optimizers if g[i] is not None}
             (updates,) = owners.exchange([part], [pending.directions], stepped)
-            new, st = opt.finish(pending, updates, shapes=owners.shapes_of(part))
+            new, st = pending.finish(updates, shapes=owners.shapes_of(part))
         for key in self._keys:
             slots[key][k] = st[key]
         pieces, pos = [], 0

@@ -212,7 +212,7 @@ class Bound:
         """The groups' step up to the whole-leaf transform (``WholeLeafOptimizer.begin``).
 
         Groups of element-wise optimizers step completely here; whole-leaf
-        groups give their directions, which :meth:`finish` completes.
+        groups give their directions, which ``Pending.finish`` completes.
         """
         g, spec = _tree.flatten(grads)
         directions: list[torch.Tensor | None] = [None] * len(g)
@@ -233,17 +233,6 @@ class Bound:
                 params, new = opt.update(_tree.unflatten(spec, mine), state, params, **extra)
                 state = {**state, **new}
         return Pending(directions, params, state, Chain(pendings))
-
-    def finish(
-        self,
-        pending: Pending,
-        updates: list[torch.Tensor | None],
-        *,
-        params: Any = None,
-        shapes: list[torch.Size | None] | None = None,
-    ) -> tuple[Any, dict[str, Any]]:
-        """The whole-leaf groups' new parameters (``WholeLeafOptimizer.finish``)."""
-        return pending.finish(updates, params=params, shapes=shapes)
 
 
 def param_groups(label: Label | Any, optimizers: Mapping[str, Any]) -> ParamGroups:

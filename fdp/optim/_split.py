@@ -74,7 +74,7 @@ class SplitTransforms:
         updates: list[torch.Tensor | None] = [None] * len(pending.directions)
         for i, u in self._gathered(live, owner, done, pending.directions, world).items():
             updates[i] = u
-        new, new_state = opt.finish(pending, updates)
+        new, new_state = pending.finish(updates)
         out: T = new
         return out, new_state
 
