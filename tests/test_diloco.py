@@ -173,6 +173,6 @@ def test_bad_options_are_refused() -> None:
     ):
         fdp.DiLoCo(inner, sync_every=0)
     with pytest.raises(TypeError, match=r"fdp.LocalSGD: `sync_dtype` expected a floating-point"):
-        fdp.LocalSGD(inner, sync_every=2, sync_dtype=torch.int8)
+        fdp.LocalSGD(inner, sync_every=2, sync_dtype=torch.int32)
     with pytest.raises(TypeError, match=r"fdp.DiLoCo: `inner` expected an fdp.optim optimizer"):
         fdp.DiLoCo(torch.optim.SGD, sync_every=2)  # type: ignore[arg-type]

@@ -8,6 +8,13 @@ steps the shared anchor with it; every worker continues from the new
 anchor. Communication is one all-reduce of the parameters' size every
 ``sync_every`` steps instead of every step (DiLoCo, Douillard et al. 2023;
 LocalSGD is the outer step ``anchor - mean`` of plain averaging).
+
+Streaming DiLoCo (Douillard et al. 2025) cuts the tree into fragments that
+synchronise at staggered steps (:mod:`fdp._ft._fragments`), each with its
+own outer optimizer state; with ``overlap`` a fragment's reduction runs
+while inner steps go on and lands ``overlap`` steps later, mixed with the
+local fragment by ``alpha``; its pseudo-gradient may travel block-quantized
+(:mod:`fdp._ft._exchange`).
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import optree
 import torch
 from torch.distributed import ProcessGroup
 
-from fdp._comm._tree_collectives import all_reduce_grads
+from fdp import _tree
+from fdp._ft import _exchange, _fragments
 from fdp._ft._fault_tolerance import FaultTolerance
 from fdp.optim._base import OptimizerProtocol
 from fdp.optim._rules import sgd
@@ -41,9 +49,19 @@ class DiLoCo:
     parameters. The inner optimizer's state stays each worker's own, as in
     the paper.
 
+    Streaming DiLoCo: with ``fragments=P`` the tree is cut into ``P``
+    fragments, fragment ``i`` synchronising after the inner steps ``c``
+    (counted from 1) with ``c % sync_every == i * sync_every // P``, each
+    with its own outer optimizer state: a step moves at most one fragment's
+    bytes. With ``overlap=tau`` a fragment's reduction is started at its step
+    and the inner steps go on; ``tau`` steps later the outer step is taken
+    and the fragment becomes ``alpha * local + (1 - alpha) * anchor``.
+
     Every worker must call ``update`` the same number of times (equal
     shards); a synchronisation checks that their counts agree and raises on
-    every worker if not.
+    every worker if not. A reduction in flight is held by this object; the
+    state keeps the pseudo-gradient it sent, so a state saved mid-flight
+    resumes (the reduction is run again, blocking, where it lands).
 
     Args:
         inner: the inner optimizer (any ``fdp.optim`` optimizer, e.g. AdamW).
@@ -55,9 +73,19 @@ class DiLoCo:
             (default: the world), or a :class:`FaultTolerance`, whose live
             replica groups are the workers; then each synchronising ``update``
             runs inside ``FaultTolerance.step`` (see :meth:`syncs`).
-        sync_dtype: the dtype of the pseudo-gradient on the wire (e.g.
-            ``torch.bfloat16``: half the bytes of float32); default the
+        sync_dtype: the pseudo-gradient on the wire: a floating dtype (e.g.
+            ``torch.bfloat16``: half the bytes of float32), or ``torch.int8``
+            or a float8 dtype, block-quantized (256 values per float32 scale)
+            and summed in float32 (about 0.25x float32's bytes); default the
             parameters' own.
+        fragments: the number of fragments, cut from the leaves in the
+            tree's order, each about an equal share of the elements; or a
+            tree of ints (each leaf's fragment) with the parameters'
+            structure.
+        overlap: inner steps between a fragment's reduction starting and its
+            outer step (0: at once), below ``sync_every``.
+        alpha: the local fragment's weight when an outer step lands (0: take
+            the new anchor).
 
     Example::
 
@@ -76,94 +104,209 @@ class DiLoCo:
         sync_every: int,
         group: ProcessGroup | FaultTolerance | None = None,
         sync_dtype: torch.dtype | None = None,
+        fragments: int | Any = 1,
+        overlap: int = 0,
+        alpha: float = 0.0,
     ) -> None:
         call = f"fdp.{type(self).__name__}"
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"{call}: `sync_every` expected a positive int; got {sync_every!r}")
-        if sync_dtype is not None and sync_dtype not in _FLOATS:
-            raise TypeError(
-                f"{call}: `sync_dtype` expected a floating-point dtype or None; got {sync_dtype!r}"
-            )
-        for name, opt in (("inner", inner), ("outer", outer)):
-            if opt is not None and not (hasattr(opt, "init") and hasattr(opt, "update")):
-                raise TypeError(
-                    f"{call}: `{name}` expected an fdp.optim optimizer (init and update); "
-                    f"got {type(opt).__name__}"
-                )
-        if isinstance(group, FaultTolerance) and group.init_sync:
+        _check_options(call, inner, outer, sync_every, group, sync_dtype, overlap, alpha)
+        if isinstance(fragments, bool) or (
+            isinstance(fragments, int) and not 1 <= fragments <= sync_every
+        ):
             raise ValueError(
-                f"{call}: `group` expected a FaultTolerance made with init_sync=False; got one "
-                "that copies one replica group's state to all at the first synchronisation, "
-                "which would discard the other workers' first local steps"
+                f"{call}: `fragments` expected an int from 1 to sync_every ({sync_every}) "
+                f"or a tree of labels; got {fragments!r}"
             )
         self.inner = inner
         self.outer = outer if outer is not None else sgd(0.7, momentum=0.9, nesterov=True)
-        self.sync_every = sync_every
-        self.group = group
-        self.sync_dtype = sync_dtype
+        self.sync_every, self.group, self.sync_dtype = sync_every, group, sync_dtype
+        self.fragments, self.overlap, self.alpha = fragments, overlap, float(alpha)
+        self._flying: dict[int, tuple[int, _exchange.Exchange]] = {}
 
     def __repr__(self) -> str:
         return f"fdp.{type(self).__name__}({self.inner!r}, sync_every={self.sync_every})"
 
     def init(self, params: Any) -> dict[str, Any]:
-        """The inner and outer optimizers' states, the anchor (a copy of ``params``), the count."""
+        """The inner and outer optimizers' states, the anchor (a copy of ``params``), the
+        count, each leaf's fragment and the reductions in flight (none)."""
+        call = f"fdp.{type(self).__name__}.init"
+        labels = _fragments.fragment_of(params, self.fragments, call=call)
         anchor = optree.tree_map(_copy, params, none_is_leaf=True)
+        count = int(labels.max()) + 1 if bool((labels >= 0).any()) else 1
+        if count > self.sync_every:
+            raise ValueError(
+                f"{call}: `fragments` expected at most sync_every ({self.sync_every}) "
+                f"fragments; got {count}"
+            )
+        outer = [self.outer.init(_masked(anchor, labels, i)) for i in range(count)]
+        self._flying.clear()
         return {
             "inner": self.inner.init(params),
-            "outer": self.outer.init(anchor),
+            "outer": outer[0] if count == 1 else outer,
             "anchor": anchor,
             "count": torch.zeros((), dtype=torch.int64),
+            "fragments": labels,
+            "in_flight": [],
         }
 
     def syncs(self, state: dict[str, Any]) -> bool:
         """Whether the next :meth:`update` synchronises (under :class:`FaultTolerance`, run it
         inside ``FaultTolerance.step``; the other updates run outside)."""
-        return (int(state["count"]) + 1) % self.sync_every == 0
+        return bool(self._starting(state, int(state["count"]) + 1))
 
     def update(self, grads: Any, state: dict[str, Any], params: Any) -> tuple[Any, dict[str, Any]]:
-        """One inner step; every ``sync_every``-th, then the averaged outer step.
+        """One inner step; then the fragments' reductions that land or start at it.
 
         Returns:
-            ``(params, state)``: after a synchronisation, ``params`` is a copy
-            of the new anchor, the same on every worker.
+            ``(params, state)``: after a fragment's outer step, its leaves in
+            ``params`` are the new anchor's (mixed with the local by ``alpha``).
         """
-        due = self.syncs(state)
+        count = int(state["count"]) + 1
+        starting = self._starting(state, count)
         params, inner = self.inner.update(grads, state["inner"], params)
         state = {**state, "inner": inner, "count": state["count"] + 1}
-        return self._sync(state, params) if due else (params, state)
-
-    def _sync(self, state: dict[str, Any], params: Any) -> tuple[Any, dict[str, Any]]:
-        """The averaged pseudo-gradient, the outer step, every worker at the new anchor."""
+        flying = list(state.get("in_flight", []))
         with torch.no_grad():
-            delta = optree.tree_map(self._delta, state["anchor"], params, none_is_leaf=True)
-            count = float(state["count"])
-            check = torch.tensor([count, count * count], dtype=torch.float64)
-            averaged = self._average({"delta": delta, "check": check})
-            self._check_counts(averaged["check"], count)
-            pseudo = optree.tree_map(_back, averaged["delta"], params, none_is_leaf=True)
-        anchor, outer = self.outer.update(pseudo, state["outer"], state["anchor"])
-        new_params = optree.tree_map(_copy, anchor, none_is_leaf=True)
-        return new_params, {**state, "anchor": anchor, "outer": outer}
+            for entry in [e for e in flying if e["started"] + self.overlap == count]:
+                flying.remove(entry)
+                params, state = self._land(entry, state, params, count)
+            for entry in flying:  # a quantized reduction's second phase
+                if entry["fragment"] in self._flying:
+                    self._flying[entry["fragment"]][1].advance()
+            for i in starting:
+                entry = self._start(i, state, params, count)
+                if self.overlap == 0:
+                    params, state = self._land(entry, state, params, count)
+                else:
+                    flying.append(entry)
+        return params, {**state, "in_flight": flying}
 
-    def _delta(self, anchor: Any, p: Any) -> Any:
-        if not isinstance(p, torch.Tensor):
-            return None
-        d = anchor - p.detach()
-        return d if self.sync_dtype is None else d.to(self.sync_dtype)
+    def _starting(self, state: dict[str, Any], count: int) -> list[int]:
+        labels = state.get("fragments")
+        total = 1 if labels is None else max(1, int(labels.max()) + 1)
+        at = _fragments.offsets(total, self.sync_every)
+        return [i for i in range(total) if count % self.sync_every == at[i]]
 
-    def _average(self, tree: Any) -> Any:
-        if isinstance(self.group, FaultTolerance):
-            return self.group.all_reduce_grads(tree)
-        return all_reduce_grads(tree, group=self.group)
+    def _start(self, i: int, state: dict[str, Any], params: Any, count: int) -> dict[str, Any]:
+        """Fragment ``i``'s pseudo-gradient sent; its entry (the deltas kept for a resume)."""
+        anchor, _ = _tree.flatten(state["anchor"])
+        leaves, _ = _tree.flatten(params)
+        index = _indices(state, i, len(leaves))
+        deltas = [anchor[k] - leaves[k].detach() for k in index]
+        if i in self._flying:  # an abandoned state's reduction: finished, dropped
+            self._flying.pop(i)[1].wait(count)
+        call = f"fdp.{type(self).__name__}.update"
+        exchange = _exchange.start(deltas, count, wire=self.sync_dtype, group=self.group, call=call)
+        self._flying[i] = (count, exchange)
+        return {"fragment": i, "started": count, "delta": deltas}
 
-    def _check_counts(self, check: torch.Tensor, count: float) -> None:
-        mean, mean_square = check.tolist()
-        if abs(mean * mean - mean_square) > 1e-6 * max(1.0, mean_square):
-            raise ValueError(
-                f"fdp.{type(self).__name__}.update: `state` expected the same step count on "
-                f"every worker at a synchronisation; got {int(count)} here and others elsewhere "
-                "(every worker must call update equally often: equal shards)"
+    def _land(
+        self, entry: dict[str, Any], state: dict[str, Any], params: Any, count: int
+    ) -> tuple[Any, dict[str, Any]]:
+        """The fragment's averaged pseudo-gradient, its outer step, the mixed parameters."""
+        i, started = entry["fragment"], entry["started"]
+        held = self._flying.get(i)
+        if held is not None and held[0] == started:
+            exchange = self._flying.pop(i)[1]
+        else:  # resumed from a saved state: the same reduction again, on every worker
+            call = f"fdp.{type(self).__name__}.update"
+            exchange = _exchange.start(
+                entry["delta"], started, wire=self.sync_dtype, group=self.group, call=call
             )
+        averaged = exchange.wait(started)
+        anchor, spec = _tree.flatten(state["anchor"])
+        leaves, _ = _tree.flatten(params)
+        index = _indices(state, i, len(leaves))
+        pseudo: list[Any] = [None] * len(leaves)
+        for k, d in zip(index, averaged, strict=True):
+            pseudo[k] = d.to(anchor[k].dtype)
+        outers = state["outer"] if isinstance(state["outer"], list) else [state["outer"]]
+        masked = _masked(state["anchor"], state["fragments"], i)
+        stepped, outer = self.outer.update(_tree.unflatten(spec, pseudo), outers[i], masked)
+        stepped_leaves, _ = _tree.flatten(stepped)
+        for k in index:
+            anchor[k] = stepped_leaves[k]
+            leaves[k] = _mix(leaves[k], stepped_leaves[k], self.alpha)
+        outers = [*outers[:i], outer, *outers[i + 1 :]]
+        new_outer = outers[0] if len(outers) == 1 else outers
+        new_state = {**state, "anchor": _tree.unflatten(spec, anchor), "outer": new_outer}
+        return _tree.unflatten(spec, leaves), new_state
+
+
+def _check_options(
+    call: str,
+    inner: Any,
+    outer: Any,
+    sync_every: Any,
+    group: Any,
+    sync_dtype: Any,
+    overlap: Any,
+    alpha: Any,
+) -> None:
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"{call}: `sync_every` expected a positive int; got {sync_every!r}")
+    if sync_dtype is not None and sync_dtype not in (*_FLOATS, *_exchange.QUANTIZED):
+        raise TypeError(
+            f"{call}: `sync_dtype` expected a floating-point dtype, torch.int8, a float8 "
+            f"dtype or None; got {sync_dtype!r}"
+        )
+    for name, opt in (("inner", inner), ("outer", outer)):
+        if opt is not None and not (hasattr(opt, "init") and hasattr(opt, "update")):
+            raise TypeError(
+                f"{call}: `{name}` expected an fdp.optim optimizer (init and update); "
+                f"got {type(opt).__name__}"
+            )
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap < sync_every:
+        raise ValueError(
+            f"{call}: `overlap` expected an int from 0 to sync_every - 1 ({sync_every - 1}); "
+            f"got {overlap!r}"
+        )
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 <= alpha <= 1:
+        raise ValueError(f"{call}: `alpha` expected a float in [0, 1]; got {alpha!r}")
+    if isinstance(group, FaultTolerance):
+        _check_fault_tolerance(call, group, sync_dtype, overlap)
+
+
+def _check_fault_tolerance(call: str, group: FaultTolerance, sync_dtype: Any, overlap: int) -> None:
+    if group.init_sync:
+        raise ValueError(
+            f"{call}: `group` expected a FaultTolerance made with init_sync=False; got one "
+            "that copies one replica group's state to all at the first synchronisation, "
+            "which would discard the other workers' first local steps"
+        )
+    if overlap:
+        raise ValueError(
+            f"{call}: `overlap` expected 0 with a FaultTolerance `group` (a reduction runs "
+            f"inside FaultTolerance.step, which commits or discards it); got {overlap}"
+        )
+    if sync_dtype in _exchange.QUANTIZED:
+        raise ValueError(
+            f"{call}: `sync_dtype` expected a floating-point dtype with a FaultTolerance "
+            f"`group` (its all-reduce carries no quantized wire); got {sync_dtype}"
+        )
+
+
+def _indices(state: dict[str, Any], i: int, n: int) -> list[int]:
+    labels = state.get("fragments")
+    if labels is None:  # a state from before fragments: one
+        leaves, _ = _tree.flatten(state["anchor"])
+        return [k for k in range(n) if isinstance(leaves[k], torch.Tensor)]
+    return [k for k, v in enumerate(labels.tolist()) if v == i]
+
+
+def _masked(tree: Any, labels: torch.Tensor | None, i: int) -> Any:
+    """``tree`` with ``None`` in place of every leaf outside fragment ``i``."""
+    leaves, spec = _tree.flatten(tree)
+    if labels is None:
+        return tree
+    keep = labels.tolist()
+    return _tree.unflatten(spec, [x if keep[k] == i else None for k, x in enumerate(leaves)])
+
+
+def _mix(local: Any, anchor: Any, alpha: float) -> Any:
+    if alpha == 0.0:
+        return anchor.detach().clone()
+    return (alpha * local.detach() + (1.0 - alpha) * anchor).to(anchor.dtype)
 
 
 class LocalSGD(DiLoCo):
@@ -186,16 +329,21 @@ class LocalSGD(DiLoCo):
         sync_every: int,
         group: ProcessGroup | FaultTolerance | None = None,
         sync_dtype: torch.dtype | None = None,
+        fragments: int | Any = 1,
+        overlap: int = 0,
+        alpha: float = 0.0,
     ) -> None:
         super().__init__(
-            inner, outer=sgd(1.0), sync_every=sync_every, group=group, sync_dtype=sync_dtype
+            inner,
+            outer=sgd(1.0),
+            sync_every=sync_every,
+            group=group,
+            sync_dtype=sync_dtype,
+            fragments=fragments,
+            overlap=overlap,
+            alpha=alpha,
         )
 
 
 def _copy(t: Any) -> Any:
     return t.detach().clone() if isinstance(t, torch.Tensor) else t
-
-
-def _back(d: Any, p: Any) -> Any:
-    """The averaged pseudo-gradient in the parameter's dtype (from ``sync_dtype``)."""
-    return None if d is None else d.to(p.dtype)

@@ -1,0 +1,229 @@
+"""Streaming DiLoCo (fdp.DiLoCo with fragments, overlap, alpha, quantized pseudo-gradients)
+on 2 and 3 gloo ranks against a one-process simulation of the workers.
+
+The simulation keeps one parameter tree and one inner optimizer state per
+worker and one outer momentum buffer per leaf. After inner step ``c``
+(counted from 1), fragment ``i`` sends its pseudo-gradient ``anchor -
+params`` when ``c % H == i * H // P``; ``tau`` steps later the workers'
+mean (through the wire's rounding, written out below) steps the fragment's
+anchor with Nesterov SGD, and every worker's fragment becomes ``alpha *
+local + (1 - alpha) * anchor``.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+
+import fdp
+from tests import ranks
+from tests.test_diloco import OUTER_LR, OUTER_MOMENTUM, batch, grads_of, init_params
+
+H, STEPS = 4, 11  # fragment 0 sends after steps 4 and 8, fragment 1 after 2, 6 and 10
+BLOCK = 256  # values per scale on a quantized wire
+# init_params's leaves in the tree's order (b1, head.0, head.1, w1: 8, 16, 2 and 40
+# values): two contiguous fragments of about 33 values each; w1 alone is the second.
+LABELS = {"w1": 1, "b1": 0, "head": [0, 0]}
+MIXED = {"w1": 0, "b1": 1, "head": [1, 0]}  # a user's labels, not contiguous
+
+
+def options(case: str) -> dict[str, Any]:
+    """The DiLoCo options of each case (fragments as the number or the labels)."""
+    cases: dict[str, dict[str, Any]] = {
+        "fragments": {"fragments": 2},
+        "overlap": {"fragments": 2, "overlap": 1, "alpha": 0.5},
+        "overlap2_labels": {"fragments": MIXED, "overlap": 2},
+        "one_fragment_overlap": {"fragments": 1, "overlap": 3, "alpha": 0.25},
+        "int8": {"fragments": 2, "overlap": 1, "sync_dtype": torch.int8},
+        "float8": {"fragments": 2, "sync_dtype": torch.float8_e4m3fn},
+        "bf16": {"fragments": 2, "overlap": 1, "sync_dtype": torch.bfloat16},
+    }
+    return cases[case]
+
+
+def labels_of(opts: dict[str, Any]) -> dict[str, Any]:
+    f = opts["fragments"]
+    return f if isinstance(f, dict) else LABELS if f == 2 else {"w1": 0, "b1": 0, "head": [0, 0]}
+
+
+def algorithm(opts: dict[str, Any], *, local_sgd: bool = False) -> fdp.DiLoCo:
+    if local_sgd:
+        return fdp.LocalSGD(fdp.optim.sgd(0.1), sync_every=H, **opts)
+    return fdp.DiLoCo(fdp.optim.adamw(0.05, weight_decay=0.01), sync_every=H, **opts)
+
+
+def _train(
+    rank: int, size: int, case: str, local_sgd: bool, resume_at: int | None
+) -> dict[str, Any]:
+    params, alg = init_params(), algorithm(options(case), local_sgd=local_sgd)
+    state = alg.init(params)
+    for step in range(STEPS):
+        if step == resume_at:  # a saved state, a new object: the reduction in flight redone
+            buffer = io.BytesIO()
+            torch.save({"params": params, "state": state}, buffer)
+            buffer.seek(0)
+            saved = torch.load(buffer, weights_only=False)
+            params, state = saved["params"], saved["state"]
+            alg = algorithm(options(case), local_sgd=local_sgd)
+        grads = grads_of("grad", params, *batch(step, rank))
+        params, state = alg.update(grads, state, params)
+    return {"params": params, "anchor": state["anchor"], "in_flight": len(state["in_flight"])}
+
+
+def _rounded(x: torch.Tensor, wire: torch.dtype | None) -> torch.Tensor:
+    """``x`` (1-D float32) after the wire: each block of 256 scaled by max|x| / top."""
+    if wire is None or wire.itemsize > 1:  # not a quantized wire
+        return x
+    out = []
+    for block in torch.split(x, BLOCK):
+        top = 127.0 if wire == torch.int8 else torch.finfo(wire).max
+        scale = torch.maximum(block.amax(), -block.amin()) / top
+        safe = scale if scale > 0 else torch.ones(())
+        q = (block / safe).round() if wire == torch.int8 else (block / safe).to(wire).float()
+        out.append(q * scale)
+    return torch.cat(out)
+
+
+def mean_over_wire(deltas: list[torch.Tensor], wire: torch.dtype | None) -> torch.Tensor:
+    """The workers' mean of one fragment's flat deltas, as the wire computes it."""
+    n = len(deltas)
+    if wire == torch.bfloat16:  # each scaled by 1/n in bfloat16, summed in bfloat16
+        parts = [(d.to(torch.bfloat16) * (1 / n)).to(torch.bfloat16) for d in deltas]
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total.float()
+    if wire is None:
+        return torch.stack(deltas).mean(0)
+    # Chunk j of every worker's vector (chunks of ceil(len / n), the last padded),
+    # rounded, summed in float32 in worker order, scaled, rounded again.
+    chunk = -(-deltas[0].numel() // n)
+    padded = [torch.nn.functional.pad(d, (0, chunk * n - d.numel())) for d in deltas]
+    means = []
+    for j in range(n):
+        parts = [_rounded(p[j * chunk : (j + 1) * chunk], wire) for p in padded]
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        means.append(_rounded(total * (1.0 / n), wire))
+    return torch.cat(means)[: deltas[0].numel()]
+
+
+def simulate(case: str, workers: int, *, local_sgd: bool) -> list[dict[str, Any]]:
+    opts = options(case)
+    fragment_of = fdp._tree.flatten(labels_of(opts))[0]
+    tau, alpha, wire = opts.get("overlap", 0), opts.get("alpha", 0.0), opts.get("sync_dtype")
+    frags = max(fragment_of) + 1
+    opt = fdp.optim.sgd(0.1) if local_sgd else fdp.optim.adamw(0.05, weight_decay=0.01)
+    spec = fdp._tree.flatten(init_params())[1]
+    params = [fdp._tree.flatten(init_params())[0] for _ in range(workers)]
+    inner = [opt.init(fdp._tree.unflatten(spec, p)) for p in params]
+    anchor = fdp._tree.flatten(init_params())[0]
+    bufs: list[torch.Tensor | None] = [None] * len(anchor)
+    flying: list[tuple[int, int, list[list[torch.Tensor]]]] = []
+    for c in range(1, STEPS + 1):
+        for w in range(workers):
+            tree = fdp._tree.unflatten(spec, params[w])
+            g = grads_of("grad", tree, *batch(c - 1, w))
+            tree, inner[w] = opt.update(g, inner[w], tree)
+            params[w] = fdp._tree.flatten(tree)[0]
+        landing = [f for f in flying if f[1] + tau == c]
+        for i in range(frags):
+            if c % H == i * H // frags:
+                leaves = [k for k, f in enumerate(fragment_of) if f == i]
+                sent = [[anchor[k] - params[w][k] for k in leaves] for w in range(workers)]
+                landing += [(i, c, sent)] if tau == 0 else []
+                flying += [(i, c, sent)] if tau > 0 else []
+        for entry in landing:
+            flying = [f for f in flying if f is not entry]
+            i, _, sent = entry
+            leaves = [k for k, f in enumerate(fragment_of) if f == i]
+            flat = [torch.cat([d.reshape(-1) for d in s]) for s in sent]
+            mean = torch.split(mean_over_wire(flat, wire), [anchor[k].numel() for k in leaves])
+            for k, m in zip(leaves, mean, strict=True):
+                delta = m.view(anchor[k].shape)
+                if local_sgd:  # the outer step of plain averaging: lr 1, no momentum
+                    anchor[k] = anchor[k] - delta
+                else:  # Nesterov SGD (torch.optim.SGD's rule, dampening 0)
+                    b = bufs[k]
+                    b = delta.clone() if b is None else OUTER_MOMENTUM * b + delta
+                    anchor[k], bufs[k] = anchor[k] - OUTER_LR * (delta + OUTER_MOMENTUM * b), b
+                for w in range(workers):
+                    params[w][k] = alpha * params[w][k] + (1 - alpha) * anchor[k]
+    return [
+        {
+            "params": fdp._tree.unflatten(spec, p),
+            "anchor": fdp._tree.unflatten(spec, anchor),
+            "in_flight": len(flying),
+        }
+        for p in params
+    ]
+
+
+def check(got: list[dict[str, Any]], expected: list[dict[str, Any]], tol: float) -> None:
+    for rank, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
+        for key in ("params", "anchor"):
+            a, _ = fdp._tree.flatten(mine[key])
+            b, _ = fdp._tree.flatten(theirs[key])
+            for x, y in zip(a, b, strict=True):
+                torch.testing.assert_close(x, y, rtol=tol, atol=tol, msg=f"{rank} {key}")
+        assert mine["in_flight"] == theirs["in_flight"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["fragments", "overlap", "overlap2_labels", "one_fragment_overlap", "int8", "float8", "bf16"],
+)
+def test_streaming_equals_the_one_process_simulation(case: str) -> None:
+    got = ranks.world(2).run(_train, case, False, None)
+    tol = 2e-2 if case == "bf16" else 1e-6
+    check(got, simulate(case, 2, local_sgd=False), tol)
+
+
+def test_three_workers_int8_and_local_sgd() -> None:
+    got = ranks.world(3).run(_train, "int8", True, None)
+    check(got, simulate("int8", 3, local_sgd=True), 1e-6)
+
+
+@pytest.mark.parametrize("case", ["overlap", "int8", "overlap2_labels"])
+def test_a_state_saved_with_a_reduction_in_flight_resumes(case: str) -> None:
+    """Saved after step 6 sent fragment 1 (it lands at 7 or 8): a new object redoes it."""
+    got = ranks.world(2).run(_train, case, False, 6)
+    check(got, simulate(case, 2, local_sgd=False), 1e-6)
+
+
+def test_the_default_fragments_are_contiguous_shares() -> None:
+    tree = {"a": torch.zeros(100), "b": torch.zeros(10), "c": None, "d": [torch.zeros(50)] * 3}
+    state = fdp.DiLoCo(fdp.optim.sgd(0.1), sync_every=4, fragments=3).init(tree)
+    # 260 values, a share about 87: a fills the first; b, d.0 and d.1 the second.
+    assert state["fragments"].tolist() == [0, 1, -1, 1, 1, 2]
+    state = fdp.DiLoCo(fdp.optim.sgd(0.1), sync_every=4, fragments=4).init(tree)
+    assert state["fragments"].tolist() == [0, 1, -1, 1, 2, 3]  # shares of 65
+    assert len(state["outer"]) == 4
+    small = {"a": torch.zeros(100), "b": torch.zeros(1), "c": torch.zeros(1)}
+    state = fdp.DiLoCo(fdp.optim.sgd(0.1), sync_every=4, fragments=3).init(small)
+    assert state["fragments"].tolist() == [0, 1, 2]  # never an empty fragment
+
+
+def test_bad_streaming_options_are_refused() -> None:
+    inner, tree = fdp.optim.sgd(0.1), init_params()
+    with pytest.raises(ValueError, match=r"fdp.DiLoCo: `overlap` expected an int from 0 to"):
+        fdp.DiLoCo(inner, sync_every=4, overlap=4)
+    with pytest.raises(ValueError, match=r"fdp.DiLoCo: `alpha` expected a float in \[0, 1\]"):
+        fdp.DiLoCo(inner, sync_every=4, alpha=1.5)
+    with pytest.raises(ValueError, match=r"`fragments` expected an int from 1 to sync_every"):
+        fdp.DiLoCo(inner, sync_every=4, fragments=5)
+    with pytest.raises(ValueError, match=r"expected an int from 1 to the number of tensor"):
+        fdp.DiLoCo(inner, sync_every=8, fragments=5).init(tree)
+    bad = {"w1": 1, "b1": 0, "head": [0, "x"]}
+    with pytest.raises(
+        ValueError, match=r"`fragments` leaf fragments\['head'\]\[1\] expected a non-neg"
+    ):
+        fdp.DiLoCo(inner, sync_every=4, fragments=bad).init(tree)
+    with pytest.raises(ValueError, match=r"expected labels 0..P-1, each used by a leaf; got"):
+        fdp.DiLoCo(inner, sync_every=4, fragments={"w1": 2, "b1": 0, "head": [0, 0]}).init(tree)
+    with pytest.raises(ValueError, match=r"`fragments` expected an int or a tree of ints"):
+        fdp.DiLoCo(inner, sync_every=4, fragments={"w1": 0}).init(tree)
