@@ -257,6 +257,9 @@ def examples(session: nox.Session) -> None:
     # DiLoCo against DDP: 200 steps, H=10, the pseudo-gradient in bf16.
     diloco = ("examples/train_diloco.py", "--steps", "200", "--sync-every", "10")
     run(session, *TORCHRUN, *diloco, "--sync-dtype", "bfloat16", "--min-accuracy", "0.85")
+    # Streaming DiLoCo: 4 fragments, each landing a step after it is sent, int8 on the wire.
+    streaming = ("--fragments", "4", "--overlap", "1", "--sync-dtype", "int8")
+    run(session, *TORCHRUN, *diloco, *streaming, "--min-accuracy", "0.85")
     for script in ("train_digits.py", "train_digits_ddp.py"):
         launch = ("python",) if script == "train_digits.py" else TORCHRUN
         run(
@@ -302,6 +305,7 @@ def bench(session: nox.Session) -> None:
     script("bench_models.py")
     script("bench_models_step.py", compiles=True)
     script("bench_muon.py")
+    script("bench_diloco.py")
     script("bench_pack_order.py", compiles=True)
     run(session, "python", "benchmarks/figures.py")  # the timelines in docs/figures/
     run(session, "python", "benchmarks/results.py", "--write")  # the pages' figures

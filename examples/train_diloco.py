@@ -10,6 +10,13 @@ bytes each all-reduces per step.
 
     torchrun --standalone --nproc_per_node=2 examples/train_diloco.py
     torchrun --standalone --nproc_per_node=2 examples/train_diloco.py --sync-dtype bfloat16
+    torchrun --standalone --nproc_per_node=2 examples/train_diloco.py \
+        --fragments 4 --overlap 1 --sync-dtype int8
+
+Streaming DiLoCo (``--fragments P``): the model's layers in ``P`` fragments
+that synchronise at staggered steps, each ``--overlap`` steps after it is
+sent (``--alpha`` of the local fragment kept); ``--sync-dtype int8``: the
+pseudo-gradients block-quantized on the wire.
 
 Its last line is one JSON object. On torchft replica groups (a worker may
 die and heal): docs/fault_tolerance.md.
@@ -44,8 +51,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=128, help="hidden layer width")
     parser.add_argument("--seed", type=int, default=0, help="data split, initialisation")
     parser.add_argument(
-        "--sync-dtype", choices=["float32", "bfloat16"], default="float32", help="on the wire"
+        "--sync-dtype",
+        choices=["float32", "bfloat16", "int8", "float8"],
+        default="float32",
+        help="the pseudo-gradient on the wire",
     )
+    parser.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo's P")
+    parser.add_argument("--overlap", type=int, default=0, help="steps a fragment's sync overlaps")
+    parser.add_argument("--alpha", type=float, default=0.5, help="local weight when one lands")
     parser.add_argument(
         "--min-accuracy", type=float, default=0.9, help="exit 1 below this test accuracy"
     )
@@ -71,35 +84,68 @@ def nbytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in leaves)
 
 
-def train(args: argparse.Namespace, algorithm: str) -> tuple[Params, float]:
+def train(args: argparse.Namespace, algorithm: str) -> tuple[Params, float, float]:
     """``--steps`` steps on this rank's shard; returns the parameters and bytes all-reduced/step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     x_train, y_train, _, _ = load_data(args.seed)
     params = init_params(args)
-    dtype = torch.bfloat16 if args.sync_dtype == "bfloat16" else None
     inner = fdp.optim.adamw(args.lr, weight_decay=1e-4)
     outer = fdp.optim.sgd(args.outer_lr, momentum=0.9, nesterov=True)
+    streaming = {"fragments": args.fragments, "overlap": args.overlap, "alpha": args.alpha}
     opt: Any = (
-        fdp.DiLoCo(inner, outer=outer, sync_every=args.sync_every, sync_dtype=dtype)
+        fdp.DiLoCo(
+            inner,
+            outer=outer,
+            sync_every=args.sync_every,
+            sync_dtype=WIRES[args.sync_dtype],
+            **(streaming if args.fragments > 1 or args.overlap else {}),
+        )
         if algorithm == "diloco"
         else inner
     )
-    state, sent = opt.init(params), 0
+    state, sent, peak = opt.init(params), 0.0, 0.0
     progress = common.Progress(range(args.steps), unit=f"{algorithm} step")
     for step in progress:
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(step))
         idx = order[: args.batch_size * world][rank::world]
         grads, loss = fdp.grad_and_value(cross_entropy)(params, x_train[idx], y_train[idx])
+        now = 0.0
         if algorithm == "ddp":
             grads = fdp.all_reduce_grads(grads)
-            sent += nbytes(grads)
-        elif opt.syncs(state):
-            # the pseudo-gradient in the wire dtype, and DiLoCo's 2-number count check
-            sent += nbytes(params) // (2 if dtype is not None else 1) + 16
+            now = nbytes(grads)
+        else:
+            now = wire_bytes(opt, state, params, args.sync_dtype)
+        sent, peak = sent + now, max(peak, now)
         params, state = opt.update(grads, state, params)
         progress.step(len(idx) * world)
         progress.show(loss=float(loss))
-    return params, sent / args.steps
+    return params, sent / args.steps, peak
+
+
+WIRES = {"float32": None, "bfloat16": torch.bfloat16, "int8": torch.int8}
+WIRES["float8"] = torch.float8_e4m3fn
+
+
+def per_value(wire: str) -> float:
+    """Bytes per value on the wire: int8 and float8 carry a float32 scale per 256."""
+    return {"float32": 4.0, "bfloat16": 2.0}.get(wire, 1 + 4 / 256)
+
+
+def wire_bytes(opt: fdp.DiLoCo, state: dict[str, Any], params: Params, wire: str) -> float:
+    """What the next update sends: the fragments it starts, and the 2-number count check."""
+    count = int(state["count"]) + 1
+    labels = state["fragments"].tolist()
+    total = max(labels) + 1
+    leaves = optree.tree_leaves(cast(Any, params))
+    sent = 0.0
+    for i in range(total):
+        if count % opt.sync_every == i * opt.sync_every // total:
+            sent += (
+                per_value(wire)
+                * sum(t.numel() for t, f in zip(leaves, labels, strict=True) if f == i)
+                + 16
+            )
+    return sent
 
 
 def accuracy(params: Params, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -112,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     common.launch(args, __file__)
     try:
         _, _, x_test, y_test = load_data(args.seed)
-        diloco, diloco_bytes = train(args, "diloco")
-        ddp, ddp_bytes = train(args, "ddp")
+        diloco, diloco_bytes, diloco_peak = train(args, "diloco")
+        ddp, ddp_bytes, _ = train(args, "ddp")
+        # Plain DiLoCo's peak: the whole tree at once, on the same wire.
+        values = sum(t.numel() for t in optree.tree_leaves(cast(Any, diloco)))
+        plain_peak = per_value(args.sync_dtype) * values + 16
         metric, metric_ddp = accuracy(diloco, x_test, y_test), accuracy(ddp, x_test, y_test)
         result = {
             "metric": metric,
@@ -123,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             "workers": dist.get_world_size(),
             "sync_every": args.sync_every,
             "bytes_vs_ddp": diloco_bytes / ddp_bytes,
+            "peak_bytes_vs_diloco": diloco_peak / plain_peak,
+            "fragments": args.fragments,
+            "overlap": args.overlap,
+            "sync_dtype": args.sync_dtype,
         }
         common.log(
             f"DiLoCo (H={args.sync_every}, {args.sync_dtype} on the wire): test accuracy "

@@ -198,10 +198,11 @@ def test_a_state_saved_with_a_reduction_in_flight_resumes(case: str) -> None:
 def test_the_default_fragments_are_contiguous_shares() -> None:
     tree = {"a": torch.zeros(100), "b": torch.zeros(10), "c": None, "d": [torch.zeros(50)] * 3}
     state = fdp.DiLoCo(fdp.optim.sgd(0.1), sync_every=4, fragments=3).init(tree)
-    # 260 values, a share about 87: a fills the first; b, d.0 and d.1 the second.
-    assert state["fragments"].tolist() == [0, 1, -1, 1, 1, 2]
+    # 260 values, shares of about 87: each leaf where its middle element falls
+    # (a's at 50, b's at 105, the d's at 135, 185 and 235).
+    assert state["fragments"].tolist() == [0, 1, -1, 1, 2, 2]
     state = fdp.DiLoCo(fdp.optim.sgd(0.1), sync_every=4, fragments=4).init(tree)
-    assert state["fragments"].tolist() == [0, 1, -1, 1, 2, 3]  # shares of 65
+    assert state["fragments"].tolist() == [0, 1, -1, 2, 2, 3]  # shares of 65
     assert len(state["outer"]) == 4
     small = {"a": torch.zeros(100), "b": torch.zeros(1), "c": torch.zeros(1)}
     state = fdp.DiLoCo(fdp.optim.sgd(0.1), sync_every=4, fragments=3).init(small)

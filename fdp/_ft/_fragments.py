@@ -2,7 +2,8 @@
 
 The tree is cut into ``P`` fragments (Douillard et al. 2025, arXiv
 2501.18512): by default contiguous runs of tensor leaves in the tree's order
-(the model's, layer after layer), each about ``1/P`` of the elements; or the
+(the model's, layer after layer), each about ``1/P`` of the elements (a leaf
+goes where its middle element falls); or the
 user's labels, a tree of ints in ``range(P)`` with the parameters' structure.
 Fragment ``i`` synchronises after the inner steps ``c`` (counted from 1) with
 ``c % H == i * H // P``: fragment 0 with plain DiLoCo, the others staggered
@@ -68,11 +69,11 @@ def _contiguous(
     total, out = sum(sizes), torch.full((len(leaves),), -1, dtype=torch.int64)
     done, current, holds = 0, 0, False
     for k, (i, size) in enumerate(zip(tensors, sizes, strict=True)):
-        # The next fragment once this one holds its share, or when every later
-        # fragment needs one of the leaves left; never an empty fragment.
-        full = done >= total * (current + 1) / fragments
+        # The fragment whose share holds the leaf's middle element; never an empty
+        # fragment: one more when every later fragment needs one of the leaves left.
+        middle = int((done + size / 2) * fragments // max(total, 1))
         needed = len(tensors) - k <= fragments - 1 - current
-        if holds and current < fragments - 1 and (full or needed):
+        if holds and current < fragments - 1 and (middle > current or needed):
             current, holds = current + 1, False
         out[i], done, holds = current, done + size, True
     return out
