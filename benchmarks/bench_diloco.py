@@ -14,9 +14,10 @@ each DiLoCo with float32, bfloat16 and int8 pseudo-gradients.
 Each row: the mean wall time of an inner step and its ratio to no
 communication, the most bytes this rank sent in one step, the bytes per
 step over the run and their ratio to DDP's, and the loss on held-out
-teacher data at the end against DDP's. The variants run one after another
-in the same processes; the step time is the mean over the run (past two
-warm-up steps), so the steps that wait for the link count.
+teacher data at the end against DDP's. The variants run in the same
+processes, interleaved in rounds of H steps (each round's order rotated; a
+round ends where no reduction is in flight); the step time is the mean over
+the run (past two warm-up steps), so the steps that wait for the link count.
 
     python benchmarks/bench_diloco.py [--quick]
 
@@ -92,38 +93,47 @@ def variants() -> dict[str, dict[str, Any]]:
     return out
 
 
-def run(
-    name: str, opts: dict[str, Any], args: argparse.Namespace, link: SlowLink
-) -> dict[str, Any]:
-    rank = dist.get_rank()
-    params = make_params(args.width, seed=0)
-    inner = fdp.optim.adamw(1e-3)
-    ddp, local = opts.pop("ddp", False), not opts
-    opt: Any = inner if ddp or local else fdp.DiLoCo(inner, sync_every=H, **opts)
-    state = opt.init(params)
-    times, sent = [], []
-    dist.barrier()
-    for step in range(args.steps):
-        x, y = data(step, rank, args.batch)
-        start, before = time.perf_counter(), link.sent
-        grads = torch.func.grad(loss)(params, x, y)
-        if ddp:
-            grads = fdp.all_reduce_grads(grads)
-        params, state = opt.update(grads, state, params)
-        times.append(time.perf_counter() - start)
-        sent.append(link.sent - before)
-    dist.barrier()
-    x, y = data(-1, 0, 2048)
-    with torch.no_grad():
-        final = float(loss(params, x, y))
-    return {
-        "name": name,
-        "step_ms": 1e3 * statistics.mean(times[2:]),  # the slow syncs count
-        "median_step_ms": 1e3 * statistics.median(times[2:]),
-        "peak_bytes": max(sent),
-        "bytes_per_step": sum(sent) / len(sent),
-        "loss": final,
-    }
+class Variant:
+    """One way of training, its state kept between the rounds it runs in."""
+
+    def __init__(self, name: str, opts: dict[str, Any], args: argparse.Namespace) -> None:
+        self.name, self.args = name, args
+        self.params: Any = make_params(args.width, seed=0)
+        inner = fdp.optim.adamw(1e-3)
+        self.ddp, local = opts.pop("ddp", False), not opts
+        self.opt: Any = inner if self.ddp or local else fdp.DiLoCo(inner, sync_every=H, **opts)
+        self.state, self.step = self.opt.init(self.params), 0
+        self.times: list[float] = []
+        self.sent: list[int] = []
+
+    def run(self, steps: int, link: SlowLink) -> None:
+        """``steps`` inner steps, each timed with whatever of the link it waits for."""
+        rank = dist.get_rank()
+        dist.barrier()
+        for _ in range(steps):
+            x, y = data(self.step, rank, self.args.batch)
+            start, before = time.perf_counter(), link.sent
+            grads = torch.func.grad(loss)(self.params, x, y)
+            if self.ddp:
+                grads = fdp.all_reduce_grads(grads)
+            self.params, self.state = self.opt.update(grads, self.state, self.params)
+            self.times.append(time.perf_counter() - start)
+            self.sent.append(link.sent - before)
+            self.step += 1
+
+    def row(self) -> dict[str, Any]:
+        x, y = data(-1, 0, 2048)
+        with torch.no_grad():
+            final = float(loss(self.params, x, y))
+        times = self.times[2:]
+        return {
+            "name": self.name,
+            "step_ms": 1e3 * statistics.mean(times),  # the slow syncs count
+            "median_step_ms": 1e3 * statistics.median(times),
+            "peak_bytes": max(self.sent),
+            "bytes_per_step": sum(self.sent) / len(self.sent),
+            "loss": final,
+        }
 
 
 def worker(rank: int, size: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -132,10 +142,15 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, out: str) 
     dist.init_process_group(
         "gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=300)
     )
-    rows = []
+    runs = [Variant(name, dict(opts), args) for name, opts in variants().items()]
     with SlowLink(latency_s=args.latency_ms / 1e3, gbit_s=args.gbit) as link:
-        for name, opts in variants().items():
-            rows.append(run(name, dict(opts), args, link))
+        # Interleaved in rounds that end after a step c = 1 (mod H): no fragment's
+        # reduction is in flight there (sent at c = 0, 5, 10, 15, landed by 3 steps).
+        rounds = [H + 1] + [H] * ((args.steps - H - 1) // H)
+        for i, steps in enumerate(rounds):
+            for v in runs[i % len(runs) :] + runs[: i % len(runs)]:
+                v.run(steps, link)
+    rows = [v.row() for v in runs]
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -143,14 +158,14 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, out: str) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="80 steps (under 5 minutes)")
-    parser.add_argument("--steps", type=int, default=None, help="inner steps (default 200)")
+    parser.add_argument("--quick", action="store_true", help="81 steps (under 5 minutes)")
+    parser.add_argument("--steps", type=int, default=None, help="inner steps (default 201)")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=768, help="per rank")
     parser.add_argument("--latency-ms", type=float, default=50.0)
     parser.add_argument("--gbit", type=float, default=1.0, help="link bandwidth, Gbit/s")
     args = parser.parse_args()
-    args.steps = args.steps or (80 if args.quick else 200)
+    args.steps = args.steps or (81 if args.quick else 201)
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
         run_ranks(worker, 2, args, out)

@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--error-at", type=int, default=-1)
     parser.add_argument("--replicas", type=int, default=REPLICAS)
     parser.add_argument("--diloco", action="store_true")
+    parser.add_argument("--streaming", action="store_true", help="with --diloco: fragments")
     parser.add_argument("--ddp", action="store_true")
     parser.add_argument("--group-size", type=int, default=1)
     parser.add_argument("--group-rank", type=int, default=0)
@@ -178,13 +179,23 @@ def _ddp_grads(ft: fdp.FaultTolerance) -> Any:
 
 
 def diloco(ft: fdp.FaultTolerance, args: argparse.Namespace) -> None:
-    """tests/test_diloco.py's DiLoCo with the replica groups as its workers: syncs in ft.step."""
+    """tests/test_diloco.py's DiLoCo with the replica groups as its workers: syncs in ft.step
+    (``--streaming``: tests/test_streaming_diloco.py's two fragments)."""
     from tests import test_diloco as case
+    from tests import test_streaming_diloco as streaming
 
-    alg = case.algorithm("diloco", group=ft)
+    if args.streaming:
+        alg = fdp.DiLoCo(
+            fdp.optim.adamw(0.05, weight_decay=0.01),
+            sync_every=streaming.H,
+            group=ft,
+            **streaming.options("fragments"),
+        )
+    else:
+        alg = case.algorithm("diloco", group=ft)
     params = case.init_params()
     state: dict[str, Any] = {"params": params, "opt": alg.init(params)}
-    for step in range(case.STEPS):
+    for step in range(streaming.STEPS if args.streaming else case.STEPS):
         grads = case.grads_of("grad", state["params"], *case.batch(step, args.replica))
 
         def update(s: dict[str, Any], grads: Any = grads) -> dict[str, Any]:

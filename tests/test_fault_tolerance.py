@@ -298,12 +298,14 @@ def test_an_error_in_one_replica_groups_all_reduce_discards_the_step_everywhere(
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lighthouse", [2], indirect=True)
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "fragments"])
 def test_diloco_across_replica_groups_equals_the_one_process_simulation(
-    lighthouse: str, tmp_path: Path
+    lighthouse: str, tmp_path: Path, streaming: bool
 ) -> None:
-    from tests import test_diloco
+    from tests import test_diloco, test_streaming_diloco
 
-    drill = Drill(lighthouse, tmp_path, "--diloco", replicas=2)
+    extra = ["--streaming"] if streaming else []
+    drill = Drill(lighthouse, tmp_path, "--diloco", *extra, replicas=2)
     try:
         for r in range(2):
             drill.start(r)
@@ -311,7 +313,11 @@ def test_diloco_across_replica_groups_equals_the_one_process_simulation(
     finally:
         drill.kill()
     assert codes == [[0], [0]], drill.logs()
-    expected = test_diloco.simulate("diloco", "grad", 2)
+    expected = (
+        test_streaming_diloco.simulate("fragments", 2, local_sgd=False)
+        if streaming
+        else test_diloco.simulate("diloco", "grad", 2)
+    )
     for r in range(2):
         got = drill.final(r)
         for key, tree in (("params", got["params"]), ("anchor", got["opt"]["anchor"])):

@@ -56,10 +56,11 @@ def algorithm(opts: dict[str, Any], *, local_sgd: bool = False) -> fdp.DiLoCo:
 
 
 def _train(
-    rank: int, size: int, case: str, local_sgd: bool, resume_at: int | None
+    rank: int, size: int, case: str, local_sgd: bool, resume_at: int | None, compiled: bool = False
 ) -> dict[str, Any]:
     params, alg = init_params(), algorithm(options(case), local_sgd=local_sgd)
     state = alg.init(params)
+    grads_fn = torch.compile(grads_of, fullgraph=True) if compiled else grads_of
     for step in range(STEPS):
         if step == resume_at:  # a saved state, a new object: the reduction in flight redone
             buffer = io.BytesIO()
@@ -68,7 +69,7 @@ def _train(
             saved = torch.load(buffer, weights_only=False)
             params, state = saved["params"], saved["state"]
             alg = algorithm(options(case), local_sgd=local_sgd)
-        grads = grads_of("grad", params, *batch(step, rank))
+        grads = grads_fn("grad", params, *batch(step, rank))
         params, state = alg.update(grads, state, params)
     return {"params": params, "anchor": state["anchor"], "in_flight": len(state["in_flight"])}
 
@@ -181,6 +182,12 @@ def test_streaming_equals_the_one_process_simulation(case: str) -> None:
     got = ranks.world(2).run(_train, case, False, None)
     tol = 2e-2 if case == "bf16" else 1e-6
     check(got, simulate(case, 2, local_sgd=False), tol)
+
+
+def test_compiled_inner_steps_while_a_reduction_is_in_flight() -> None:
+    """The inner step's gradients compiled (fullgraph); the gloo work runs beside them."""
+    got = ranks.world(2).run(_train, "overlap2_labels", False, None, True)
+    check(got, simulate("overlap2_labels", 2, local_sgd=False), 1e-5)
 
 
 def test_three_workers_int8_and_local_sgd() -> None:
