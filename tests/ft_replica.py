@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=REPLICAS)
     parser.add_argument("--diloco", action="store_true")
     parser.add_argument("--streaming", action="store_true", help="with --diloco: fragments")
+    parser.add_argument("--overlap", type=int, default=0, help="with --streaming")
     parser.add_argument("--ddp", action="store_true")
     parser.add_argument("--group-size", type=int, default=1)
     parser.add_argument("--group-rank", type=int, default=0)
@@ -107,7 +108,9 @@ def main() -> None:
         group_world_size=args.group_size,
     )
     if args.diloco:
-        diloco(ft, args)
+        from tests import ft_diloco
+
+        ft_diloco.run(ft, args, _kill_replica_group)
         return
     state, opt = initial_state(), optimizer()
     if fsdp is not None:  # HSDP: sharded inside the replica group, replicated across groups
@@ -176,35 +179,6 @@ def _ddp_grads(ft: fdp.FaultTolerance) -> Any:
         return {k: v.grad for k, v in leaves.items()}
 
     return grads
-
-
-def diloco(ft: fdp.FaultTolerance, args: argparse.Namespace) -> None:
-    """tests/test_diloco.py's DiLoCo with the replica groups as its workers: syncs in ft.step
-    (``--streaming``: tests/test_streaming_diloco.py's two fragments)."""
-    from tests import test_diloco as case
-    from tests import test_streaming_diloco as streaming
-
-    if args.streaming:
-        alg = fdp.DiLoCo(
-            fdp.optim.adamw(0.05, weight_decay=0.01),
-            sync_every=streaming.H,
-            group=ft,
-            **streaming.options("fragments"),
-        )
-    else:
-        alg = case.algorithm("diloco", group=ft)
-    params = case.init_params()
-    state: dict[str, Any] = {"params": params, "opt": alg.init(params)}
-    for step in range(streaming.STEPS if args.streaming else case.STEPS):
-        grads = case.grads_of("grad", state["params"], *case.batch(step, args.replica))
-
-        def update(s: dict[str, Any], grads: Any = grads) -> dict[str, Any]:
-            params, opt = alg.update(grads, s["opt"], s["params"])
-            return {"params": params, "opt": opt}
-
-        state = ft.step(update, state) if alg.syncs(state["opt"]) else update(state)
-    torch.save(state, args.dir / f"final-{args.replica}.pt")
-    ft.shutdown()
 
 
 def _flaky(base: Any) -> Any:

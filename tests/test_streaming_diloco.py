@@ -71,7 +71,8 @@ def _train(
             alg = algorithm(options(case), local_sgd=local_sgd)
         grads = grads_fn("grad", params, *batch(step, rank))
         params, state = alg.update(grads, state, params)
-    return {"params": params, "anchor": state["anchor"], "in_flight": len(state["in_flight"])}
+    busy = sum(slot["started"] >= 0 for slot in state["in_flight"])
+    return {"params": params, "anchor": state["anchor"], "in_flight": busy}
 
 
 def _rounded(x: torch.Tensor, wire: torch.dtype | None) -> torch.Tensor:

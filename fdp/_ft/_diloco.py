@@ -140,19 +140,24 @@ class DiLoCo:
             )
         outer = [self.outer.init(_masked(anchor, labels, i)) for i in range(count)]
         self._flying.clear()
+        sizes = [int((labels == i).sum()) for i in range(count)]
         return {
             "inner": self.inner.init(params),
             "outer": outer[0] if count == 1 else outer,
             "anchor": anchor,
             "count": torch.zeros((), dtype=torch.int64),
             "fragments": labels,
-            "in_flight": [],
+            # One slot per fragment, the same tree whether or not a reduction is in
+            # flight (a replica group heals into a peer's state of its own form).
+            "in_flight": [_idle(n) for n in sizes],
         }
 
     def syncs(self, state: dict[str, Any]) -> bool:
-        """Whether the next :meth:`update` synchronises (under :class:`FaultTolerance`, run it
-        inside ``FaultTolerance.step``; the other updates run outside)."""
-        return bool(self._starting(state, int(state["count"]) + 1))
+        """Whether the next :meth:`update` starts or lands a fragment's reduction (under
+        :class:`FaultTolerance`, run it inside ``FaultTolerance.step``; the other updates
+        run outside)."""
+        count = int(state["count"]) + 1
+        return bool(self._landing(state, count)) or bool(self._starting(state, count))
 
     def update(self, grads: Any, state: dict[str, Any], params: Any) -> tuple[Any, dict[str, Any]]:
         """One inner step; then the fragments' reductions that land or start at it.
@@ -163,23 +168,30 @@ class DiLoCo:
         """
         count = int(state["count"]) + 1
         starting = self._starting(state, count)
+        if "in_flight" not in state:  # a state saved before Streaming DiLoCo: one fragment
+            n = len(_indices(state, 0, len(_tree.flatten(state["anchor"])[0])))
+            state = {**state, "in_flight": [_idle(n)]}
         params, inner = self.inner.update(grads, state["inner"], params)
         state = {**state, "inner": inner, "count": state["count"] + 1}
-        flying = list(state.get("in_flight", []))
         with torch.no_grad():
-            for entry in [e for e in flying if e["started"] + self.overlap == count]:
-                flying.remove(entry)
-                params, state = self._land(entry, state, params, count)
-            for entry in flying:  # a quantized reduction's second phase
-                if entry["fragment"] in self._flying:
-                    self._flying[entry["fragment"]][1].advance()
+            for i in self._landing(state, count):
+                params, state = self._land(i, state, params, count)
+            for i, slot in enumerate(state.get("in_flight", [])):
+                if slot["started"] >= 0 and i in self._flying:  # a quantized second phase
+                    self._flying[i][1].advance()
             for i in starting:
-                entry = self._start(i, state, params, count)
+                state = self._start(i, state, params, count)
                 if self.overlap == 0:
-                    params, state = self._land(entry, state, params, count)
-                else:
-                    flying.append(entry)
-        return params, {**state, "in_flight": flying}
+                    params, state = self._land(i, state, params, count)
+        return params, state
+
+    def _landing(self, state: dict[str, Any], count: int) -> list[int]:
+        slots = state.get("in_flight", [])
+        return [
+            i
+            for i, s in enumerate(slots)
+            if s["started"] >= 0 and s["started"] + self.overlap == count
+        ]
 
     def _starting(self, state: dict[str, Any], count: int) -> list[int]:
         labels = state.get("fragments")
@@ -188,31 +200,34 @@ class DiLoCo:
         return [i for i in range(total) if count % self.sync_every == at[i]]
 
     def _start(self, i: int, state: dict[str, Any], params: Any, count: int) -> dict[str, Any]:
-        """Fragment ``i``'s pseudo-gradient sent; its entry (the deltas kept for a resume)."""
+        """Fragment ``i``'s pseudo-gradient sent; kept in its slot (for a resume)."""
         anchor, _ = _tree.flatten(state["anchor"])
         leaves, _ = _tree.flatten(params)
         index = _indices(state, i, len(leaves))
         deltas = [anchor[k] - leaves[k].detach() for k in index]
-        if i in self._flying:  # an abandoned state's reduction: finished, dropped
-            self._flying.pop(i)[1].wait(count)
+        # An abandoned state's reduction (a discarded step, an old state used again):
+        # dropped; its collectives finish on their own.
+        self._flying.pop(i, None)
         call = f"fdp.{type(self).__name__}.update"
         exchange = _exchange.start(deltas, count, wire=self.sync_dtype, group=self.group, call=call)
         self._flying[i] = (count, exchange)
-        return {"fragment": i, "started": count, "delta": deltas}
+        return _with_slot(state, i, {"started": count, "delta": deltas})
 
     def _land(
-        self, entry: dict[str, Any], state: dict[str, Any], params: Any, count: int
+        self, i: int, state: dict[str, Any], params: Any, count: int
     ) -> tuple[Any, dict[str, Any]]:
         """The fragment's averaged pseudo-gradient, its outer step, the mixed parameters."""
-        i, started = entry["fragment"], entry["started"]
-        held = self._flying.get(i)
-        if held is not None and held[0] == started:
-            exchange = self._flying.pop(i)[1]
-        else:  # resumed from a saved state: the same reduction again, on every worker
+        slot = state["in_flight"][i]
+        started = slot["started"]
+        held = self._flying.pop(i, None)
+        if held is not None and held[0] == started and held[1].current():
+            exchange = held[1]
+        else:  # a saved state resumed, a quorum changed: the same reduction again, on every worker
             call = f"fdp.{type(self).__name__}.update"
             exchange = _exchange.start(
-                entry["delta"], started, wire=self.sync_dtype, group=self.group, call=call
+                slot["delta"], started, wire=self.sync_dtype, group=self.group, call=call
             )
+        state = _with_slot(state, i, _idle(len(slot["delta"])))
         averaged = exchange.wait(started)
         anchor, spec = _tree.flatten(state["anchor"])
         leaves, _ = _tree.flatten(params)
@@ -264,26 +279,32 @@ def _check_options(
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 <= alpha <= 1:
         raise ValueError(f"{call}: `alpha` expected a float in [0, 1]; got {alpha!r}")
     if isinstance(group, FaultTolerance):
-        _check_fault_tolerance(call, group, sync_dtype, overlap)
+        _check_fault_tolerance(call, group, sync_dtype)
 
 
-def _check_fault_tolerance(call: str, group: FaultTolerance, sync_dtype: Any, overlap: int) -> None:
+def _check_fault_tolerance(call: str, group: FaultTolerance, sync_dtype: Any) -> None:
     if group.init_sync:
         raise ValueError(
             f"{call}: `group` expected a FaultTolerance made with init_sync=False; got one "
             "that copies one replica group's state to all at the first synchronisation, "
             "which would discard the other workers' first local steps"
         )
-    if overlap:
-        raise ValueError(
-            f"{call}: `overlap` expected 0 with a FaultTolerance `group` (a reduction runs "
-            f"inside FaultTolerance.step, which commits or discards it); got {overlap}"
-        )
     if sync_dtype in _exchange.QUANTIZED:
         raise ValueError(
             f"{call}: `sync_dtype` expected a floating-point dtype with a FaultTolerance "
             f"`group` (its all-reduce carries no quantized wire); got {sync_dtype}"
         )
+
+
+def _idle(n: int) -> dict[str, Any]:
+    """A fragment's slot with nothing in flight: ``n`` None where the deltas go."""
+    return {"started": -1, "delta": [None] * n}
+
+
+def _with_slot(state: dict[str, Any], i: int, slot: dict[str, Any]) -> dict[str, Any]:
+    slots = list(state["in_flight"])
+    slots[i] = slot
+    return {**state, "in_flight": slots}
 
 
 def _indices(state: dict[str, Any], i: int, n: int) -> list[int]:

@@ -9,7 +9,10 @@ leaves. The wire:
   they are packed (as :func:`fdp.all_reduce_grads` does);
 - ``torch.int8`` or a float8 dtype: the leaves as one float32 vector through
   :mod:`fdp._comm._quantized_mean` (an all-to-all, then an all-gather);
-- a :class:`FaultTolerance`: its ``all_reduce_grads``, finished at once.
+- a :class:`FaultTolerance`: the same packed leaves through its
+  :meth:`~FaultTolerance.mean_start`; an exchange whose quorum changed before
+  it lands is not :meth:`Exchange.current` (every replica group of the new
+  quorum starts it again).
 
 Beside the values, every exchange averages ``[count, count**2]`` in float64:
 their mean's square equals the mean of squares only if every worker's
@@ -36,10 +39,22 @@ class Exchange:
     """A fragment's reduction under way (or done, under a :class:`FaultTolerance`)."""
 
     def __init__(
-        self, finish: Any, check: torch.Tensor, work: Any, call: str, *, advance: Any = None
+        self,
+        finish: Any,
+        check: torch.Tensor,
+        work: Any,
+        call: str,
+        *,
+        advance: Any = None,
+        current: Any = None,
+        trusted: Any = None,
     ) -> None:
         self._finish, self._check, self._work, self._call = finish, check, work, call
-        self._advance = advance
+        self._advance, self._current, self._trusted = advance, current, trusted
+
+    def current(self) -> bool:
+        """Whether it can still land: under a FaultTolerance, the quorum it started in lives."""
+        return self._current is None or bool(self._current())
 
     def advance(self) -> None:
         """Moves a two-phase (quantized) reduction to its second phase; else nothing."""
@@ -51,6 +66,8 @@ class Exchange:
         if self._work is not None:
             self._work.wait()
         leaves: list[torch.Tensor] = self._finish()
+        if self._trusted is not None and not self._trusted():
+            return leaves  # a failed step's values: discarded at its commit
         mean, mean_square = self._check.tolist()
         if abs(mean * mean - mean_square) > 1e-6 * max(1.0, mean_square):
             raise ValueError(
@@ -73,10 +90,16 @@ def start(
     check = torch.tensor([count, count * count], dtype=torch.float64)
     with torch.no_grad():
         if isinstance(group, FaultTolerance):
-            plain = [d if wire is None else d.to(wire) for d in deltas]
-            done: Any = group.all_reduce_grads({"delta": plain, "check": check})
-            got: list[torch.Tensor] = done["delta"]
-            return Exchange(lambda: got, done["check"], None, call)
+            wired, dtypes, flats = _packed(deltas, wire)
+            pending = group.mean_start([*flats, check])
+
+            def finish() -> list[torch.Tensor]:
+                pending.wait()
+                return _unpacked(wired, dtypes, flats)
+
+            return Exchange(
+                finish, check, None, call, current=pending.current, trusted=pending.trusted
+            )
         scale = 1.0 / dist.get_world_size(group)
         check.mul_(scale)
         check_work = dist.all_reduce(check, group=group, async_op=True)
@@ -95,25 +118,38 @@ def _plain(
     call: str,
 ) -> Exchange:
     """One all-reduce per wire dtype of the leaves packed flat, pre-divided."""
-    wired = [d.to(wire) if wire is not None else d for d in deltas]
-    dtypes = list(dict.fromkeys(d.dtype for d in wired))
-    flats = [
-        torch.cat([d.reshape(-1) for d in wired if d.dtype == dt]).mul_(scale) for dt in dtypes
-    ]
-    works = [dist.all_reduce(f, group=group, async_op=True) for f in flats]
+    wired, dtypes, flats = _packed(deltas, wire)
+    works = [dist.all_reduce(f.mul_(scale), group=group, async_op=True) for f in flats]
 
     def finish() -> list[torch.Tensor]:
         for w in works:
             w.wait()
-        offsets = dict.fromkeys(dtypes, 0)
-        out = []
-        for d in wired:
-            flat, at = flats[dtypes.index(d.dtype)], offsets[d.dtype]
-            out.append(flat[at : at + d.numel()].view(d.shape))
-            offsets[d.dtype] = at + d.numel()
-        return out
+        return _unpacked(wired, dtypes, flats)
 
     return Exchange(finish, check, check_work, call)
+
+
+def _packed(
+    deltas: list[torch.Tensor], wire: torch.dtype | None
+) -> tuple[list[torch.Tensor], list[torch.dtype], list[torch.Tensor]]:
+    """The leaves in the wire's dtype, their dtypes, one flat buffer per dtype."""
+    wired = [d.to(wire) if wire is not None else d for d in deltas]
+    dtypes = list(dict.fromkeys(d.dtype for d in wired))
+    flats = [torch.cat([d.reshape(-1) for d in wired if d.dtype == dt]) for dt in dtypes]
+    return wired, dtypes, flats
+
+
+def _unpacked(
+    wired: list[torch.Tensor], dtypes: list[torch.dtype], flats: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The leaves again, as views of the reduced flat buffers."""
+    offsets = dict.fromkeys(dtypes, 0)
+    out = []
+    for d in wired:
+        flat, at = flats[dtypes.index(d.dtype)], offsets[d.dtype]
+        out.append(flat[at : at + d.numel()].view(d.shape))
+        offsets[d.dtype] = at + d.numel()
+    return out
 
 
 def _quantized(

@@ -27,7 +27,7 @@ from fdp import _bucket, _compat, _mode, _tree
 from fdp._comm._comm_hooks import GradBucket
 from fdp._ft import _healing, _torchft
 
-__all__ = ["FaultTolerance", "ManagerLike"]
+__all__ = ["FaultTolerance", "ManagerLike", "PendingMean"]
 
 T = TypeVar("T")
 
@@ -235,6 +235,23 @@ class FaultTolerance:
         reduced: T = _all_reduce(self.manager, grads, self._cap, call)
         return reduced
 
+    def mean_start(self, tensors: list[torch.Tensor]) -> PendingMean:
+        """Starts averaging ``tensors`` in place over the live replica groups (inside a step).
+
+        For a reduction that lands in a later step (Streaming DiLoCo's
+        ``overlap``): wait for it inside that step. If the quorum changed in
+        between (a replica group lost or healed), :meth:`PendingMean.current`
+        is False on every replica group of the new quorum and the caller
+        starts again; a failure is the waiting step's error (discarded
+        everywhere at its commit).
+        """
+        if not self._in_step:
+            raise RuntimeError(
+                "fdp.FaultTolerance.mean_start: called outside FaultTolerance.step; the average "
+                "is over the replica groups of a step's quorum"
+            )
+        return PendingMean(self.manager, tensors)
+
     @staticmethod
     def comm_hook(state: FaultTolerance, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         """A DDP comm hook averaging each bucket over the live replica groups.
@@ -249,6 +266,34 @@ class FaultTolerance:
         when that cannot be promised.
         """
         return _torchft.mean_future(state.manager, bucket.buffer())
+
+
+class PendingMean:
+    """An average over a step's quorum under way (:meth:`FaultTolerance.mean_start`)."""
+
+    def __init__(self, manager: ManagerLike, tensors: list[torch.Tensor]) -> None:
+        self.manager, self.tensors = manager, tensors
+        self.quorum = _torchft.quorum_id(manager)
+        scale = 1.0 / manager.num_participants()
+        with torch.no_grad():
+            for t in tensors:
+                t.mul_(scale)
+            self._works = [_torchft.sum_async(manager, t) for t in tensors]
+
+    def current(self) -> bool:
+        """Whether the quorum it was started in is still the live one."""
+        return _torchft.quorum_id(self.manager) == self.quorum
+
+    def wait(self) -> list[torch.Tensor]:
+        """The averaged tensors; a failure is reported to the manager (the step discards)."""
+        for work in self._works:
+            _torchft.wait(self.manager, work)
+        self._works = []
+        return self.tensors
+
+    def trusted(self) -> bool:
+        """Whether nothing failed in this step: the values mean something."""
+        return self.manager.errored() is None
 
 
 # It issues its one sum when called: DDP may have several buckets in flight.

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_sync", "make_manager", "mean_future", "sum_async", "wait"]
+__all__ = ["init_sync", "make_manager", "mean_future", "quorum_id", "sum_async", "wait"]
 
 _INSTALL = "pip install 'fdp[ft]' (or pip install torchft)"
 
@@ -83,6 +83,12 @@ def _store(group_world_size: int, call: str) -> tuple[Any, str, int]:
 def init_sync(manager: Any) -> bool:
     """Whether the manager heals every replica group from one peer at step 0."""
     return bool(getattr(manager, "_init_sync", True))
+
+
+def quorum_id(manager: Any) -> int:
+    """The quorum's id: it changes whenever the live replica groups (and the process group
+    across them) are reconfigured; -1 for a manager that has none."""
+    return int(getattr(manager, "_quorum_id", -1))
 
 
 def sum_async(manager: Any, tensor: Any) -> Any:
