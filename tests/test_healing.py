@@ -310,3 +310,11 @@ def test_diloco_refuses_a_fault_tolerance_that_copies_one_state_at_the_first_syn
     ft = fdp.FaultTolerance(FakeManager(init_sync=True))
     with pytest.raises(ValueError, match=r"`group` expected a FaultTolerance made with init_sync"):
         fdp.DiLoCo(fdp.optim.sgd(0.1), sync_every=2, group=ft)
+
+
+def test_diloco_refuses_a_quantized_wire_across_replica_groups() -> None:
+    ft = fdp.FaultTolerance(FakeManager(init_sync=False))
+    with pytest.raises(ValueError, match=r"`sync_dtype` expected a floating-point dtype with a"):
+        fdp.DiLoCo(fdp.optim.sgd(0.1), sync_every=2, group=ft, sync_dtype=torch.int8)
+    with pytest.raises(RuntimeError, match=r"fdp.FaultTolerance.mean_start: called outside"):
+        ft.mean_start([torch.ones(2)])

@@ -176,9 +176,10 @@ class DiLoCo:
         with torch.no_grad():
             for i in self._landing(state, count):
                 params, state = self._land(i, state, params, count)
-            for i, slot in enumerate(state.get("in_flight", [])):
-                if slot["started"] >= 0 and i in self._flying:  # a quantized second phase
-                    self._flying[i][1].advance()
+            for i, slot in enumerate(state["in_flight"]):
+                held = self._flying.get(i)
+                if slot["started"] >= 0 and held is not None and held[0] == slot["started"]:
+                    held[1].advance()  # a quantized reduction's second phase
             for i in starting:
                 state = self._start(i, state, params, count)
                 if self.overlap == 0:
