@@ -96,12 +96,14 @@ def main() -> None:
     fsdp = _replica_group(args) if args.group_size > 1 else None
     import torchft
 
-    pg = _flaky(torchft.ProcessGroupGloo)(timeout=timedelta(seconds=10))
+    # Generous: a loaded machine's process group setup and quorums take seconds; a
+    # lost peer is noticed at once (its connections close), never by a timeout.
+    pg = _flaky(torchft.ProcessGroupGloo)(timeout=timedelta(seconds=30))
     ft = fdp.FaultTolerance.connect(
         args.lighthouse,
         replica_id=f"replica_{args.replica}",
         min_replicas=2,
-        timeout=timedelta(seconds=20),
+        timeout=timedelta(seconds=60),
         pg=pg,
         init_sync=not args.diloco,
         group_rank=args.group_rank,
