@@ -1,4 +1,5 @@
-"""fdp._comm._quantized_mean on 3 gloo ranks against the rounding written out in one process."""
+"""fdp._comm._quantized_mean on 2 and 3 gloo ranks against the rounding written out in one
+process (2 ranks: one all-gather of the whole vectors; 3: an all-to-all, then an all-gather)."""
 
 from __future__ import annotations
 
@@ -29,17 +30,17 @@ def _mean(rank: int, size: int, n: int, advance: bool) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("n", [1, 700, 1536])
-def test_every_rank_gets_the_mean_through_the_wire(n: int) -> None:
-    got = ranks.world(3).run(_mean, n, n == 700)
+@pytest.mark.parametrize(("world", "n"), [(3, 1), (3, 700), (3, 1536), (2, 1), (2, 1000)])
+def test_every_rank_gets_the_mean_through_the_wire(world: int, n: int) -> None:
+    got = ranks.world(world).run(_mean, n, n == 700)
     for i, wire in enumerate(WIRES):
-        expected = mean_over_wire([vector(r, n) for r in range(3)], wire)
-        for rank in range(3):
+        expected = mean_over_wire([vector(r, n) for r in range(world)], wire)
+        for rank in range(world):
             torch.testing.assert_close(got[rank][i], expected, rtol=1e-6, atol=0)
         # int8: off by at most half a step (max|x| / 127) in each of the two roundings.
-        exact = torch.stack([vector(r, n) for r in range(3)]).mean(0)
+        exact = torch.stack([vector(r, n) for r in range(world)]).mean(0)
         if wire == torch.int8:
-            bound = max(float(vector(r, n).abs().max()) for r in range(3)) / 127
+            bound = max(float(vector(r, n).abs().max()) for r in range(world)) / 127
             assert float((got[0][i] - exact).abs().max()) <= bound
 
 

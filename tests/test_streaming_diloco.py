@@ -100,6 +100,10 @@ def mean_over_wire(deltas: list[torch.Tensor], wire: torch.dtype | None) -> torc
         return total.float()
     if wire is None:
         return torch.stack(deltas).mean(0)
+    if n == 2:  # each whole vector rounded, summed in float32 in worker order, scaled
+        total = _rounded(deltas[0], wire).clone()
+        total += _rounded(deltas[1], wire)
+        return total * 0.5
     # Chunk j of every worker's vector (chunks of ceil(len / n), the last padded),
     # rounded, summed in float32 in worker order, scaled, rounded again.
     chunk = -(-deltas[0].numel() // n)

@@ -15,9 +15,13 @@ travels ``1 + 4/BLOCK`` bytes, in each of the two phases: each rank sends
 ``2 (world - 1) / world`` times the vector's packed bytes, as a ring
 all-reduce does of its float32 bytes, so the wire carries 0.254x float32's.
 
-Two phases, each a collective started by :meth:`QuantizedMean.advance`: the
-first is started by :func:`quantized_mean_start`, the second by the first
-``advance`` after it (the caller decides when, the same on every rank).
+Two phases, each a collective: the first is started by
+:func:`quantized_mean_start`, the second by the first
+:meth:`QuantizedMean.advance` after it (the caller decides when, the same on
+every rank). With two ranks the two phases carry the same bytes as one
+all-gather of each rank's whole encoded vector, so that is what runs there:
+one collective, started at once, and one rounding (the sum is not encoded
+again).
 """
 
 from __future__ import annotations
@@ -75,37 +79,44 @@ class QuantizedMean:
     :meth:`wait` finishes it and returns the mean (``n`` float32 values)."""
 
     def __init__(self, flat: torch.Tensor, wire: torch.dtype, group: ProcessGroup | None) -> None:
-        self.world, self.n, self.wire, self.group = (
-            dist.get_world_size(group),
-            flat.numel(),
-            wire,
-            group,
-        )
-        self.chunk = -(-self.n // self.world)
+        self.world, self.n, self.wire = dist.get_world_size(group), flat.numel(), wire
+        self.group, self.whole = group, self.world == 2
+        if self.whole:  # one all-gather of the whole vectors: the same bytes, one phase
+            self.chunk, self.phase = self.n, 2
+            self._gather(_encode(flat, wire))
+            return
+        self.chunk, self.phase = -(-self.n // self.world), 1
         padded = torch.nn.functional.pad(flat, (0, self.chunk * self.world - self.n))
         send = torch.stack([_encode(c, wire) for c in padded.view(self.world, self.chunk)])
         self.rows = torch.empty_like(send)
         self.work: Any = dist.all_to_all_single(self.rows, send, group=group, async_op=True)
-        self.phase = 1
+
+    def _gather(self, part: torch.Tensor) -> None:
+        self.rows = part.new_empty(self.world, part.numel())
+        self.work = _compat.all_gather_single(self.rows.view(-1), part, self.group)
+
+    def _sum(self) -> torch.Tensor:
+        """The decoded rows summed in float32 in rank order (every rank the same), scaled."""
+        got = _decode(self.rows, self.chunk, self.wire)
+        total = got[0].clone()
+        for row in got[1:]:
+            total += row
+        return total * (1.0 / self.world)
 
     def advance(self) -> None:
         """The first phase's chunks summed and the all-gather of their mean started."""
         if self.phase != 1:
             return
         self.work.wait()
-        got = _decode(self.rows, self.chunk, self.wire)
-        total = got[0].clone()
-        for row in got[1:]:  # rank order, float32: every rank's sum the same
-            total += row
-        part = _encode(total * (1.0 / self.world), self.wire)
-        self.rows = part.new_empty(self.world, part.numel())
-        self.work = _compat.all_gather_single(self.rows.view(-1), part, self.group)
+        self._gather(_encode(self._sum(), self.wire))
         self.phase = 2
 
     def wait(self) -> torch.Tensor:
         """The mean, the same on every rank (waits for what is still under way)."""
         self.advance()
         self.work.wait()
+        if self.whole:
+            return self._sum()
         return _decode(self.rows, self.chunk, self.wire).reshape(-1)[: self.n]
 
 
