@@ -185,7 +185,7 @@ def check(got: list[dict[str, Any]], expected: list[dict[str, Any]], tol: float)
 )
 def test_streaming_equals_the_one_process_simulation(case: str) -> None:
     got = ranks.world(2).run(_train, case, False, None)
-    tol = 2e-2 if case == "bf16" else 1e-6
+    tol = 1e-6
     check(got, simulate(case, 2, local_sgd=False), tol)
 
 
