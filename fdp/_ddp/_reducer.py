@@ -100,7 +100,7 @@ class Reducer:
         # their aliases belong to ordinary autograd, as the leaves do.
         with _compat.functorch_disabled():
             if sparse_ok:
-                aliases = self._run_aliases(leaves, hooked)
+                aliases = self._run_aliases(call, leaves, hooked)
             else:
                 aliases = [_compat.early_alias(leaves[i]) for i in hooked]
         # The hook holds the call (the leaves), never the alias: a reference
@@ -121,7 +121,7 @@ class Reducer:
                     out[i] = shared
         return out
 
-    def _run_aliases(self, leaves: list[Any], hooked: list[int]) -> list[torch.Tensor]:
+    def _run_aliases(self, call: _Call, leaves: list[Any], hooked: list[int]) -> list[torch.Tensor]:
         """An alias of each hooked leaf, one node per run (see Note [one node a run])."""
         layout, runs = self.reduction.layout, self.runs
         aliases: list[torch.Tensor] = []
@@ -131,7 +131,8 @@ class Reducer:
             while end < len(hooked) and runs[hooked[end]] == run:
                 end += 1
             device = layout.buckets[layout.where[hooked[start]][0]].device
-            made = _APPLY_ALIASES(self.probes[device], *[leaves[i] for i in hooked[start:end]])
+            part = _Run(call, tuple(hooked[start:end]))
+            made = _APPLY_ALIASES(part, self.probes[device], *[leaves[i] for i in part.indices])
             _compat.run_early(made[0])
             aliases.extend(made)
             start = end
@@ -169,7 +170,19 @@ class _Call:
     sparse_ok: bool  # the aliases pass sparse gradients on
 
     def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
-        return self.reducer.step(self).on_grad(i, grad)
+        # sparse_ok: the aliases are _Aliases outputs, whose node runs on_run
+        return self.reducer.step(self).on_grad(i, grad, node=self.sparse_ok)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """The leaves one ``_Aliases`` node aliases, and their call: what its backward packs."""
+
+    call: _Call
+    indices: tuple[int, ...]
+
+    def on_run(self, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+        return self.call.reducer.step(self.call).on_run(self.indices, grads)
 
 
 class _Aliases(torch.autograd.Function):
@@ -186,8 +199,9 @@ class _Aliases(torch.autograd.Function):
     Note [one node a run]: one node for a run of a bucket's leaves up to 1 MiB
     together (:func:`alias_runs`), not one per leaf: a node costs about 4 us
     a leaf more than an output does, 0.8 ms of a 200-leaf ``ddp(params)``
-    (docs/performance.md). The node runs, and its outputs' hooks pack the
-    gradients, once every gradient of the run is complete; until then the
+    (docs/performance.md). The node runs, and its outputs' hooks (or under
+    ``loss.backward()`` the node itself, in one copy: ``Step.on_run``) pack
+    the gradients, once every gradient of the run is complete; until then the
     engine holds the run's local gradients, and the bucket cannot launch
     anyway. The cap keeps that to a megabyte held and a megabyte's copy
     before a launch; a large leaf keeps a node of its own. Outputs that a
@@ -197,13 +211,17 @@ class _Aliases(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, probe: torch.Tensor, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, run: _Run, probe: torch.Tensor, *leaves: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)  # an undefined gradient stays undefined
+        ctx.run = run
         return tuple(map(torch.Tensor.detach, leaves))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        return (None, *grads)  # none for the probe (fdp/_ddp/_delivery.py)
+        # None for the run and the probe (fdp/_ddp/_delivery.py)
+        return (None, None, *ctx.run.on_run(grads))
 
 
 _APPLY_ALIASES = _compat.plain_apply(_Aliases)

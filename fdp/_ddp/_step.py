@@ -2,10 +2,12 @@
 
 One :class:`Step` lives from the first hook of a backward that passes
 through a ``ddp(params)`` output to the end of that backward
-(``fdp/_ddp/_reducer.py`` says what arms it). Each hook copies its gradient
-into its bucket's flat buffer; a full bucket is launched once every earlier
-bucket has been, so every rank issues the same collectives in the same
-order. A callback queued on the engine runs when backward ends: it launches what is
+(``fdp/_ddp/_reducer.py`` says what arms it). Each gradient is copied into
+its bucket's flat buffer, by its hook or, under ``loss.backward()``, with
+its run of leaves by their alias node (:meth:`Step.on_run`); a full bucket
+is scaled by the ``prescale`` once and launched once every earlier bucket
+has been, so every rank issues the same collectives in the same order. A
+callback queued on the engine runs when backward ends: it launches what is
 left (leaves nobody used count as zero), waits, and hands the reduced
 gradients out:
 
@@ -26,6 +28,7 @@ disabled: the c10d ops are differentiable and would otherwise be recorded
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,9 +40,9 @@ from torch.autograd.profiler import record_function as _label
 
 from fdp import _compat, _grad
 from fdp._bucket import Layout
-from fdp._comm import _comm_hooks, _transforms
+from fdp._comm import _comm_hooks
 from fdp._comm._comm_hooks import CommHook, GradBucket
-from fdp._ddp import _delivery
+from fdp._ddp import _delivery, _graphed, _late
 from fdp._ddp._delivery import Delivery
 from fdp._ddp._replicas import Replicas
 from fdp._ddp._sparse import empty_sparse, reduce_sparse
@@ -50,7 +53,7 @@ class Reduction:
     """What every step of one ``DistributedDataParallel`` reduces, and how.
 
     ``hook(state, bucket)`` (a comm hook, or None: ``_comm_hooks.sum_hook`` after
-    a ``prescale`` folded into packing) returns a future of the reduced
+    the bucket is multiplied by the ``prescale``) returns a future of the reduced
     bucket. ``paths`` names every leaf for error messages.
     """
 
@@ -75,7 +78,7 @@ class Reduction:
 
     @property
     def prescale(self) -> float:
-        """What packing multiplies each gradient by: the default's division by the world size."""
+        """What a bucket is multiplied by at its launch: the default's 1 / world size."""
         return 1.0 / dist.get_world_size(self.group) if self.hook is None else 1.0
 
 
@@ -108,9 +111,9 @@ class Step:
         self.reduction, self.sparse_ok = reduction, sparse_ok
         # Per device, a leaf that the aliases' nodes take and never give a
         # gradient: whether the engine runs it says whether this backward
-        # selects leaves (see _decide). None where each leaf has a node of its own.
+        # selects leaves (see decide). None where each leaf has a node of its own.
         self.probes = probes
-        self.selective = False  # backward(inputs=...), autograd.grad: _decide sets it
+        self.selective = False  # backward(inputs=...), autograd.grad: decide sets it
         self.done = done  # told when this backward's reduction has finished
         # ``join`` may divide by the ranks still training, and needs the
         # usage all-reduce on every step, which mirroring ranks answer.
@@ -120,8 +123,9 @@ class Step:
         self.hooked = hooked
         self.used: set[int] = set()  # leaves that got a gradient on this rank
         self.sparse: dict[int, torch.Tensor | None] = {}  # sparse here: this backward's
-        self.late: dict[int, torch.Tensor] = {}  # after their bucket's launch: see _again
+        self.late: dict[int, torch.Tensor] = {}  # past their launch: fdp/_ddp/_late.py
         self.next_launch, self.delivery, self.queued = 0, Delivery.UNDECIDED, False
+        self.batched = False  # alias nodes pack their runs: see on_run
         self.lock = threading.Lock()
         for i in hooked:
             self.buckets[reduction.layout.where[i][0]].expected += 1
@@ -140,44 +144,110 @@ class Step:
             state.views = self.reduction.layout.buckets[k].views(state.flat)
         return state.flat
 
-    def _view(self, i: int) -> torch.Tensor:
+    def view(self, i: int) -> torch.Tensor:
         k, j = self.reduction.layout.where[i]
         self._flat(k)
         return self.buckets[k].views[j]
 
     def _refuse(self, i: int, grad: torch.Tensor | None) -> None:
         """Raises, inside backward, for what the reduction cannot give the reference for."""
-        where = f"params leaf {self.reduction.paths[i]}"
         if grad is not None and grad.layout not in (torch.strided, torch.sparse_coo):
             raise RuntimeError(
-                f"fdp.DistributedDataParallel: {where} got a gradient with layout "
-                f"{grad.layout}; fdp reduces dense (strided) and sparse COO gradients: "
-                "convert it in a hook on the parameter"
+                f"fdp.DistributedDataParallel: params leaf {self.reduction.paths[i]} got a "
+                f"gradient with layout {grad.layout}; fdp reduces dense (strided) and sparse "
+                "COO gradients: convert it in a hook on the parameter"
             )
 
-    def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """Leaf ``i``'s gradient: graphed, sparse, a second one, or the first (dense or None)."""
-        self._refuse(i, grad)
-        if torch.is_grad_enabled():  # backward(create_graph=True)
-            return self._graphed(i, grad)
-        with self.lock, torch.no_grad(), _compat.functorch_disabled():
-            if self.delivery is Delivery.UNDECIDED:
-                self.delivery = Delivery.RETURNED if self._decide(i) else Delivery.ACCUMULATED
-            if not self.queued:
-                _compat.queue_backward_callback(self.finish)
-                self.queued = True
-            if grad is None or self._dropped(i):
-                # Undefined, not reached (its bucket's node ran for the
-                # others), or not asked for: packed from .grad at the launch.
-                return grad
-            k = self.reduction.layout.where[i][0]
-            if grad.is_sparse:
-                return self._sparse(i, k, grad)
-            if i in self.buckets[k].filled:
-                return self._again(i, k, grad)
-            return self._first(i, k, grad)
+    def on_grad(
+        self, i: int, grad: torch.Tensor | None, *, node: bool = False
+    ) -> torch.Tensor | None:
+        """Leaf ``i``'s gradient: graphed, sparse, a second one, or the first (dense or None).
 
-    def _decide(self, i: int) -> bool:
+        ``node``: whether the alias's node (``_Aliases``) runs :meth:`on_run`
+        after this hook, which packs the run of leaves at once when the
+        backward accumulates (see :meth:`on_run`).
+        """
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            self._refuse(i, grad)
+            return _graphed.on_grad(self, i, grad)
+        # Grad mode is off here already (the engine runs hooks without it).
+        with self.lock, _compat.functorch_disabled():
+            if self.delivery is Delivery.UNDECIDED:
+                self._start(i)
+            if node and self.batched:
+                return grad  # its node packs it with its run: on_run
+            return self._one(i, grad)
+
+    def _start(self, i: int) -> None:
+        """At the backward's first hook: how it delivers, and the callback at its end."""
+        self.delivery = Delivery.RETURNED if self.decide(i) else Delivery.ACCUMULATED
+        # loss.backward() runs every alias node its gradients reach; a backward that
+        # selects (inputs=...) or returns may take an alias's gradient without its node.
+        self.batched = self.delivery is Delivery.ACCUMULATED and not self.selective
+        if not self.queued:
+            _compat.queue_backward_callback(self.finish)
+            self.queued = True
+
+    def _one(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Packs one leaf's gradient (under the lock): what the engine gets in its place."""
+        self._refuse(i, grad)
+        if grad is None or self.dropped(i):
+            # Undefined, not reached (its bucket's node ran for the
+            # others), or not asked for: packed from .grad at the launch.
+            return grad
+        k = self.reduction.layout.where[i][0]
+        if grad.is_sparse:
+            return self._sparse(i, k, grad)
+        if i in self.buckets[k].filled:
+            return _late.again(self, i, k, grad)
+        return self._first(i, k, grad)
+
+    def on_run(
+        self, indices: tuple[int, ...], grads: tuple[torch.Tensor | None, ...]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """A run's node: packs its leaves' gradients in one copy, where the hooks left them.
+
+        Under ``loss.backward()`` (:meth:`_start`'s ``batched``) the hooks
+        pass the gradients on and the node packs them here: one multi-tensor
+        copy for the run instead of a Python call and a copy per leaf. The
+        plain case (a first, dense gradient, no ``.grad`` to fold) is
+        batched; any other leaf takes :meth:`_one`. Otherwise the hooks
+        packed already, and the gradients pass on as they are.
+        """
+        if not self.batched or torch.is_grad_enabled():
+            return grads
+        with self.lock, _compat.functorch_disabled():
+            out = list(grads)
+            views: list[torch.Tensor] = []
+            sources: list[torch.Tensor] = []
+            where, buckets, leaves, strided = (
+                self.reduction.layout.where, self.buckets, self.leaves, torch.strided
+            )  # fmt: skip
+            for pos, i in enumerate(indices):
+                grad, (k, j) = grads[pos], where[i]
+                state = buckets[k]
+                if (
+                    grad is None
+                    or grad.layout is not strided
+                    or i in state.filled
+                    or leaves[i].grad is not None
+                ):
+                    out[pos] = self._one(i, grad)
+                    continue
+                if state.flat is None:
+                    self._flat(k)
+                view = state.views[j]
+                views.append(view)
+                sources.append(grad)
+                state.filled.add(i)
+                self.used.add(i)
+                out[pos] = view.detach()  # see into_bucket: .grad is None already
+            if views:
+                _compat.foreach_copy_(views, sources)
+                self._launch_complete()
+            return tuple(out)
+
+    def decide(self, i: int) -> bool:
         """At the backward's first hook: whether it returns the gradients (else accumulates)."""
         k = self.reduction.layout.where[i][0]
         bucket = self.reduction.layout.buckets[k]
@@ -185,7 +255,7 @@ class Step:
         returned, self.selective = _delivery.decide(self.leaves, i, bucket.indices, probe)
         return returned
 
-    def _dropped(self, i: int) -> bool:
+    def dropped(self, i: int) -> bool:
         """Whether ``backward(inputs=...)`` leaves leaf ``i`` out (its node ran for others)."""
         return (
             self.selective
@@ -195,25 +265,29 @@ class Step:
 
     def _first(self, i: int, k: int, grad: torch.Tensor) -> torch.Tensor:
         """Leaf ``i``'s first gradient, packed into bucket ``k``."""
-        leaf, view = self.leaves[i], self._view(i)
+        leaf, view = self.leaves[i], self.view(i)
         old = None if self.returned else leaf.grad
         self.used.add(i)
         if old is None:
-            torch.mul(_compat.unwrap_functorch(grad), self.prescale, out=view)
+            view.copy_(_compat.unwrap_functorch(grad))
         else:  # fold what earlier backwards (under no_sync) accumulated
-            torch.add(_compat.unwrap_functorch(grad), old, out=view).mul_(self.prescale)
+            torch.add(_compat.unwrap_functorch(grad), old, out=view)
         self._filled(i, k)
-        return view if self.returned else self._into_bucket(leaf, view)
+        return view if self.returned else self.into_bucket(leaf, view)
 
     def _filled(self, i: int, k: int) -> None:
         """Leaf ``i``'s slot of bucket ``k`` is final: launches the buckets now complete."""
         self.buckets[k].filled.add(i)
+        self._launch_complete()
+
+    def _launch_complete(self) -> None:
+        """Launches, in order, the buckets that hold every gradient this rank gives them."""
         while self.next_launch < len(self.buckets) and self._complete(self.next_launch):
-            with _label(f"fdp::ddp.bucket {self.next_launch}"):  # a profiler trace shows it
+            with _bucket_label(self.next_launch):
                 self._launch(self.next_launch)
 
     @staticmethod
-    def _into_bucket(leaf: Any, view: torch.Tensor) -> torch.Tensor:
+    def into_bucket(leaf: Any, view: torch.Tensor) -> torch.Tensor:
         """What the engine stores in ``.grad``: a fresh alias of the leaf's bucket view.
 
         The engine keeps a tensor that nothing else references instead of
@@ -251,66 +325,13 @@ class Step:
         kept = self.sparse.get(i)
         self.sparse[i] = grad if kept is None else kept + grad
         if i not in self.buckets[k].filled:
-            self._view(i).zero_()
+            self.view(i).zero_()
             self._filled(i, k)
         return empty_sparse(leaf.shape, leaf.dtype, leaf.device)
 
     def _complete(self, k: int) -> bool:
         """Whether bucket ``k`` holds every gradient this rank will give it."""
         return len(self.buckets[k].filled) == self.buckets[k].expected
-
-    def _again(self, i: int, k: int, grad: torch.Tensor) -> torch.Tensor:
-        """A second gradient for leaf ``i`` in one backward: folded in, or set aside.
-
-        A nested backward (reentrant activation checkpointing) gives a leaf
-        used in several places one gradient per backward. Before the
-        bucket's launch it is added to the leaf's slot; after, it is kept
-        aside and reduced at the end (see :meth:`_reduce_late`), while the
-        engine gets it for a ``.grad`` that the hand-out replaces (never the
-        bucket, which the collective may be using).
-        """
-        if self.returned:
-            raise RuntimeError(
-                f"fdp.DistributedDataParallel: params leaf {self.reduction.paths[i]} got a second "
-                "gradient in one backward (a nested backward, as reentrant activation "
-                "checkpointing runs) under torch.autograd.grad or torch.func.grad, which "
-                "return one gradient per leaf; use checkpoint(..., use_reentrant=False), or "
-                "loss.backward()"
-            )
-        self.used.add(i)
-        grad = _compat.unwrap_functorch(grad)
-        leaf = self.leaves[i]
-        if k >= self.next_launch:
-            view = self._view(i)
-            view.add_(grad, alpha=self.prescale)
-            return self._into_bucket(leaf, view)
-        scale = (
-            self.prescale
-            if self.reduction.hook is None
-            else 1.0 / dist.get_world_size(self.reduction.group)
-        )
-        late = self.late.get(i)
-        self.late[i] = grad * scale if late is None else late.add_(grad, alpha=scale)
-        leaf.grad = None
-        return grad
-
-    def _reduce_late(self) -> None:
-        """Reduces the gradients that missed their bucket, on every rank (some had them)."""
-        # Note [late gradients]: why every bucket, on every rank. Whether a gradient came late
-        # depends on this rank's graph (a reentrant checkpoint, a leaf used
-        # twice), so ranks differ; one more all-reduce per bucket, zeros where
-        # nothing was late, keeps their collectives paired whatever happened.
-        for k, bucket in enumerate(self.reduction.layout.buckets):
-            extra = bucket.empty().view(-1).zero_()
-            for j, view in enumerate(bucket.views(extra)):
-                late = self.late.get(bucket.indices[j])
-                if late is not None:
-                    view.copy_(late)
-            dist.all_reduce(extra, group=self.reduction.group)
-            flat = self.buckets[k].flat
-            if flat is not None:
-                flat.add_(extra)
-        self.late.clear()
 
     def _launch(self, k: int) -> None:
         if self.reduction.serial and k > 0:
@@ -328,7 +349,9 @@ class Step:
             if old is not None and old.is_sparse:  # from no_sync: reduced on its own
                 self.sparse.setdefault(i, None)
                 old = None
-            _pack_old(self.buckets[k].views[j], old, self.prescale)
+            _pack_old(self.buckets[k].views[j], old)
+        if self.prescale != 1.0:  # the slots hold local sums until here: scaled at once
+            flat.mul_(self.prescale)
         if self.reduction.hook is None:
             future: Any = _comm_hooks.sum_hook(flat, self.reduction.group)
         else:
@@ -350,75 +373,17 @@ class Step:
                 return
             self._finish()
 
-    def _graphed(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """A gradient of ``backward(create_graph=True)``: left to the engine, reduced at the end.
-
-        The engine accumulates it into ``.grad`` with its graph; the finish
-        then replaces each ``.grad`` by the average over ranks through a
-        differentiable all-reduce (the psum rule), so that a gradient
-        penalty differentiates the global batch's gradient.
-        """
-        with self.lock:
-            where = f"params leaf {self.reduction.paths[i]}"
-            if grad is not None and grad.is_sparse:
-                raise RuntimeError(
-                    f"fdp.DistributedDataParallel: backward with create_graph=True reached "
-                    f"{where} with a sparse gradient; use dense gradients for double backward"
-                )
-            if self.delivery is Delivery.UNDECIDED:
-                if self._decide(i):
-                    raise RuntimeError(
-                        f"fdp.DistributedDataParallel: torch.autograd.grad(..., "
-                        f"create_graph=True) reached {where}; the gradients it returns are "
-                        "taken before the reduction can give them a graph. Use "
-                        "loss.backward(create_graph=True) and read .grad (reduced, with its "
-                        "graph), or torch.func.grad around ddp(params)"
-                    )
-                self.delivery = Delivery.GRAPHED
-            if self.reduction.hook not in (None, _comm_hooks.allreduce_hook):
-                raise RuntimeError(
-                    f"fdp.DistributedDataParallel: backward with create_graph=True reached "
-                    f"{where} with a comm hook, whose reduction cannot carry a graph; use "
-                    "the default reduction for double backward"
-                )
-            if grad is not None and not self._dropped(i):
-                self.used.add(i)
-            if not self.queued:
-                _compat.queue_backward_callback(self.finish)
-                self.queued = True
-            return grad
-
-    def _finish_graphed(self) -> None:
-        """``.grad`` becomes the average over ranks, differentiably (see :meth:`_graphed`)."""
-        counts, work = self._launch_usage()
-        work.wait()
-        *used, _ = counts.tolist()
-        grads: list[torch.Tensor | None] = [None] * len(self.leaves)
-        for i in self.hooked:
-            grads[i] = self.leaves[i].grad
-        group = self.reduction.group
-        with torch.enable_grad():
-            reduced = _transforms.reduce_buckets(
-                self.reduction.layout.buckets,
-                grads,
-                scale=1.0 / dist.get_world_size(group),
-                group=group,
-            )
-        for i, count in zip(self.hooked, used, strict=True):
-            if count > 0:
-                self.leaves[i].grad = reduced[i]
-
     def _finish(self) -> None:
         with torch.no_grad(), _compat.functorch_disabled():
             try:
                 if self.delivery is Delivery.GRAPHED:
-                    self._finish_graphed()
+                    _graphed.finish(self)
                     return
                 while self.next_launch < len(self.buckets):
-                    with _label(f"fdp::ddp.bucket {self.next_launch}"):
+                    with _bucket_label(self.next_launch):
                         self._launch(self.next_launch)
                 counting = not self.returned or self.always_count
-                usage = self._launch_usage() if counting and not self.reduction.serial else None
+                usage = self.launch_usage() if counting and not self.reduction.serial else None
                 for state in self.buckets:
                     fut, flat = state.future, state.flat
                     if fut is None or flat is None:
@@ -427,11 +392,11 @@ class Step:
                     if result is not flat:
                         flat.copy_(result)
                 if usage is None and self.reduction.serial and counting:
-                    usage = self._launch_usage()  # after every hook's last collective
+                    usage = self.launch_usage()  # after every hook's last collective
                 if self.returned and _grad.asked():  # fdp.grad: see returning_unused
                     for i in self.hooked:
                         if i not in self.used:
-                            _grad.hand_unused(self.leaves[i], self._view(i))
+                            _grad.hand_unused(self.leaves[i], self.view(i))
                 if usage is not None and self.returned:
                     usage[1].wait()  # counted for join's mirroring ranks only
                 elif usage is not None:
@@ -466,7 +431,7 @@ class Step:
         outer.register_hook(requeue)
         return True
 
-    def _launch_usage(self) -> tuple[torch.Tensor, Any]:
+    def launch_usage(self) -> tuple[torch.Tensor, Any]:
         """Counts, over ranks, which hooked leaves had a gradient (one small all-reduce)."""
         device = self.reduction.layout.buckets[0].device
         # A sparse user counts world + 1, a dense one 1: one sum says both.
@@ -493,7 +458,7 @@ class Step:
         work.wait()
         *used, late = counts.tolist()
         if late > 0:
-            self._reduce_late()
+            _late.reduce(self)
         sparse_count = dist.get_world_size(self.reduction.group) + 1
         sparse = [i for i, count in zip(self.hooked, used, strict=True) if count >= sparse_count]
         for i, count in zip(self.hooked, used, strict=True):
@@ -506,11 +471,16 @@ class Step:
                     leaf, self.sparse.get(i), self.prescale, r.group, hook=r.hook, bucket=bucket
                 )
             elif count > 0:
-                self.leaves[i].grad = self._view(i)
+                self.leaves[i].grad = self.view(i)
 
 
-def _pack_old(view: torch.Tensor, old: torch.Tensor | None, scale: float) -> None:
+def _bucket_label(k: int) -> contextlib.AbstractContextManager[Any]:
+    """A profiler trace shows each bucket's launch; a label costs ~10 us when none records."""
+    return _label(f"fdp::ddp.bucket {k}") if _compat.profiling() else contextlib.nullcontext()
+
+
+def _pack_old(view: torch.Tensor, old: torch.Tensor | None) -> None:
     if old is None:
         view.zero_()  # unused this step (or frozen): counts as zero
     else:
-        torch.mul(old, scale, out=view)
+        view.copy_(old)
