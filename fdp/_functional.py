@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from fdp import _mode, _replica
+from fdp import _compat, _mode, _replica
 
 __all__ = ["make_functional"]
 
@@ -74,8 +74,9 @@ def _shells(
         shell = shells[id(m)]
         attrs = shell.__dict__
         for key in _CONTAINERS:  # hooks a forward registers stay in its shell
-            if key in attrs:
-                attrs[key] = attrs[key].copy()
+            container = attrs.get(key)
+            if container is not None:
+                attrs[key] = container.copy()
         attrs["_parameters"] = dict(m._parameters)
         attrs["_buffers"] = dict(m._buffers)
         attrs["_modules"] = {
@@ -101,6 +102,9 @@ _CONTAINERS = tuple(
     if k not in _OWN and type(v) in (dict, set, OrderedDict)
 )
 
+
+# What a forward changes without registering a hook (register_buffer(persistent=False)).
+_UNHOOKED_CONTAINERS = tuple(k for k in _CONTAINERS if "hooks" not in k)
 
 _Slot = tuple[dict[str, Any], str, Any]
 
@@ -156,14 +160,21 @@ def _changed(before: dict[str, Any], now: dict[str, Any]) -> bool:
 
 
 def _writer(
-    pairs: list[tuple[nn.Module, nn.Module]], before: list[dict[str, Any]]
+    pairs: list[tuple[nn.Module, nn.Module]], before: list[dict[str, Any]], handles: int | None
 ) -> Callable[[], None]:
-    """What writes the forward's changes to Python state back to the modules."""
+    """What writes the forward's changes to Python state back to the modules.
+
+    ``handles``: :func:`fdp._compat.hook_handles_made` before the shells
+    were made. Where no handle was made since, no hook was registered, and
+    of the containers only the non-persistent buffer names can have changed.
+    """
 
     def write() -> None:
+        hooked = handles is None or _compat.hook_handles_made() != handles
+        containers = _CONTAINERS if hooked else _UNHOOKED_CONTAINERS
         for (m, shell), old in zip(pairs, before, strict=True):
             now = shell.__dict__
-            for key in _CONTAINERS:
+            for key in containers:
                 # Added to in place (a hook registered): the shell's copy, which
                 # the registration's handle removes from, becomes the module's.
                 mine = now.get(key)
@@ -213,6 +224,7 @@ def _call(
     group: Any,
     prepare: Callable[[list[tuple[nn.Module, nn.Module]]], None] | None = None,
 ) -> Any:
+    handles = _compat.hook_handles_made()
     pairs = _shells(module, sync_batch_norm=sync_batch_norm, group=group)
     shells = {id(m): shell for m, shell in pairs}
     _install(module, shells, state)
@@ -226,7 +238,7 @@ def _call(
             if m._backward_hooks and m._is_full_backward_hook is False:
                 # A _KeepAlive refers to its shell; the shell must not refer back (no cycle).
                 shell.__dict__["_backward_hooks"] = old["_backward_hooks"] = m._backward_hooks
-    _replica.defer(_writer(pairs, before))
+    _replica.defer(_writer(pairs, before, handles))
     return out
 
 

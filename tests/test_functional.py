@@ -311,6 +311,7 @@ def test_attribute_changes_reach_the_module_once_per_call(
         torch.testing.assert_close(got, want)
     assert (net.flag, net.calls) == (ref.flag, ref.calls) == (True, 4)
     torch.testing.assert_close(net.get_buffer("cache"), ref.get_buffer("cache"))
+    assert net.state_dict().keys() == ref.state_dict().keys()  # the cache stays non-persistent
     for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
         assert p.grad is not None, name
         assert q.grad is not None, name

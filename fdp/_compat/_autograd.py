@@ -137,3 +137,17 @@ def apply_unbound(fn: type[torch.autograd.Function], *args: Any) -> Any:
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward on this thread."""
     return int(torch._C._current_graph_task_id()) != -1
+
+
+def hook_handles_made() -> int | None:
+    """How many hook handles torch has made so far (every ``register_*hook`` makes one).
+
+    Unchanged across a call means no module or tensor hook was registered
+    during it, in any thread. If the counter goes, None: the caller assumes
+    a registration (the cost of a check, never a missed one).
+    """
+    from torch.utils.hooks import RemovableHandle
+
+    made = getattr(RemovableHandle, "next_id", None)
+    return made if isinstance(made, int) else None
+
