@@ -150,4 +150,3 @@ def hook_handles_made() -> int | None:
 
     made = getattr(RemovableHandle, "next_id", None)
     return made if isinstance(made, int) else None
-

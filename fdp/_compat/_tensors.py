@@ -34,6 +34,20 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         foreach(dst, src)
 
 
+def foreach_mul_into(dst: list[torch.Tensor], src: list[torch.Tensor], scale: float) -> None:
+    """``torch.mul(src[i], scale, out=dst[i])`` for all i in one call: one pass over memory.
+
+    ``torch.ops.aten._foreach_mul.Scalar_out`` is private; the loop below is
+    the exact fallback if it disappears.
+    """
+    packet = getattr(torch.ops.aten._foreach_mul, "Scalar_out", None)
+    if packet is None:
+        for d, s in zip(dst, src, strict=True):
+            torch.mul(s, scale, out=d)
+    elif dst:
+        packet(src, scale, out=dst)
+
+
 def fused_optimizer_kernel(name: str) -> Callable[..., None] | None:
     """torch's fused optimizer kernel ``torch._fused_<name>_`` (``adam``, ``adamw``, ``sgd``).
 

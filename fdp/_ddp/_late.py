@@ -34,9 +34,9 @@ def again(step: Step, i: int, k: int, grad: torch.Tensor) -> torch.Tensor:
     step.used.add(i)
     grad = _compat.unwrap_functorch(grad)
     leaf = step.leaves[i]
-    if k >= step.next_launch:  # the slot holds the local sum until the launch scales it
+    if k >= step.next_launch:
         view = step.view(i)
-        view.add_(grad)
+        view.add_(grad, alpha=step.prescale)
         return step.into_bucket(leaf, view)
     scale = (
         step.prescale

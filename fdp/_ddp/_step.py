@@ -4,9 +4,9 @@ One :class:`Step` lives from the first hook of a backward that passes
 through a ``ddp(params)`` output to the end of that backward
 (``fdp/_ddp/_reducer.py`` says what arms it). Each gradient is copied into
 its bucket's flat buffer, by its hook or, under ``loss.backward()``, with
-its run of leaves by their alias node (:meth:`Step.on_run`); a full bucket
-is scaled by the ``prescale`` once and launched once every earlier bucket
-has been, so every rank issues the same collectives in the same order. A
+its run of leaves by their alias node (:meth:`Step.on_run`), and scaled by
+the ``prescale`` as it is copied; a full bucket is launched once every
+earlier bucket has been, so every rank issues the same collectives in the same order. A
 callback queued on the engine runs when backward ends: it launches what is
 left (leaves nobody used count as zero), waits, and hands the reduced
 gradients out:
@@ -53,7 +53,7 @@ class Reduction:
     """What every step of one ``DistributedDataParallel`` reduces, and how.
 
     ``hook(state, bucket)`` (a comm hook, or None: ``_comm_hooks.sum_hook`` after
-    the bucket is multiplied by the ``prescale``) returns a future of the reduced
+    a ``prescale`` folded into packing) returns a future of the reduced
     bucket. ``paths`` names every leaf for error messages.
     """
 
@@ -78,7 +78,7 @@ class Reduction:
 
     @property
     def prescale(self) -> float:
-        """What a bucket is multiplied by at its launch: the default's 1 / world size."""
+        """What packing multiplies each gradient by: the default's division by the world size."""
         return 1.0 / dist.get_world_size(self.group) if self.hook is None else 1.0
 
 
@@ -243,7 +243,10 @@ class Step:
                 self.used.add(i)
                 out[pos] = view.detach()  # see into_bucket: .grad is None already
             if views:
-                _compat.foreach_copy_(views, sources)
+                if self.prescale == 1.0:
+                    _compat.foreach_copy_(views, sources)
+                else:  # scaled as copied: one pass over the gradients
+                    _compat.foreach_mul_into(views, sources, self.prescale)
                 self._launch_complete()
             return tuple(out)
 
@@ -269,9 +272,9 @@ class Step:
         old = None if self.returned else leaf.grad
         self.used.add(i)
         if old is None:
-            view.copy_(_compat.unwrap_functorch(grad))
+            torch.mul(_compat.unwrap_functorch(grad), self.prescale, out=view)
         else:  # fold what earlier backwards (under no_sync) accumulated
-            torch.add(_compat.unwrap_functorch(grad), old, out=view)
+            torch.add(_compat.unwrap_functorch(grad), old, out=view).mul_(self.prescale)
         self._filled(i, k)
         return view if self.returned else self.into_bucket(leaf, view)
 
@@ -349,9 +352,7 @@ class Step:
             if old is not None and old.is_sparse:  # from no_sync: reduced on its own
                 self.sparse.setdefault(i, None)
                 old = None
-            _pack_old(self.buckets[k].views[j], old)
-        if self.prescale != 1.0:  # the slots hold local sums until here: scaled at once
-            flat.mul_(self.prescale)
+            _pack_old(self.buckets[k].views[j], old, self.prescale)
         if self.reduction.hook is None:
             future: Any = _comm_hooks.sum_hook(flat, self.reduction.group)
         else:
@@ -479,8 +480,8 @@ def _bucket_label(k: int) -> contextlib.AbstractContextManager[Any]:
     return _label(f"fdp::ddp.bucket {k}") if _compat.profiling() else contextlib.nullcontext()
 
 
-def _pack_old(view: torch.Tensor, old: torch.Tensor | None) -> None:
+def _pack_old(view: torch.Tensor, old: torch.Tensor | None, scale: float) -> None:
     if old is None:
         view.zero_()  # unused this step (or frozen): counts as zero
     else:
-        view.copy_(old)
+        torch.mul(old, scale, out=view)
