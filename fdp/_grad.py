@@ -144,7 +144,8 @@ def _autograd(
         loss, aux = _split(func(*call, **kwargs), has_aux)
         found: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
         if loss.requires_grad:
-            found = torch.autograd.grad(loss, inputs, allow_unused=True)
+            with _differentiating():
+                found = torch.autograd.grad(loss, inputs, allow_unused=True)
     # A leaf the loss did not reach: DDP's average where this rank did not use
     # it (the other ranks' contributions), else torch.func.grad's zeros.
     grads = iter(
@@ -217,3 +218,30 @@ def hand_unused(leaf: torch.Tensor, reduced: torch.Tensor) -> None:
 
 def asked() -> bool:
     return bool(_ASKED)
+
+
+# How many of fdp.grad's own torch.autograd.grad calls run now (any thread).
+_DIFFERENTIATING = [0]
+
+
+@contextmanager
+def _differentiating() -> Iterator[None]:
+    with _ASKED_LOCK:
+        _DIFFERENTIATING[0] += 1
+    try:
+        yield
+    finally:
+        with _ASKED_LOCK:
+            _DIFFERENTIATING[0] -= 1
+
+
+def differentiating() -> bool:
+    """Whether the backward running is :func:`grad`'s own, as far as one can tell.
+
+    Its inputs are fresh leaves, never a tensor made inside ``func`` (a
+    ``ddp(params)`` alias): every alias node on the way runs. Read by DDP's
+    first hook of a backward (``fdp/_ddp/_step.py``), where a backward that
+    returns gradients is either this one or, while it runs in another
+    thread, another.
+    """
+    return _DIFFERENTIATING[0] > 0

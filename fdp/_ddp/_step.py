@@ -181,9 +181,13 @@ class Step:
     def _start(self, i: int) -> None:
         """At the backward's first hook: how it delivers, and the callback at its end."""
         self.delivery = Delivery.RETURNED if self.decide(i) else Delivery.ACCUMULATED
-        # loss.backward() runs every alias node its gradients reach; a backward that
-        # selects (inputs=...) or returns may take an alias's gradient without its node.
-        self.batched = self.delivery is Delivery.ACCUMULATED and not self.selective
+        # loss.backward() and fdp.grad's autograd.grad (of fresh leaves) run every
+        # alias node their gradients reach; a backward that selects (inputs=...) or
+        # returns may take an alias's gradient without running its node.
+        if self.delivery is Delivery.ACCUMULATED:
+            self.batched = not self.selective
+        else:
+            self.batched = _grad.differentiating()
         if not self.queued:
             _compat.queue_backward_callback(self.finish)
             self.queued = True
@@ -207,12 +211,13 @@ class Step:
     ) -> tuple[torch.Tensor | None, ...]:
         """A run's node: packs its leaves' gradients in one copy, where the hooks left them.
 
-        Under ``loss.backward()`` (:meth:`_start`'s ``batched``) the hooks
-        pass the gradients on and the node packs them here: one multi-tensor
-        copy for the run instead of a Python call and a copy per leaf. The
-        plain case (a first, dense gradient, no ``.grad`` to fold) is
-        batched; any other leaf takes :meth:`_one`. Otherwise the hooks
-        packed already, and the gradients pass on as they are.
+        Under ``loss.backward()`` and ``fdp.grad`` (:meth:`_start`'s
+        ``batched``) the hooks pass the gradients on and the node packs them
+        here: one multi-tensor copy for the run instead of a Python call and
+        a copy per leaf. The plain case (a first, dense gradient, no
+        ``.grad`` to fold) is batched; any other leaf takes :meth:`_one`.
+        Otherwise the hooks packed already, and the gradients pass on as
+        they are.
         """
         if not self.batched or torch.is_grad_enabled():
             return grads
@@ -223,6 +228,7 @@ class Step:
             where, buckets, leaves, strided = (
                 self.reduction.layout.where, self.buckets, self.leaves, torch.strided
             )  # fmt: skip
+            returned = self.returned  # no .grad to fold in; the engine returns the view
             for pos, i in enumerate(indices):
                 grad, (k, j) = grads[pos], where[i]
                 state = buckets[k]
@@ -230,7 +236,7 @@ class Step:
                     grad is None
                     or grad.layout is not strided
                     or i in state.filled
-                    or leaves[i].grad is not None
+                    or (not returned and leaves[i].grad is not None)
                 ):
                     out[pos] = self._one(i, grad)
                     continue
@@ -241,7 +247,8 @@ class Step:
                 sources.append(grad)
                 state.filled.add(i)
                 self.used.add(i)
-                out[pos] = view.detach()  # see into_bucket: .grad is None already
+                # into_bucket's alias (.grad is None already), or the view returned
+                out[pos] = view if returned else view.detach()
             if views:
                 if self.prescale == 1.0:
                     _compat.foreach_copy_(views, sources)
