@@ -60,7 +60,7 @@ from fdp._compat._profiler import (
 )
 from fdp._compat._tensors import (
     foreach_copy_,
-    foreach_mul_into,
+    foreach_mul_,
     fused_optimizer_devices,
     fused_optimizer_kernel,
     registered_node,
@@ -83,7 +83,7 @@ __all__ = [
     "dual_level_active",
     "early_alias",
     "foreach_copy_",
-    "foreach_mul_into",
+    "foreach_mul_",
     "functorch_active",
     "functorch_disabled",
     "fused_optimizer_devices",

@@ -34,18 +34,17 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         foreach(dst, src)
 
 
-def foreach_mul_into(dst: list[torch.Tensor], src: list[torch.Tensor], scale: float) -> None:
-    """``torch.mul(src[i], scale, out=dst[i])`` for all i in one call: one pass over memory.
+def foreach_mul_(tensors: list[torch.Tensor], scale: float) -> None:
+    """``t.mul_(scale)`` for every t in one call.
 
-    ``torch.ops.aten._foreach_mul.Scalar_out`` is private; the loop below is
-    the exact fallback if it disappears.
+    ``torch._foreach_mul_`` is private; the loop below is the exact fallback.
     """
-    packet = getattr(torch.ops.aten._foreach_mul, "Scalar_out", None)
-    if packet is None:
-        for d, s in zip(dst, src, strict=True):
-            torch.mul(s, scale, out=d)
-    elif dst:
-        packet(src, scale, out=dst)
+    foreach = getattr(torch, "_foreach_mul_", None)
+    if foreach is None:
+        for t in tensors:
+            t.mul_(scale)
+    elif tensors:
+        foreach(tensors, scale)
 
 
 def fused_optimizer_kernel(name: str) -> Callable[..., None] | None:

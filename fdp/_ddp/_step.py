@@ -250,10 +250,7 @@ class Step:
                 # into_bucket's alias (.grad is None already), or the view returned
                 out[pos] = view if returned else view.detach()
             if views:
-                if self.prescale == 1.0:
-                    _compat.foreach_copy_(views, sources)
-                else:  # scaled as copied: one pass over the gradients
-                    _compat.foreach_mul_into(views, sources, self.prescale)
+                _pack_run(views, sources, self.prescale)
                 self._launch_complete()
             return tuple(out)
 
@@ -485,6 +482,22 @@ class Step:
 def _bucket_label(k: int) -> contextlib.AbstractContextManager[Any]:
     """A profiler trace shows each bucket's launch; a label costs ~10 us when none records."""
     return _label(f"fdp::ddp.bucket {k}") if _compat.profiling() else contextlib.nullcontext()
+
+
+def _pack_run(views: list[torch.Tensor], grads: list[torch.Tensor], scale: float) -> None:
+    """``views[i] = grads[i] * scale``, in as few calls as memory traffic allows.
+
+    A run of several leaves is at most 1 MiB (Note [one node a run]): a
+    multi-tensor copy, then a multi-tensor scale while it is in cache. A
+    larger leaf is a run of its own: one multiply, one pass over memory
+    (``_foreach_mul``'s ``out=`` form computes into a temporary: two).
+    """
+    if len(views) == 1:
+        torch.mul(grads[0], scale, out=views[0])
+        return
+    _compat.foreach_copy_(views, grads)
+    if scale != 1.0:
+        _compat.foreach_mul_(views, scale)
 
 
 def _pack_old(view: torch.Tensor, old: torch.Tensor | None, scale: float) -> None:
