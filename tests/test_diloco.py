@@ -8,6 +8,7 @@ the outer optimizer, which every worker then continues from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -164,6 +165,49 @@ def test_workers_whose_counts_differ_are_refused_on_every_worker() -> None:
     messages = ranks.world(2).run(_counts_differ)
     for m in messages:
         assert "fdp.DiLoCo.update: `state` expected the same step count on every worker" in m
+
+
+def _inside_transform(rank: int, size: int) -> list[str]:
+    params, alg = init_params(), algorithm("diloco")
+    state = alg.init(params)
+    grads = grads_of("grad", params, *batch(0, rank))
+
+    def w1_after(p: dict[str, Any]) -> torch.Tensor:
+        out: torch.Tensor = alg.update(grads, state, p)[0]["w1"]
+        return out.sum()
+
+    ones = torch.utils._pytree.tree_map(torch.ones_like, params)
+    calls: dict[str, Callable[[], Any]] = {
+        "grad": lambda: torch.func.grad(w1_after)(params),
+        "jvp": lambda: torch.func.jvp(w1_after, (params,), (ones,)),
+        "vmap of parameters": lambda: torch.func.vmap(
+            lambda x: alg.update(grads, state, {**params, "b1": x})[0]["b1"]
+        )(torch.zeros(3, 8)),
+        "vmap of gradients": lambda: torch.func.vmap(
+            lambda g: alg.update({**grads, "b1": g}, state, params)[0]["b1"]
+        )(torch.zeros(3, 8)),
+    }
+    messages = []
+    for name, call in calls.items():
+        try:
+            call()
+        except RuntimeError as e:
+            messages.append(f"{name}: {e}")
+        else:
+            messages.append(f"{name}: no error")
+    # Outside, the same state still steps: the refusals changed nothing.
+    params, state = alg.update(grads, state, params)
+    messages.append(f"count {int(state['count'])}")
+    return messages
+
+
+def test_update_inside_a_transform_is_refused_on_every_worker() -> None:
+    for messages in ranks.world(2).run(_inside_transform):
+        *refusals, count = messages
+        assert count == "count 1"
+        assert len(refusals) == 4
+        for m in refusals:
+            assert "fdp.DiLoCo.update: expected a call outside torch.func transforms" in m, m
 
 
 def test_bad_options_are_refused() -> None:

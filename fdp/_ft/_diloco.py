@@ -25,7 +25,7 @@ import optree
 import torch
 from torch.distributed import ProcessGroup
 
-from fdp import _tree
+from fdp import _mode, _tree
 from fdp._ft import _exchange, _fragments
 from fdp._ft._fault_tolerance import FaultTolerance
 from fdp.optim._base import OptimizerProtocol
@@ -166,6 +166,12 @@ class DiLoCo:
             ``(params, state)``: after a fragment's outer step, its leaves in
             ``params`` are the new anchor's (mixed with the local by ``alpha``).
         """
+        if _mode.transform_running():
+            raise RuntimeError(
+                f"fdp.{type(self).__name__}.update: expected a call outside torch.func "
+                "transforms; got one inside grad, vjp, jvp or vmap. Its synchronisations are "
+                "collectives on concrete tensors: call it on the gradients the transform returned"
+            )
         count = int(state["count"]) + 1
         starting = self._starting(state, count)
         if "in_flight" not in state:  # a state saved before Streaming DiLoCo: one fragment
