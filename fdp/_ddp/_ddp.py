@@ -26,8 +26,8 @@ from fdp._comm._comm_hooks import CommHook
 from fdp._ddp import _buffers, _forgotten, _join, _traced
 from fdp._ddp._join import Joiner
 from fdp._ddp._reducer import Reducer, hooked_leaves
+from fdp._ddp._reduction import Reduction
 from fdp._ddp._replicas import Replicas
-from fdp._ddp._step import Reduction
 
 __all__ = ["DistributedDataParallel"]
 

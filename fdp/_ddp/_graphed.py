@@ -8,20 +8,16 @@ so that a gradient penalty differentiates the global batch's gradient.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from fdp import _compat
 from fdp._comm import _comm_hooks, _transforms
 from fdp._ddp._delivery import Delivery
-
-if TYPE_CHECKING:
-    from fdp._ddp._step import Step
+from fdp._ddp._reduction import StepState
 
 
-def on_grad(step: Step, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+def on_grad(step: StepState, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
     """Leaf ``i``'s gradient with its graph: counted, refused where it cannot be reduced."""
     with step.lock:
         where = f"params leaf {step.reduction.paths[i]}"
@@ -54,7 +50,7 @@ def on_grad(step: Step, i: int, grad: torch.Tensor | None) -> torch.Tensor | Non
         return grad
 
 
-def finish(step: Step) -> None:
+def finish(step: StepState) -> None:
     """``.grad`` becomes the average over ranks, differentiably."""
     counts, work = step.launch_usage()
     work.wait()

@@ -10,18 +10,14 @@ collective may be using).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from fdp import _compat
-
-if TYPE_CHECKING:
-    from fdp._ddp._step import Step
+from fdp._ddp._reduction import StepState
 
 
-def again(step: Step, i: int, k: int, grad: torch.Tensor) -> torch.Tensor:
+def again(step: StepState, i: int, k: int, grad: torch.Tensor) -> torch.Tensor:
     """Leaf ``i``'s second gradient (bucket ``k``), folded in or set aside: what the engine gets."""
     if step.returned:
         raise RuntimeError(
@@ -49,7 +45,7 @@ def again(step: Step, i: int, k: int, grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def reduce(step: Step) -> None:
+def reduce(step: StepState) -> None:
     """Reduces the gradients that missed their bucket, on every rank (some had them)."""
     # Note [late gradients]: why every bucket, on every rank. Whether a gradient came late
     # depends on this rank's graph (a reentrant checkpoint, a leaf used

@@ -31,7 +31,8 @@ import torch
 
 from fdp import _bucket, _compat, _mode
 from fdp._bucket import Layout
-from fdp._ddp._step import Reduction, Step
+from fdp._ddp._reduction import Reduction
+from fdp._ddp._step import Step
 
 
 def hooked_leaves(layout: Layout, leaves: list[Any]) -> list[int]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,58 +38,12 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function as _label
 
 from fdp import _compat, _grad
-from fdp._bucket import Layout
 from fdp._comm import _comm_hooks
-from fdp._comm._comm_hooks import CommHook, GradBucket
+from fdp._comm._comm_hooks import GradBucket
 from fdp._ddp import _delivery, _graphed, _late
 from fdp._ddp._delivery import Delivery
-from fdp._ddp._replicas import Replicas
+from fdp._ddp._reduction import InFlight, Reduction
 from fdp._ddp._sparse import empty_sparse, reduce_sparse
-
-
-@dataclass(frozen=True)
-class Reduction:
-    """What every step of one ``DistributedDataParallel`` reduces, and how.
-
-    ``hook(state, bucket)`` (a comm hook, or None: ``_comm_hooks.sum_hook`` after
-    a ``prescale`` folded into packing) returns a future of the reduced
-    bucket. ``paths`` names every leaf for error messages.
-    """
-
-    layout: Layout
-    hook: CommHook | None
-    state: Any
-    group: dist.ProcessGroup | None
-    paths: list[str]
-    replicas: Replicas | None = None  # the parameters' check after reduced backwards
-
-    @property
-    def serial(self) -> bool:
-        """Whether buckets must wait for each other: the hook may issue collectives later.
-
-        PowerSGD issues its second and third all-reduce from its future's
-        callbacks, on the backend's thread: launching the next bucket (or
-        the usage all-reduce) meanwhile would order the collectives
-        differently on different ranks (measured: a hang). Hooks known to
-        issue one collective up front keep the buckets overlapping.
-        """
-        return self.hook is not None and not _comm_hooks.one_collective(self.hook)
-
-    @property
-    def prescale(self) -> float:
-        """What packing multiplies each gradient by: the default's division by the world size."""
-        return 1.0 / dist.get_world_size(self.group) if self.hook is None else 1.0
-
-
-@dataclass
-class InFlight:
-    """One bucket of a :class:`Step`, from its first gradient to its reduced result."""
-
-    flat: torch.Tensor | None = None  # the flat buffer, taken at the first gradient
-    views: list[torch.Tensor] = field(default_factory=list)  # of flat, per leaf
-    filled: set[int] = field(default_factory=set)  # leaves packed so far
-    expected: int = 0  # leaves hooked on this rank (a tied tensor counts once)
-    future: torch.futures.Future[torch.Tensor] | None = None  # the reduction, once launched
 
 
 class Step:
