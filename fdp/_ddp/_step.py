@@ -3,10 +3,11 @@
 One :class:`Step` lives from the first hook of a backward that passes
 through a ``ddp(params)`` output to the end of that backward
 (``fdp/_ddp/_reducer.py`` says what arms it). Each gradient is copied into
-its bucket's flat buffer, by its hook or, under ``loss.backward()``, with
-its run of leaves by their alias node (:meth:`Step.on_run`), and scaled by
-the ``prescale`` as it is copied; a full bucket is launched once every
-earlier bucket has been, so every rank issues the same collectives in the same order. A
+its bucket's flat buffer, by its hook or, under ``loss.backward()`` and
+``fdp.grad``, with its run of leaves by their alias node
+(:meth:`Step.on_run`), and scaled by the ``prescale`` as it is copied; a
+full bucket is launched once every earlier bucket has been, so every rank
+issues the same collectives in the same order. A
 callback queued on the engine runs when backward ends: it launches what is
 left (leaves nobody used count as zero), waits, and hands the reduced
 gradients out:
@@ -117,8 +118,7 @@ class Step:
         """Leaf ``i``'s gradient: graphed, sparse, a second one, or the first (dense or None).
 
         ``node``: whether the alias's node (``_Aliases``) runs :meth:`on_run`
-        after this hook, which packs the run of leaves at once when the
-        backward accumulates (see :meth:`on_run`).
+        after this hook, which then packs the run of leaves at once.
         """
         if torch.is_grad_enabled():  # backward(create_graph=True)
             self._refuse(i, grad)
