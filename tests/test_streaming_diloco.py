@@ -118,52 +118,85 @@ def mean_over_wire(deltas: list[torch.Tensor], wire: torch.dtype | None) -> torc
     return torch.cat(means)[: deltas[0].numel()]
 
 
-def simulate(case: str, workers: int, *, local_sgd: bool) -> list[dict[str, Any]]:
+def simulate(
+    case: str, workers: int, *, local_sgd: bool, steps: list[int] | None = None
+) -> list[dict[str, Any]]:
+    """The workers in one process; ``steps``: each worker's number of batches (join).
+
+    A worker past its batches takes no inner step and sends zeros; the
+    mean is over the workers still training. At the first synchronisation
+    with none training the run ends: that one is dropped and the reductions
+    in flight land in the order they started.
+    """
     opts = options(case)
     fragment_of = fdp._tree.flatten(labels_of(opts))[0]
     tau, alpha, wire = opts.get("overlap", 0), opts.get("alpha", 0.0), opts.get("sync_dtype")
-    frags = max(fragment_of) + 1
+    frags, joined = max(fragment_of) + 1, steps is not None
+    steps = steps if steps is not None else [STEPS] * workers
     opt = fdp.optim.sgd(0.1) if local_sgd else fdp.optim.adamw(0.05, weight_decay=0.01)
     spec = fdp._tree.flatten(init_params())[1]
     params = [fdp._tree.flatten(init_params())[0] for _ in range(workers)]
     inner = [opt.init(fdp._tree.unflatten(spec, p)) for p in params]
     anchor = fdp._tree.flatten(init_params())[0]
     bufs: list[torch.Tensor | None] = [None] * len(anchor)
-    flying: list[tuple[int, int, list[list[torch.Tensor]]]] = []
-    for c in range(1, STEPS + 1):
-        for w in range(workers):
+    flying: list[tuple[int, int, list[list[torch.Tensor]], int]] = []
+
+    def land(entry: tuple[int, int, list[list[torch.Tensor]], int]) -> None:
+        i, _, sent, training = entry
+        leaves = [k for k, f in enumerate(fragment_of) if f == i]
+        flat = [torch.cat([d.reshape(-1) for d in s]) for s in sent]
+        mean = mean_over_wire(flat, wire)
+        mean = mean * (workers / training) if training < workers else mean
+        for k, m in zip(
+            leaves, torch.split(mean, [anchor[k].numel() for k in leaves]), strict=True
+        ):
+            delta = m.view(anchor[k].shape)
+            if local_sgd:  # the outer step of plain averaging: lr 1, no momentum
+                anchor[k] = anchor[k] - delta
+            else:  # Nesterov SGD (torch.optim.SGD's rule, dampening 0)
+                b = bufs[k]
+                b = delta.clone() if b is None else OUTER_MOMENTUM * b + delta
+                anchor[k], bufs[k] = anchor[k] - OUTER_LR * (delta + OUTER_MOMENTUM * b), b
+            for w in range(workers):
+                params[w][k] = alpha * params[w][k] + (1 - alpha) * anchor[k]
+
+    c = 0
+    while c < STEPS or joined:
+        c += 1
+        train = [w for w in range(workers) if c <= steps[w]]
+        for w in train:
             tree = fdp._tree.unflatten(spec, params[w])
             g = grads_of("grad", tree, *batch(c - 1, w))
             tree, inner[w] = opt.update(g, inner[w], tree)
             params[w] = fdp._tree.flatten(tree)[0]
         landing = [f for f in flying if f[1] + tau == c]
-        for i in range(frags):
-            if c % H == i * H // frags:
-                leaves = [k for k, f in enumerate(fragment_of) if f == i]
-                sent = [[anchor[k] - params[w][k] for k in leaves] for w in range(workers)]
-                landing += [(i, c, sent)] if tau == 0 else []
-                flying += [(i, c, sent)] if tau > 0 else []
+        starting = [i for i in range(frags) if c % H == i * H // frags]
+        for i in starting:
+            leaves = [k for k, f in enumerate(fragment_of) if f == i]
+            sent = [
+                [
+                    anchor[k] - params[w][k] if w in train else torch.zeros_like(anchor[k])
+                    for k in leaves
+                ]
+                for w in range(workers)
+            ]
+            if train:
+                landing += [(i, c, sent, len(train))] if tau == 0 else []
+                flying += [(i, c, sent, len(train))] if tau > 0 else []
         for entry in landing:
             flying = [f for f in flying if f is not entry]
-            i, _, sent = entry
-            leaves = [k for k, f in enumerate(fragment_of) if f == i]
-            flat = [torch.cat([d.reshape(-1) for d in s]) for s in sent]
-            mean = torch.split(mean_over_wire(flat, wire), [anchor[k].numel() for k in leaves])
-            for k, m in zip(leaves, mean, strict=True):
-                delta = m.view(anchor[k].shape)
-                if local_sgd:  # the outer step of plain averaging: lr 1, no momentum
-                    anchor[k] = anchor[k] - delta
-                else:  # Nesterov SGD (torch.optim.SGD's rule, dampening 0)
-                    b = bufs[k]
-                    b = delta.clone() if b is None else OUTER_MOMENTUM * b + delta
-                    anchor[k], bufs[k] = anchor[k] - OUTER_LR * (delta + OUTER_MOMENTUM * b), b
-                for w in range(workers):
-                    params[w][k] = alpha * params[w][k] + (1 - alpha) * anchor[k]
+            land(entry)
+        if joined and starting and not train:  # every worker has left join
+            for entry in sorted(flying, key=lambda f: f[1]):
+                land(entry)
+            flying = []
+            break
     return [
         {
             "params": fdp._tree.unflatten(spec, p),
             "anchor": fdp._tree.unflatten(spec, anchor),
             "in_flight": len(flying),
+            **({"count": c} if joined else {}),
         }
         for p in params
     ]
@@ -177,6 +210,7 @@ def check(got: list[dict[str, Any]], expected: list[dict[str, Any]], tol: float)
             for x, y in zip(a, b, strict=True):
                 torch.testing.assert_close(x, y, rtol=tol, atol=tol, msg=f"{rank} {key}")
         assert mine["in_flight"] == theirs["in_flight"]
+        assert mine.get("count") == theirs.get("count")
 
 
 @pytest.mark.parametrize(
@@ -205,6 +239,47 @@ def test_a_state_saved_with_a_reduction_in_flight_resumes(case: str) -> None:
     """Saved after step 6 sent fragment 1 (it lands at 7 or 8): a new object redoes it."""
     got = ranks.world(2).run(_train, case, False, 6)
     check(got, simulate(case, 2, local_sgd=False), 1e-6)
+
+
+def _train_joined(rank: int, size: int, case: str, local_sgd: bool, steps: list[int]) -> Any:
+    """This rank's own number of batches, inside ``join``."""
+    params, alg = init_params(), algorithm(options(case), local_sgd=local_sgd)
+    state = alg.init(params)
+    with alg.join(params, state) as joined:
+        for step in range(steps[rank]):
+            grads = grads_of("grad", params, *batch(step, rank))
+            params, state = alg.update(grads, state, params)
+    state = joined.state
+    busy = sum(slot["started"] >= 0 for slot in state["in_flight"])
+    return {
+        "params": joined.params,
+        "anchor": state["anchor"],
+        "in_flight": busy,
+        "count": int(state["count"]),
+    }
+
+
+@pytest.mark.parametrize(
+    ("case", "steps"),
+    [
+        ("fragments", [11, 11]),  # equal shards: the block ends at the next synchronisation
+        ("fragments", [11, 5]),
+        ("overlap", [6, 11]),  # fragment 1 in flight when rank 0 leaves
+        ("int8", [9, 0]),  # a rank with no batch at all
+        ("one_fragment_overlap", [3, 10]),
+    ],
+)
+def test_join_equals_the_simulation_with_uneven_shards(case: str, steps: list[int]) -> None:
+    """A rank that leaves mirrors the others' synchronisations; no rank waits for a timeout."""
+    got = ranks.world(2).run(_train_joined, case, False, steps)
+    check(got, simulate(case, 2, local_sgd=False, steps=steps), 1e-6)
+
+
+def test_join_with_three_workers_leaving_at_different_steps() -> None:
+    """Three ranks, int8's two phases (an all-to-all, then an all-gather), LocalSGD."""
+    steps = [7, 11, 2]
+    got = ranks.world(3).run(_train_joined, "int8", True, steps)
+    check(got, simulate("int8", 3, local_sgd=True, steps=steps), 1e-6)
 
 
 def test_the_default_fragments_are_contiguous_shares() -> None:

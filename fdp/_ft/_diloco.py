@@ -19,6 +19,8 @@ local fragment by ``alpha``; its pseudo-gradient may travel block-quantized
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import optree
@@ -26,7 +28,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from fdp import _mode, _tree
-from fdp._ft import _exchange, _fragments
+from fdp._ft import _diloco_join, _exchange, _fragments
 from fdp._ft._fault_tolerance import FaultTolerance
 from fdp.optim._base import OptimizerProtocol
 from fdp.optim._rules import sgd
@@ -58,10 +60,11 @@ class DiLoCo:
     and the fragment becomes ``alpha * local + (1 - alpha) * anchor``.
 
     Every worker must call ``update`` the same number of times (equal
-    shards); a synchronisation checks that their counts agree and raises on
-    every worker if not. A reduction in flight is held by this object; the
-    state keeps the pseudo-gradient it sent, so a state saved mid-flight
-    resumes (the reduction is run again, blocking, where it lands).
+    shards), or run its loop inside :meth:`join`; a synchronisation checks
+    that their counts agree and raises on every worker if not. A reduction
+    in flight is held by this object; the state keeps the pseudo-gradient it
+    sent, so a state saved mid-flight resumes (the reduction is run again,
+    blocking, where it lands).
 
     Args:
         inner: the inner optimizer (any ``fdp.optim`` optimizer, e.g. AdamW).
@@ -122,6 +125,7 @@ class DiLoCo:
         self.sync_every, self.group, self.sync_dtype = sync_every, group, sync_dtype
         self.fragments, self.overlap, self.alpha = fragments, overlap, float(alpha)
         self._flying: dict[int, tuple[int, _exchange.Exchange]] = {}
+        self._joined: _diloco_join.Joined | None = None
 
     def __repr__(self) -> str:
         return f"fdp.{type(self).__name__}({self.inner!r}, sync_every={self.sync_every})"
@@ -159,6 +163,45 @@ class DiLoCo:
         count = int(state["count"]) + 1
         return bool(self._landing(state, count)) or bool(self._starting(state, count))
 
+    @contextmanager
+    def join(self, params: Any, state: dict[str, Any]) -> Iterator[_diloco_join.Joined]:
+        """Lets workers with different numbers of batches train on (torch's ``Join``).
+
+        Each rank runs its own loop of :meth:`update` inside the block,
+        starting from ``params`` and ``state``. A rank that runs out of data
+        leaves its loop; on leaving the block it mirrors the others'
+        synchronisations, sending zeros, and each is averaged over the
+        workers still training (what they sent, over their number); it takes
+        every outer step too, so its anchor stays the others'. When a
+        synchronisation finds no worker training, the block ends everywhere,
+        after the reductions still in flight have landed. Read the latest
+        parameters and state in ``joined.params`` and ``joined.state``. Over
+        a process group only (a :class:`FaultTolerance` leaves a replica
+        group out of the quorum instead).
+
+        Example::
+
+            with diloco.join(params, state) as joined:
+                for x, y in my_uneven_shard:
+                    grads = torch.func.grad(loss)(params, x, y)
+                    params, state = diloco.update(grads, state, params)
+            params, state = joined.params, joined.state
+        """
+        call = f"fdp.{type(self).__name__}.join"
+        if self._joined is not None:
+            raise RuntimeError(f"{call}: already inside join")
+        if isinstance(self.group, FaultTolerance):
+            raise ValueError(
+                f"{call}: expected a process group as `group`; got a FaultTolerance, whose "
+                "replica groups leave the quorum when they stop (no join needed)"
+            )
+        self._joined = joined = _diloco_join.Joined(params, state)
+        try:
+            yield joined
+            _diloco_join.mirror(self, joined)
+        finally:
+            self._joined = None
+
     def update(self, grads: Any, state: dict[str, Any], params: Any) -> tuple[Any, dict[str, Any]]:
         """One inner step; then the fragments' reductions that land or start at it.
 
@@ -173,24 +216,45 @@ class DiLoCo:
                 "collectives on concrete tensors: call it on the gradients the transform returned"
             )
         count = int(state["count"]) + 1
-        starting = self._starting(state, count)
         if "in_flight" not in state:  # a state saved before Streaming DiLoCo: one fragment
             n = len(_indices(state, 0, len(_tree.flatten(state["anchor"])[0])))
             state = {**state, "in_flight": [_idle(n)]}
         params, inner = self.inner.update(grads, state["inner"], params)
         state = {**state, "inner": inner, "count": state["count"] + 1}
+        params, state, _ = self._communicate(state, params, count, training=True)
+        if self._joined is not None:
+            self._joined.params, self._joined.state = params, state
+        return params, state
+
+    def _communicate(
+        self, state: dict[str, Any], params: Any, count: int, *, training: bool
+    ) -> tuple[Any, dict[str, Any], bool]:
+        """After inner step ``count``: the reductions that land, advance or start at it.
+
+        ``training=False``: a worker that has left :meth:`join` mirroring the
+        others, sending zeros. Returns ``(params, state, ended)``, ``ended``
+        when a reduction started here found no worker training (then it is
+        dropped).
+        """
+        starting, ended = self._starting(state, count), False
         with torch.no_grad():
             for i in self._landing(state, count):
-                params, state = self._land(i, state, params, count)
+                params, state = self._land(i, state, params)
             for i, slot in enumerate(state["in_flight"]):
                 held = self._flying.get(i)
                 if slot["started"] >= 0 and held is not None and held[0] == slot["started"]:
                     held[1].advance()  # a quantized reduction's second phase
             for i in starting:
-                state = self._start(i, state, params, count)
-                if self.overlap == 0:
-                    params, state = self._land(i, state, params, count)
-        return params, state
+                state = self._start(i, state, params, count, training=training)
+                if not training and self._flying[i][1].training() == 0.0:
+                    self._flying.pop(i)[1].wait(count)  # every worker has left: nothing to land
+                    state, ended = (
+                        _with_slot(state, i, _idle(len(state["in_flight"][i]["delta"]))),
+                        True,
+                    )
+                elif self.overlap == 0:
+                    params, state = self._land(i, state, params)
+        return params, state, ended
 
     def _landing(self, state: dict[str, Any], count: int) -> list[int]:
         slots = state.get("in_flight", [])
@@ -206,23 +270,28 @@ class DiLoCo:
         at = _fragments.offsets(total, self.sync_every)
         return [i for i in range(total) if count % self.sync_every == at[i]]
 
-    def _start(self, i: int, state: dict[str, Any], params: Any, count: int) -> dict[str, Any]:
+    def _start(
+        self, i: int, state: dict[str, Any], params: Any, count: int, *, training: bool
+    ) -> dict[str, Any]:
         """Fragment ``i``'s pseudo-gradient sent; kept in its slot (for a resume)."""
         anchor, _ = _tree.flatten(state["anchor"])
         leaves, _ = _tree.flatten(params)
         index = _indices(state, i, len(leaves))
-        deltas = [anchor[k] - leaves[k].detach() for k in index]
+        deltas = [
+            anchor[k] - leaves[k].detach() if training else torch.zeros_like(anchor[k])
+            for k in index
+        ]
         # An abandoned state's reduction (a discarded step, an old state used again):
         # dropped; its collectives finish on their own.
         self._flying.pop(i, None)
         call = f"fdp.{type(self).__name__}.update"
-        exchange = _exchange.start(deltas, count, wire=self.sync_dtype, group=self.group, call=call)
+        exchange = _exchange.start(
+            deltas, count, wire=self.sync_dtype, group=self.group, call=call, training=training
+        )
         self._flying[i] = (count, exchange)
         return _with_slot(state, i, {"started": count, "delta": deltas})
 
-    def _land(
-        self, i: int, state: dict[str, Any], params: Any, count: int
-    ) -> tuple[Any, dict[str, Any]]:
+    def _land(self, i: int, state: dict[str, Any], params: Any) -> tuple[Any, dict[str, Any]]:
         """The fragment's averaged pseudo-gradient, its outer step, the mixed parameters."""
         slot = state["in_flight"][i]
         started = slot["started"]
@@ -231,8 +300,14 @@ class DiLoCo:
             exchange = held[1]
         else:  # a saved state resumed, a quorum changed: the same reduction again, on every worker
             call = f"fdp.{type(self).__name__}.update"
+            training = self._joined is None or not self._joined.mirroring
             exchange = _exchange.start(
-                slot["delta"], started, wire=self.sync_dtype, group=self.group, call=call
+                slot["delta"],
+                started,
+                wire=self.sync_dtype,
+                group=self.group,
+                call=call,
+                training=training,
             )
         state = _with_slot(state, i, _idle(len(slot["delta"])))
         averaged = exchange.wait(started)

@@ -14,9 +14,11 @@ leaves. The wire:
   it lands is not :meth:`Exchange.current` (every replica group of the new
   quorum starts it again).
 
-Beside the values, every exchange averages ``[count, count**2]`` in float64:
-their mean's square equals the mean of squares only if every worker's
-count is the same, which :meth:`Exchange.wait` checks.
+Beside the values, every exchange averages ``[count, count**2, training]``
+in float64: the mean's square equals the mean of squares only if every
+worker's count is the same, which :meth:`Exchange.wait` checks; ``training``
+is 1, or 0 on a worker that has left ``DiLoCo.join`` and mirrors the
+others with zeros, so the mean is rescaled to the workers still training.
 """
 
 from __future__ import annotations
@@ -61,20 +63,33 @@ class Exchange:
         if self._advance is not None:
             self._advance()
 
+    def training(self) -> float:
+        """The share of the workers that sent as training (1.0 outside ``join``); waits for
+        the check only (over a process group), or for the whole exchange."""
+        if self._work is not None:
+            self._work.wait()
+        else:
+            self._finish()
+        return float(self._check[2])
+
     def wait(self, count: int) -> list[torch.Tensor]:
-        """The averaged leaves, after checking that every worker sent at ``count`` steps."""
+        """The leaves averaged over the workers still training, after checking that every
+        worker sent at ``count`` steps (none training: the zeros that were sent)."""
         if self._work is not None:
             self._work.wait()
         leaves: list[torch.Tensor] = self._finish()
+        share = float(self._check[2])
         if self._trusted is not None and not self._trusted():
             return leaves  # a failed step's values: discarded at its commit
-        mean, mean_square = self._check.tolist()
+        mean, mean_square, _ = self._check.tolist()
         if abs(mean * mean - mean_square) > 1e-6 * max(1.0, mean_square):
             raise ValueError(
                 f"{self._call}: `state` expected the same step count on every worker at a "
                 f"synchronisation; got {count} here and others elsewhere (every worker must "
-                "call update equally often: equal shards)"
+                "call update equally often, or run its loop inside DiLoCo.join)"
             )
+        if 0.0 < share < 1.0 - 1e-9:  # some left join: what they sent is zeros
+            leaves = [leaf * (1.0 / share) for leaf in leaves]
         return leaves
 
 
@@ -85,9 +100,14 @@ def start(
     wire: torch.dtype | None,
     group: ProcessGroup | FaultTolerance | None,
     call: str,
+    training: bool = True,
 ) -> Exchange:
-    """Starts averaging ``deltas`` (a fragment's pseudo-gradient leaves) over ``group``."""
-    check = torch.tensor([count, count * count], dtype=torch.float64)
+    """Starts averaging ``deltas`` (a fragment's pseudo-gradient leaves) over ``group``.
+
+    ``training=False``: this worker has left ``DiLoCo.join``; ``deltas`` are
+    its zeros, and the others' mean is taken over the workers still training.
+    """
+    check = torch.tensor([count, count * count, float(training)], dtype=torch.float64)
     with torch.no_grad():
         if isinstance(group, FaultTolerance):
             wired, dtypes, flats = _packed(deltas, wire)
