@@ -17,7 +17,11 @@ step over the run and their ratio to DDP's, and the loss on held-out
 teacher data at the end against DDP's. The variants run in the same
 processes, interleaved in rounds of H steps (each round's order rotated; a
 round ends where no reduction is in flight); the step time is the mean over
-the run (past two warm-up steps), so the steps that wait for the link count.
+the run (past two warm-up steps), so the steps that wait for the link count,
+on the slower rank: the job's wall time per step. (Rank 0's alone would
+compare a floor where each rank runs at its own pace with variants where
+rank 0 also waits for rank 1 at every synchronisation; both are in the
+rows, ``step_ms`` the slower rank's and ``rank_step_ms`` each rank's.)
 
     python benchmarks/bench_diloco.py [--quick]
 
@@ -151,6 +155,14 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, out: str) 
             for v in runs[i % len(runs) :] + runs[: i % len(runs)]:
                 v.run(steps, link)
     rows = [v.row() for v in runs]
+    everyone: list[Any] = [None] * size
+    dist.all_gather_object(everyone, rows)
+    for i, row in enumerate(rows):  # the job's step time: the slower rank's
+        mine = [ranks_rows[i] for ranks_rows in everyone]
+        row["rank_step_ms"] = [r["step_ms"] for r in mine]
+        row["rank_median_step_ms"] = [r["median_step_ms"] for r in mine]
+        row["step_ms"] = max(row["rank_step_ms"])
+        row["median_step_ms"] = max(row["rank_median_step_ms"])
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
