@@ -250,6 +250,25 @@ def segments(tree: Any) -> list[list[tuple[str, bool]]]:
     return out
 
 
+def block(parts: list[tuple[str, bool]]) -> str:
+    """A leaf's block, from its name's segments (:func:`segments`): FSDP's default
+    unit, and what Streaming DiLoCo's default fragments keep whole.
+
+    The top-level entry, or the element of a top-level list; within it, the
+    first list element (a ``ModuleList``'s block) that holds more than one
+    leaf's worth of path, so every transformer block is a unit, whether the
+    state is nested or flat with dotted names (``transformer.h.0``).
+    """
+    if not parts:
+        return ""
+    end = 2 if len(parts) > 1 and parts[1][1] and not parts[0][1] else 1
+    for i in range(end, len(parts) - 1):
+        if parts[i][1]:
+            end = i + 1
+            break
+    return ".".join(name for name, _ in parts[:end])
+
+
 def path(tree: Any, index: int, root: str) -> str:
     """The path of leaf ``index``; computed only when an error needs it."""
     return paths(tree, root)[index]

@@ -16,7 +16,6 @@ from torch import nn
 
 import fdp
 from fdp import _tree
-from fdp._sharding import _fsdp_plan
 from tests import ranks
 from tests.helpers import tree_allclose
 
@@ -80,7 +79,7 @@ def _reference(size: int) -> dict[str, torch.Tensor]:
     ids=["flat", "nested"],
 )
 def test_default_units_are_the_blocks_of_a_list_flat_or_nested(tree: Any) -> None:
-    units = sorted({_fsdp_plan._default_unit(p) for p in _tree.segments(tree)})
+    units = sorted({_tree.block(p) for p in _tree.segments(tree)})
     assert units == ["embed", "h.0", "h.1"]
     blocks = [[("blocks", False), (str(i), True)] for i in range(2)]
     assert _tree.segments({"blocks": [1, 2]}) == blocks

@@ -296,6 +296,60 @@ def test_the_default_fragments_are_contiguous_shares() -> None:
     assert state["fragments"].tolist() == [0, 1, 2]  # never an empty fragment
 
 
+def _block(w: int, b: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.zeros(w), "b": torch.zeros(b)}
+
+
+def test_the_default_fragments_keep_each_block_whole() -> None:
+    """A transformer's blocks, embeddings and head: never cut inside one (FSDP's units)."""
+    tree = {
+        "embed": {"tok": torch.zeros(100), "pos": torch.zeros(20)},
+        "blocks": [_block(30, 5) for _ in range(4)],
+        "head": {"norm": torch.zeros(5), "out": torch.zeros(50)},
+    }
+    # The tree's order: blocks 0-3 (35 values each), embed (120), head (55); 315 in all.
+    # Two shares of 157.5: the blocks' middles fall in the first, embed's (at 200) and
+    # head's in the second. Three shares of 105: block 3 (middle 122.5) and embed (200)
+    # in the second, head (287.5) in the third.
+    by_leaf = {2: [0] * 8 + [1] * 4, 3: [0] * 6 + [1] * 4 + [2] * 2}
+    for p, expected in by_leaf.items():
+        state = fdp.DiLoCo(fdp.optim.sgd(0.1), sync_every=4, fragments=p).init(tree)
+        assert state["fragments"].tolist() == expected
+    one_block = {"model": {"a": torch.zeros(10), "b": torch.zeros(10), "c": torch.zeros(10)}}
+    state = fdp.DiLoCo(fdp.optim.sgd(0.1), sync_every=4, fragments=3).init(one_block)
+    assert state["fragments"].tolist() == [0, 1, 2]  # fewer blocks than fragments: leaves
+
+
+def _shard_fragments(rank: int, size: int, p: int) -> tuple[list[list[int]], list[int]]:
+    params = {
+        "embed": {"tok": torch.randn(40, 8), "pos": torch.randn(6, 8)},
+        "blocks": [
+            {"w": torch.randn(8, 8), "g": torch.ones(200, dtype=torch.float64)} for _ in range(3)
+        ],
+        "head": torch.randn(8, 40),
+    }
+    fsdp = fdp.FullyShardedDataParallel(params)
+    shards = fsdp.shard(params)
+    labels = fdp.DiLoCo(fdp.optim.sgd(0.1), sync_every=4, fragments=p).init(shards)
+    got, at = labels["fragments"].tolist(), 0
+    per_unit = []
+    for name in sorted(shards):  # the tree's order
+        per_unit.append(got[at : at + len(shards[name])])
+        at += len(shards[name])
+    in_order = [per_unit[sorted(shards).index(name)][0] for name in fsdp.unit_names]
+    return per_unit, in_order
+
+
+def test_the_default_fragments_of_fsdp_shards_are_whole_units() -> None:
+    """``fsdp.shard``'s dict: a unit's flat tensors (one per dtype) in one fragment, the
+    fragments contiguous in FSDP's unit order."""
+    per_unit, in_order = ranks.world(1).run(_shard_fragments, 4)[0]
+    assert any(len(labels) == 2 for labels in per_unit)  # the blocks: float32 and float64
+    assert all(len(set(labels)) == 1 for labels in per_unit)
+    assert in_order == sorted(in_order)
+    assert set(in_order) == {0, 1, 2, 3}
+
+
 def test_bad_streaming_options_are_refused() -> None:
     inner, tree = fdp.optim.sgd(0.1), init_params()
     with pytest.raises(ValueError, match=r"fdp.DiLoCo: `overlap` expected an int from 0 to"):

@@ -81,10 +81,11 @@ class DiLoCo:
             or a float8 dtype, block-quantized (256 values per float32 scale)
             and summed in float32 (about 0.25x float32's bytes); default the
             parameters' own.
-        fragments: the number of fragments, cut from the leaves in the
-            tree's order, each about an equal share of the elements; or a
-            tree of ints (each leaf's fragment) with the parameters'
-            structure.
+        fragments: the number of fragments, cut in the tree's order, each
+            about an equal share of the elements, each FSDP unit (of
+            ``fsdp.shard``'s shards) or default unit (a top-level entry, a
+            transformer block) whole; or a tree of ints (each leaf's
+            fragment) with the parameters' structure.
         overlap: inner steps between a fragment's reduction starting and its
             outer step (0: at once), below ``sync_every``.
         alpha: the local fragment's weight when an outer step lands (0: take

@@ -122,7 +122,7 @@ def _kind(t: torch.Tensor | None) -> tuple[bool, bool]:
 def _owners(call: str, params: Any, names: list[str], units: Sequence[str] | None) -> list[str]:
     """Each leaf's unit name."""
     if units is None:
-        return [_default_unit(parts) for parts in _tree.segments(params)]
+        return [_tree.block(parts) for parts in _tree.segments(params)]
     _check_prefixes(call, "units", units, names)
     for u in units:
         nested = [v for v in units if v != u and v.startswith(u + ".")]
@@ -147,24 +147,6 @@ def _check_prefixes(call: str, arg: str, given: Sequence[str], names: list[str])
 
 def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
-
-
-def _default_unit(parts: list[tuple[str, bool]]) -> str:
-    """A leaf's default unit, from its name's segments (:func:`fdp._tree.segments`).
-
-    The top-level entry, or the element of a top-level list; within it, the
-    first list element (a ``ModuleList``'s block) that holds more than one
-    leaf's worth of path, so every transformer block is a unit, whether the
-    state is nested or flat with dotted names (``transformer.h.0``).
-    """
-    if not parts:
-        return ""
-    end = 2 if len(parts) > 1 and parts[1][1] and not parts[0][1] else 1
-    for i in range(end, len(parts) - 1):
-        if parts[i][1]:
-            end = i + 1
-            break
-    return ".".join(name for name, _ in parts[:end])
 
 
 def subtree(tree: Any, name: str) -> Any:
