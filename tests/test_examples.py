@@ -17,7 +17,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import fdp
 from tests import ranks
+from tests.helpers import tree_allclose
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -224,3 +226,31 @@ def test_two_agents_as_two_nodes_with_a_restart_equal_one_node(
     log = torchrun(tmp_path / "zero", ZERO_ARGS, nodes=2, kill=True, rendezvous=rendezvous)
     assert f"--resume: continuing from {tmp_path / 'zero' / 'step_10'}" in log
     assert_bitwise_equal(final_state(tmp_path / "zero", tmp_path), uninterrupted["zero"])
+
+
+def _lm_losses(rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:
+    """train_diloco.py's unsharded LM against train_lm_fsdp.py's, fully sharded (1 rank)."""
+    if str(ROOT / "examples") not in sys.path:  # a rank's process: the examples import each other
+        sys.path.insert(0, str(ROOT / "examples"))
+    train_diloco = importlib.import_module("train_diloco")
+    train_lm_fsdp = importlib.import_module("train_lm_fsdp")
+    args = train_diloco.parse_args(["--model", "lm", "--dim", "32", "--blocks", "2"])
+    task = train_diloco.Language(args)
+    params = task.init_params()
+    x, y = task.batch(3, 0, 1)
+    grads, loss = torch.func.grad_and_value(task.loss)(params, x, y)
+    fsdp = fdp.FullyShardedDataParallel(params)
+    shards = {k: tuple(t.requires_grad_() for t in ts) for k, ts in fsdp.shard(params).items()}
+    reference = train_lm_fsdp.lm_loss(fsdp, shards, x, y, task.heads)
+    reference.backward()
+    expected = fsdp.full(
+        {k: tuple(t.grad for t in ts if t.grad is not None) for k, ts in shards.items()}
+    )
+    return loss, reference.detach(), grads, expected
+
+
+def test_the_diloco_examples_lm_is_the_fsdp_examples_model() -> None:
+    """``train_diloco.py --model lm``: the loss and gradients of train_lm_fsdp.py's model."""
+    loss, reference, grads, expected = ranks.world(1).run(_lm_losses)[0]
+    torch.testing.assert_close(loss, reference)
+    tree_allclose(grads, expected, rtol=1e-5, atol=1e-6)
