@@ -312,6 +312,19 @@ def test_diloco_refuses_a_fault_tolerance_that_copies_one_state_at_the_first_syn
         fdp.DiLoCo(fdp.optim.sgd(0.1), sync_every=2, group=ft)
 
 
+def test_diloco_join_refuses_replica_groups() -> None:
+    """Replica groups leave the quorum instead of joining."""
+    ft = fdp.FaultTolerance(FakeManager(init_sync=False))
+    diloco = fdp.DiLoCo(fdp.optim.sgd(0.1), sync_every=2, group=ft)
+    params = {"w": torch.ones(3)}
+    state = diloco.init(params)
+    with (
+        pytest.raises(ValueError, match=r"fdp.DiLoCo.join: expected a process group as `group`"),
+        diloco.join(params, state),
+    ):
+        pass
+
+
 def test_diloco_refuses_a_quantized_wire_across_replica_groups() -> None:
     ft = fdp.FaultTolerance(FakeManager(init_sync=False))
     with pytest.raises(ValueError, match=r"`sync_dtype` expected a floating-point dtype with a"):

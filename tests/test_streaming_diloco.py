@@ -296,6 +296,35 @@ def test_the_default_fragments_are_contiguous_shares() -> None:
     assert state["fragments"].tolist() == [0, 1, 2]  # never an empty fragment
 
 
+def _nested_join(rank: int, size: int) -> dict[str, Any]:
+    local = fdp.LocalSGD(fdp.optim.sgd(0.1), sync_every=4)
+    params = init_params()
+    state = local.init(params)
+    with local.join(params, state) as joined:
+        with (
+            pytest.raises(RuntimeError, match=r"fdp.LocalSGD.join: already inside join"),
+            local.join(params, state),
+        ):
+            pass
+        for step in range(3):  # one worker: the mirror ends at the first synchronisation
+            params, state = local.update(grads_of("grad", params, *batch(step, 0)), state, params)
+    return {"count": int(joined.state["count"]), "params": joined.params}
+
+
+def test_a_join_inside_another_is_refused_and_one_worker_ends_at_the_next_sync() -> None:
+    got = ranks.world(1).run(_nested_join)[0]
+    assert got["count"] == H  # three updates, then the mirror's fourth: a sync with none training
+    reference, state = init_params(), fdp.optim.sgd(0.1).init(init_params())
+    for step in range(3):
+        g = grads_of("grad", reference, *batch(step, 0))
+        reference, state = fdp.optim.sgd(0.1).update(g, state, reference)
+    check(
+        [{**got, "anchor": init_params(), "in_flight": 0}],
+        [{"params": reference, "anchor": init_params(), "in_flight": 0, "count": H}],
+        1e-6,
+    )
+
+
 def _block(w: int, b: int) -> dict[str, torch.Tensor]:
     return {"w": torch.zeros(w), "b": torch.zeros(b)}
 
