@@ -261,8 +261,8 @@ def examples(session: nox.Session) -> None:
     streaming = ("--fragments", "4", "--overlap", "1", "--sync-dtype", "int8")
     run(session, *TORCHRUN, *diloco, *streaming, "--min-accuracy", "0.85")
     # The same on the character LM (4 blocks, 200 steps), plain DiLoCo beside it.
-    lm = ("--model", "lm", "--steps", "200", "--blocks", "4", "--batch-size", "32")
-    run(session, *TORCHRUN, "examples/train_diloco.py", *lm, *streaming, "--max-loss", "0.5")
+    lm_diloco = ("--model", "lm", "--steps", "200", "--blocks", "4", "--batch-size", "32")
+    run(session, *TORCHRUN, "examples/train_diloco.py", *lm_diloco, *streaming, "--max-loss", "0.5")
     for script in ("train_digits.py", "train_digits_ddp.py"):
         launch = ("python",) if script == "train_digits.py" else TORCHRUN
         run(
