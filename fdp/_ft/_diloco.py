@@ -249,10 +249,8 @@ class DiLoCo:
                 state = self._start(i, state, params, count, training=training)
                 if not training and self._flying[i][1].training() == 0.0:
                     self._flying.pop(i)[1].wait(count)  # every worker has left: nothing to land
-                    state, ended = (
-                        _with_slot(state, i, _idle(len(state["in_flight"][i]["delta"]))),
-                        True,
-                    )
+                    state = _with_slot(state, i, _idle(len(state["in_flight"][i]["delta"])))
+                    ended = True
                 elif self.overlap == 0:
                     params, state = self._land(i, state, params)
         return params, state, ended

@@ -64,12 +64,10 @@ class Exchange:
             self._advance()
 
     def training(self) -> float:
-        """The share of the workers that sent as training (1.0 outside ``join``); waits for
-        the check only (over a process group), or for the whole exchange."""
+        """The share of the workers that sent as training (1.0 outside ``join``), as soon
+        as the check has arrived (over a process group: ``join`` refuses a FaultTolerance)."""
         if self._work is not None:
             self._work.wait()
-        else:
-            self._finish()
         return float(self._check[2])
 
     def wait(self, count: int) -> list[torch.Tensor]:
