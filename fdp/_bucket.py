@@ -67,8 +67,9 @@ class Bucket:
         """Leaf ``j``'s dims (a complex leaf's real/imaginary one last) in memory order."""
         return _order(self.strides[j], complex_=self.complex_[j])
 
-    def empty(self) -> torch.Tensor:
-        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+    def empty(self, tail: int = 0) -> torch.Tensor:
+        """An uninitialised flat buffer: the bucket's elements, then ``tail`` more."""
+        return torch.empty(self.numel + tail, dtype=self.dtype, device=self.device)
 
     def view(self, flat: torch.Tensor, j: int) -> torch.Tensor:
         """Leaf ``j``'s view of ``flat``, with the leaf's shape, strides and dtype."""
@@ -411,16 +412,18 @@ class Layout:
         self._buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._lock = threading.Lock()
 
-    def buffer(self, k: int) -> torch.Tensor:
-        """A flat buffer for bucket ``k`` that nobody else uses.
+    def buffer(self, k: int, *, tail: int = 0) -> torch.Tensor:
+        """A flat buffer for bucket ``k`` that nobody else uses, ``tail`` elements longer.
 
         Atomic across threads: the view handed out counts as a user, so a
         second caller (another thread, another step) gets a new buffer.
         """
+        size = self.buckets[k].numel + tail
         with self._lock:
             buf = self._buffers[k]
-            if buf is None or _compat.storage_users(buf) > 1:  # a result is still alive
-                buf = self._buffers[k] = self.buckets[k].empty()
+            # A result still alive, or another length: a new one.
+            if buf is None or buf.numel() != size or _compat.storage_users(buf) > 1:
+                buf = self._buffers[k] = self.buckets[k].empty(tail)
             return buf.view(-1)
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:

@@ -316,30 +316,43 @@ def _grads_by_func_grad_of(
     return grads
 
 
-def _different_leaves(rank: int, size: int, grads_of: Any) -> Any:
+def _different_leaves(rank: int, size: int, grads_of: Any, dtype: torch.dtype) -> Any:
     g = torch.Generator().manual_seed(0)
-    params = {name: torch.randn(5, generator=g).requires_grad_() for name in "abcd"}
+    params = {name: torch.randn(5, generator=g).to(dtype).requires_grad_() for name in "abcd"}
     used = {0: "a", 1: "ab", 2: "bc"}[rank]  # d: used by no rank
     ddp = fdp.DistributedDataParallel(params, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
-    results = []
+    results, issued = [], []
+    plain = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        issued[-1] += 1
+        return plain(*args, **kwargs)
+
     for step in range(3):  # repeated: nothing stale carries over
 
         def loss(p: dict[str, torch.Tensor], step: int = step) -> torch.Tensor:
             return sum((p[k] * (rank + step + 1)).sin().sum() for k in used)  # type: ignore[return-value]
 
-        results.append(grads_of(ddp, params, loss))
-    return results
+        issued.append(0)
+        dist.all_reduce = counted  # type: ignore[assignment]
+        try:
+            results.append(grads_of(ddp, params, loss))
+        finally:
+            dist.all_reduce = plain
+    return results, issued
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize(
     "grads_of", [_grads_by_backward_of, _grads_by_func_grad_of], ids=["backward", "func_grad"]
 )
-def test_ranks_using_different_leaves(grads_of: Any) -> None:
+def test_ranks_using_different_leaves(grads_of: Any, dtype: torch.dtype) -> None:
     size = 3
-    results = ranks.world(size).run(_different_leaves, grads_of)
+    results = ranks.world(size).run(_different_leaves, grads_of, dtype)
     g = torch.Generator().manual_seed(0)
-    params = {name: torch.randn(5, generator=g) for name in "abcd"}
+    params = {name: torch.randn(5, generator=g).to(dtype).double() for name in "abcd"}
     used = {0: "a", 1: "ab", 2: "bc"}
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
     for step in range(3):
         average = {}
         for k, p in params.items():
@@ -347,16 +360,20 @@ def test_ranks_using_different_leaves(grads_of: Any) -> None:
                 torch.cos(p * (r + step + 1)) * (r + step + 1) if k in used[r] else torch.zeros(5)
                 for r in range(size)
             ]
-            average[k] = sum(local) / size
-        for per_step in results:
+            average[k] = (sum(local) / size).to(dtype)
+        for per_step, _ in results:
             got = per_step[step]
-            torch.testing.assert_close(got["a"], average["a"])  # the average on every rank,
-            torch.testing.assert_close(got["b"], average["b"])  # also where this rank used
-            torch.testing.assert_close(got["c"], average["c"])  # no leaf
+            for k in "abc":  # the average on every rank, also where this rank used no leaf
+                torch.testing.assert_close(got[k], average[k], **tol)  # type: ignore[arg-type]
             if grads_of is _grads_by_backward_of:  # used by no rank: None, as locally
                 assert got["d"] is None
             else:  # torch.func.grad's zeros: the average of nothing used
-                torch.testing.assert_close(got["d"], torch.zeros(5))
+                torch.testing.assert_close(got["d"], torch.zeros(5, dtype=dtype))
+    # One all-reduce per bucket (a leaf each); the usage counts, which only
+    # loss.backward() needs, ride the last bucket where it sums them exactly.
+    alone = grads_of is _grads_by_backward_of and dtype == torch.bfloat16
+    for _, issued in results:
+        assert issued == [4 + alone] * 3
 
 
 def _tied(rank: int, size: int) -> Any:

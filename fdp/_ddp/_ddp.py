@@ -217,12 +217,15 @@ class DistributedDataParallel:
         """What ranks that left ``join`` mirror: buckets, counted leaves, buffers."""
         # The leaves a step's usage all-reduce counts (hooked: needing grad,
         # each tensor once), for join's mirroring ranks.
-        counted = [leaves[i] for i in hooked_leaves(self._layout, leaves)]
+        hooked = hooked_leaves(self._layout, leaves)
+        counted = [leaves[i] for i in hooked]
+        order = {i: p for p, i in enumerate(self._layout.order)}
         return _join.JoinPlan(
             group=group,
             buckets=tuple(self._layout.buckets),
             counted=len(counted),
             counted_meta=tuple((t.shape, t.dtype, t.device) for t in counted),
+            counted_slots=tuple(order[i] for i in hooked),
             buffers=self._buffers,
             final=final,  # join's final synchronisation
             meta=tuple(self._meta),
@@ -299,7 +302,10 @@ class DistributedDataParallel:
         if self._joiner is not None:
             raise RuntimeError("fdp.DistributedDataParallel.join: already inside join")
         self._joiner = Joiner(
-            self._join_plan, self._refs, divide_by_initial_world_size=divide_by_initial_world_size
+            self._join_plan,
+            self._refs,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+            usage_tail=self._reducer.reduction.usage_tail,
         )
         try:
             with self._joiner.active():

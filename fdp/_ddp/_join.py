@@ -73,6 +73,8 @@ class JoinPlan:
     final: Buffers
     meta: tuple[tuple[torch.Size, torch.dtype, torch.device] | None, ...]
     counted_meta: tuple[tuple[torch.Size, torch.dtype, torch.device], ...] = ()  # per count
+    # per count, its slot in the last bucket's tail (Note [usage rides the last bucket])
+    counted_slots: tuple[int, ...] = ()
 
 
 class Joiner:
@@ -84,6 +86,7 @@ class Joiner:
         refs: list[weakref.ref[torch.Tensor] | None],
         *,
         divide_by_initial_world_size: bool,
+        usage_tail: int = 0,
     ) -> None:
         group = plan.group
         self.group = group
@@ -91,6 +94,7 @@ class Joiner:
         self.rank = dist.get_rank(group)
         self.buckets = list(plan.buckets)
         self.counted, self.counted_meta = plan.counted, plan.counted_meta
+        self.usage_tail, self.counted_slots = usage_tail, plan.counted_slots
         self.buffers = plan.buffers
         self.by_initial = divide_by_initial_world_size
         self.training = Training(group, tuple(range(self.world)), group)
@@ -182,14 +186,25 @@ class Joiner:
                 if self.buffers is not None and broadcast:
                     self.buffers.mirror(src=last)
                 if reduces:
-                    for bucket in self.buckets:
-                        dist.all_reduce(torch.zeros_like(bucket.empty()), group=self.group)
-                    usage = torch.zeros(self.counted + 1)  # the last: late gradients
-                    dist.all_reduce(usage, group=self.group)
-                    if usage[-1] > 0:  # the training ranks reduce them, bucket by bucket
+                    *counts, late = self._mirror_reduction()
+                    if late > 0:  # the training ranks reduce them, bucket by bucket
                         for bucket in self.buckets:
                             dist.all_reduce(torch.zeros_like(bucket.empty()), group=self.group)
-                    self._mirror_sparse(usage[:-1].tolist())
+                    self._mirror_sparse(counts)
+
+    def _mirror_reduction(self) -> list[float]:
+        """Zeros for each bucket and the usage counts: the summed counts, then late ones."""
+        last = len(self.buckets) - 1
+        for k, bucket in enumerate(self.buckets):
+            tail = self.usage_tail if k == last else 0
+            flat = bucket.empty(tail).zero_()
+            dist.all_reduce(flat, group=self.group)
+        if self.usage_tail:  # Note [usage rides the last bucket] (fdp/_ddp/_reduction.py)
+            summed = flat[self.buckets[-1].numel :].tolist()
+            return [summed[p] for p in self.counted_slots] + [summed[-1]]
+        usage = torch.zeros(self.counted + 1)  # the last: late gradients
+        dist.all_reduce(usage, group=self.group)
+        return usage.tolist()
 
     def _mirror_sparse(self, counts: list[float]) -> None:
         """Takes part, with nothing, in the reduction of each sparse gradient (in order)."""

@@ -59,6 +59,6 @@ def reduce(step: StepState) -> None:
                 view.copy_(late)
         dist.all_reduce(extra, group=step.reduction.group)
         flat = step.buckets[k].flat
-        if flat is not None:
-            flat.add_(extra)
+        if flat is not None:  # the last bucket's may carry the usage counts after it
+            flat[: bucket.numel].add_(extra)
     step.late.clear()

@@ -80,6 +80,7 @@ class Step:
         self.late: dict[int, torch.Tensor] = {}  # past their launch: fdp/_ddp/_late.py
         self.next_launch, self.delivery, self.queued = 0, Delivery.UNDECIDED, False
         self.batched = False  # alias nodes pack their runs: see on_run
+        self.rides = False  # the usage counts ride the last bucket: _start decides
         self.lock = threading.Lock()
         for i in hooked:
             self.buckets[reduction.layout.where[i][0]].expected += 1
@@ -89,13 +90,24 @@ class Step:
         """Whether gradients are returned (not accumulated in ``.grad``)."""
         return self.delivery is Delivery.RETURNED
 
+    @property
+    def counting(self) -> bool:
+        """Whether the step counts, over ranks, which leaves had a gradient.
+
+        ``.grad`` stays None where no rank had one; ``join``'s mirroring
+        ranks answer the count on every step.
+        """
+        return not self.returned or self.always_count
+
     def _flat(self, k: int) -> torch.Tensor:
         state = self.buckets[k]
         if state.flat is None:
-            state.flat = self.reduction.layout.buffer(k)
+            bucket = self.reduction.layout.buckets[k]
+            tail = self.reduction.usage_tail if self.rides and k == len(self.buckets) - 1 else 0
+            state.flat = self.reduction.layout.buffer(k, tail=tail)
             # Made once per step and bucket, not per hook call (twice per leaf:
             # pack, hand-out); docs/performance.md has the cost.
-            state.views = self.reduction.layout.buckets[k].views(state.flat)
+            state.views = bucket.views(state.flat[: bucket.numel] if tail else state.flat)
         return state.flat
 
     def view(self, i: int) -> torch.Tensor:
@@ -141,6 +153,8 @@ class Step:
             self.batched = not self.selective
         else:
             self.batched = _grad.differentiating()
+        # Note [usage rides the last bucket] (fdp/_ddp/_reduction.py)
+        self.rides = self.reduction.usage_tail > 0 and self.counting
         if not self.queued:
             _compat.queue_backward_callback(self.finish)
             self.queued = True
@@ -242,7 +256,9 @@ class Step:
 
     def _launch_complete(self) -> None:
         """Launches, in order, the buckets that hold every gradient this rank gives them."""
-        while self.next_launch < len(self.buckets) and self._complete(self.next_launch):
+        # Riding, the last bucket waits for the counts: the finish launches it.
+        end = len(self.buckets) - 1 if self.rides else len(self.buckets)
+        while self.next_launch < end and self._complete(self.next_launch):
             with _bucket_label(self.next_launch):
                 self._launch(self.next_launch)
 
@@ -310,6 +326,8 @@ class Step:
                 self.sparse.setdefault(i, None)
                 old = None
             _pack_old(self.buckets[k].views[j], old, self.prescale)
+        if self.rides and k == len(self.buckets) - 1:
+            self._write_counts(flat[bucket.numel :])
         if self.reduction.hook is None:
             future: Any = _comm_hooks.sum_hook(flat, self.reduction.group)
         else:
@@ -340,8 +358,8 @@ class Step:
                 while self.next_launch < len(self.buckets):
                     with _bucket_label(self.next_launch):
                         self._launch(self.next_launch)
-                counting = not self.returned or self.always_count
-                usage = self.launch_usage() if counting and not self.reduction.serial else None
+                alone = self.counting and not self.rides
+                usage = self.launch_usage() if alone and not self.reduction.serial else None
                 for state in self.buckets:
                     fut, flat = state.future, state.flat
                     if fut is None or flat is None:
@@ -349,16 +367,15 @@ class Step:
                     result = fut.wait()
                     if result is not flat:
                         flat.copy_(result)
-                if usage is None and self.reduction.serial and counting:
+                if usage is None and self.reduction.serial and alone:
                     usage = self.launch_usage()  # after every hook's last collective
                 if self.returned and _grad.asked():  # fdp.grad: see returning_unused
                     for i in self.hooked:
                         if i not in self.used:
                             _grad.hand_unused(self.leaves[i], self.view(i))
-                if usage is not None and self.returned:
-                    usage[1].wait()  # counted for join's mirroring ranks only
-                elif usage is not None:
-                    self._hand_out(usage)
+                counts = self._counted(usage)
+                if counts is not None and not self.returned:  # else for join's mirrors only
+                    self._hand_out(*counts)
                 if self.reduction.replicas is not None and not self.always_count:  # not in join
                     self.reduction.replicas.after_reduction(self.leaves, self.hooked)
             finally:
@@ -389,32 +406,56 @@ class Step:
         outer.register_hook(requeue)
         return True
 
+    def _counts(self) -> list[float]:
+        """This rank's count for each hooked leaf, then whether it has late gradients."""
+        # A sparse user counts world + 1, a dense one 1: one sum says both.
+        sparse = float(dist.get_world_size(self.reduction.group) + 1)
+        return [
+            *(
+                sparse
+                if i in self.sparse
+                else 1.0
+                if i in self.used or self.leaves[i].grad is not None
+                else 0.0
+                for i in self.hooked
+            ),
+            float(bool(self.late)),  # last: whether any rank has late gradients
+        ]
+
     def launch_usage(self) -> tuple[torch.Tensor, Any]:
         """Counts, over ranks, which hooked leaves had a gradient (one small all-reduce)."""
         device = self.reduction.layout.buckets[0].device
-        # A sparse user counts world + 1, a dense one 1: one sum says both.
-        sparse = float(dist.get_world_size(self.reduction.group) + 1)
-        counts = torch.tensor(
-            [
-                *(
-                    sparse
-                    if i in self.sparse
-                    else 1.0
-                    if i in self.used or self.leaves[i].grad is not None
-                    else 0.0
-                    for i in self.hooked
-                ),
-                float(bool(self.late)),  # last: whether any rank has late gradients
-            ],
-            device=device,
-        )
+        counts = torch.tensor(self._counts(), device=device)
         return counts, dist.all_reduce(counts, group=self.reduction.group, async_op=True)
 
-    def _hand_out(self, usage: tuple[torch.Tensor, Any]) -> None:
-        """``.grad`` becomes the reduced view; it stays ``None`` where no rank had one."""
+    def _write_counts(self, tail: torch.Tensor) -> None:
+        """The counts in the last bucket's tail: a slot per bucketed leaf, then late ones."""
+        *mine, late = self._counts()
+        values = [0.0] * tail.numel()
+        slots = self.reduction.slots
+        for i, count in zip(self.hooked, mine, strict=True):
+            values[slots[i]] = count
+        values[-1] = late
+        tail.copy_(torch.tensor(values, dtype=tail.dtype))
+
+    def _counted(self, usage: tuple[torch.Tensor, Any] | None) -> tuple[list[float], float] | None:
+        """The summed counts of the hooked leaves and of late gradients, once reduced."""
+        if self.rides:
+            last = self.buckets[-1].flat
+            if last is None:
+                raise RuntimeError("fdp internal error: the last bucket was never launched")
+            tail = last[self.reduction.layout.buckets[-1].numel :].tolist()
+            slots = self.reduction.slots
+            return [tail[slots[i]] for i in self.hooked], tail[-1]
+        if usage is None:
+            return None
         counts, work = usage
         work.wait()
         *used, late = counts.tolist()
+        return used, late
+
+    def _hand_out(self, used: list[float], late: float) -> None:
+        """``.grad`` becomes the reduced view; it stays ``None`` where no rank had one."""
         if late > 0:
             _late.reduce(self)
         sparse_count = dist.get_world_size(self.reduction.group) + 1
