@@ -54,39 +54,77 @@ class _KeepAlive:
 
 _BUFFER = "_fdp_module_buffer"
 
+# A tensor name's place in a call's shells: the shell's dict, the key, the module's tensor.
+_Slot = tuple[dict[str, Any], str, Any]
 
-def _shells(
-    module: nn.Module, *, sync_batch_norm: bool, group: Any
-) -> list[tuple[nn.Module, nn.Module]]:
-    """``(module, shell)`` for every module of the tree, the root first."""
-    modules = list(module.modules())
-    shells: dict[int, nn.Module] = {}
-    for m in modules:
+
+class _Walk:
+    """One call's shells and slots, made in one walk of the module tree.
+
+    ``pairs``: ``(module, shell)`` for every module, the root first (each
+    module once); ``slots``: every name of a parameter or buffer, tied and
+    shared ones included (``named_modules(remove_duplicate=False)``), with
+    its shell's dict, key, and the module's tensor.
+    """
+
+    __slots__ = ("group", "pairs", "shells", "slots", "sync_batch_norm")
+
+    def __init__(self, *, sync_batch_norm: bool, group: Any) -> None:
+        self.pairs: list[tuple[nn.Module, nn.Module]] = []
+        self.shells: dict[int, nn.Module] = {}
+        self.slots: dict[str, _Slot] = {}
+        self.sync_batch_norm, self.group = sync_batch_norm, group
+
+    def visit(self, m: nn.Module, prefix: str) -> nn.Module:
+        """``m``'s shell (made at its first visit), its subtree's and its names' slots."""
+        shell = self.shells.get(id(m))
+        made = shell is None
+        if shell is None:
+            shell = self.shells[id(m)] = self._shell(m)
+            self.pairs.append((m, shell))
+        attrs, slots = shell.__dict__, self.slots
+        dot = f"{prefix}." if prefix else ""
+        table = attrs["_parameters"]
+        for key, tensor in m._parameters.items():
+            slots[dot + key] = (table, key, tensor)
+        table = attrs["_buffers"]
+        for key, tensor in m._buffers.items():
+            slots[dot + key] = (table, key, tensor)
+        children = {
+            name: None if child is None else self.visit(child, dot + name)
+            for name, child in m._modules.items()
+        }
+        if made:
+            attrs["_modules"] = children
+        return shell
+
+    def _shell(self, m: nn.Module) -> nn.Module:
         shell = object.__new__(type(m))
-        shell.__dict__.update(m.__dict__)
-        if sync_batch_norm and isinstance(m, _BATCH_NORMS):
+        attrs = shell.__dict__
+        attrs.update(m.__dict__)
+        if self.sync_batch_norm and isinstance(m, _BATCH_NORMS):
             # Imported here: the single-process core imports nothing distributed.
             from fdp._comm import _sync_batch_norm
 
-            _sync_batch_norm.synced(shell, group)
-        shells[id(m)] = shell
-    for m in modules:
-        shell = shells[id(m)]
-        attrs = shell.__dict__
+            _sync_batch_norm.synced(shell, self.group)
         for key in _CONTAINERS:  # hooks a forward registers stay in its shell
             container = attrs.get(key)
             if container is not None:
                 attrs[key] = container.copy()
         attrs["_parameters"] = dict(m._parameters)
         attrs["_buffers"] = dict(m._buffers)
-        attrs["_modules"] = {
-            name: None if child is None else shells[id(child)] for name, child in m._modules.items()
-        }
         if m._backward_hooks and m._is_full_backward_hook is False:
             attrs["_backward_hooks"] = {
                 key: _KeepAlive(hook, shell) for key, hook in m._backward_hooks.items()
             }
-    return [(m, shells[id(m)]) for m in modules]
+        return shell
+
+
+def _shells(module: nn.Module, *, sync_batch_norm: bool, group: Any) -> _Walk:
+    """The call's shells of every module of the tree, and the slots of every tensor name."""
+    walk = _Walk(sync_batch_norm=sync_batch_norm, group=group)
+    walk.visit(module, "")
+    return walk
 
 
 # Copied apart, with the call's tensors and child shells.
@@ -106,24 +144,9 @@ _CONTAINERS = tuple(
 # What a forward changes without registering a hook (register_buffer(persistent=False)).
 _UNHOOKED_CONTAINERS = tuple(k for k in _CONTAINERS if "hooks" not in k)
 
-_Slot = tuple[dict[str, Any], str, Any]
 
-
-def _slots(module: nn.Module, shells: dict[int, nn.Module]) -> dict[str, _Slot]:
-    """Every name of a parameter or buffer, tied ones included: its shell's dict, key, original."""
-    slots: dict[str, _Slot] = {}
-    for prefix, m in module.named_modules(remove_duplicate=False):
-        attrs = shells[id(m)].__dict__
-        dot = f"{prefix}." if prefix else ""
-        for kind in ("_parameters", "_buffers"):
-            for key, tensor in getattr(m, kind).items():
-                slots[dot + key] = (attrs[kind], key, tensor)
-    return slots
-
-
-def _install(module: nn.Module, shells: dict[int, nn.Module], state: Mapping[str, Any]) -> None:
+def _install(slots: dict[str, _Slot], state: Mapping[str, Any]) -> None:
     """Puts ``state``'s tensors in the shells, every tied name of a tensor included."""
-    slots = _slots(module, shells)
     chosen: dict[int, tuple[str, torch.Tensor | None]] = {}
     for name, value in state.items():
         if value is not None and not isinstance(value, torch.Tensor):
@@ -225,9 +248,9 @@ def _call(
     prepare: Callable[[list[tuple[nn.Module, nn.Module]]], None] | None = None,
 ) -> Any:
     handles = _compat.hook_handles_made()
-    pairs = _shells(module, sync_batch_norm=sync_batch_norm, group=group)
-    shells = {id(m): shell for m, shell in pairs}
-    _install(module, shells, state)
+    walk = _shells(module, sync_batch_norm=sync_batch_norm, group=group)
+    pairs = walk.pairs
+    _install(walk.slots, state)
     if prepare is not None:  # a fully sharded call installs its units per block
         prepare(pairs)
     before = [dict(shell.__dict__) for _, shell in pairs]

@@ -172,7 +172,10 @@ class _Call:
 
     def on_grad(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         # sparse_ok: the aliases are _Aliases outputs, whose node runs on_run
-        return self.reducer.step(self).on_grad(i, grad, node=self.sparse_ok)
+        step = self.reducer.open  # the lock only to open one: once a backward
+        if step is None:
+            step = self.reducer.step(self)
+        return step.on_grad(i, grad, node=self.sparse_ok)
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,10 @@ class Step:
         if torch.is_grad_enabled():  # backward(create_graph=True)
             self._refuse(i, grad)
             return _graphed.on_grad(self, i, grad)
+        if node and self.batched:
+            # Set once, under the lock, when the delivery is decided: read
+            # without it, this hook costs a third (52 hooks of a GPT-2: 0.3 ms).
+            return grad  # its node packs it with its run: on_run
         # Grad mode is off here already (the engine runs hooks without it).
         with self.lock, _compat.functorch_disabled():
             if self.delivery is Delivery.UNDECIDED:
