@@ -84,12 +84,11 @@ class _Walk:
             self.pairs.append((m, shell))
         attrs, slots = shell.__dict__, self.slots
         dot = f"{prefix}." if prefix else ""
-        table = attrs["_parameters"]
-        for key, tensor in m._parameters.items():
-            slots[dot + key] = (table, key, tensor)
-        table = attrs["_buffers"]
-        for key, tensor in m._buffers.items():
-            slots[dot + key] = (table, key, tensor)
+        params, buffers = attrs["_parameters"], attrs["_buffers"]
+        for key, param in m._parameters.items():
+            slots[dot + key] = (params, key, param)
+        for key, buffer in m._buffers.items():
+            slots[dot + key] = (buffers, key, buffer)
         children = {
             name: None if child is None else self.visit(child, dot + name)
             for name, child in m._modules.items()

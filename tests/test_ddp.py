@@ -321,7 +321,8 @@ def _different_leaves(rank: int, size: int, grads_of: Any, dtype: torch.dtype) -
     params = {name: torch.randn(5, generator=g).to(dtype).requires_grad_() for name in "abcd"}
     used = {0: "a", 1: "ab", 2: "bc"}[rank]  # d: used by no rank
     ddp = fdp.DistributedDataParallel(params, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
-    results, issued = [], []
+    results: list[Any] = []
+    issued: list[int] = []  # all-reduces per step
     plain = dist.all_reduce
 
     def counted(*args: Any, **kwargs: Any) -> Any:
@@ -334,7 +335,7 @@ def _different_leaves(rank: int, size: int, grads_of: Any, dtype: torch.dtype) -
             return sum((p[k] * (rank + step + 1)).sin().sum() for k in used)  # type: ignore[return-value]
 
         issued.append(0)
-        dist.all_reduce = counted  # type: ignore[assignment]
+        dist.all_reduce = counted
         try:
             results.append(grads_of(ddp, params, loss))
         finally:
@@ -360,7 +361,7 @@ def test_ranks_using_different_leaves(grads_of: Any, dtype: torch.dtype) -> None
                 torch.cos(p * (r + step + 1)) * (r + step + 1) if k in used[r] else torch.zeros(5)
                 for r in range(size)
             ]
-            average[k] = (sum(local) / size).to(dtype)
+            average[k] = (torch.stack(local).sum(0) / size).to(dtype)
         for per_step, _ in results:
             got = per_step[step]
             for k in "abc":  # the average on every rank, also where this rank used no leaf
