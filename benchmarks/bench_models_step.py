@@ -14,8 +14,9 @@ processes; the figures are ratios to torch DDP's eager step:
   before ``fdp.grad``);
 - compiled: torch ``torch.compile(DDP(model))``; fdp's ``fn(ddp(state))``
   loss compiled with the same optimizer; fdp's pure loop with the loss and
-  ``fdp.optim``'s update compiled. Their first step (the compile) is timed
-  too, against torch's.
+  ``fdp.optim``'s update compiled. Their first step (the compile) runs
+  before the timing; ``bench_compile_time.py`` times it, each method in
+  processes of its own, with a cold and a warm cache.
 
 Also per rank, without DDP: one gradient by ``loss.backward()``,
 ``fdp.grad`` and ``torch.func.grad``; and one optimizer step,
@@ -183,20 +184,15 @@ def local_parts(name: str, ids: torch.Tensor) -> dict[str, Step]:
     }
 
 
-def measure(rank: int, name: str, rounds: int) -> dict[str, Any]:
+def measure(rank: int, name: str, rounds: int) -> dict[str, float]:
     ids = batch(rank)
     steps: dict[str, Step] = {}
-    first: dict[str, float] = {}
     for method, make in methods(name, ids).items():
         steps[method] = make()
-        dist.barrier()
-        start = time.perf_counter()
         steps[method]()  # the first step: compiles, where the method compiles
-        first[method] = time.perf_counter() - start
     times = interleaved(steps, rounds=rounds, repeats=3, sync=dist.barrier)
     parts = local_parts(name, ids)
-    times |= interleaved(parts, rounds=rounds, repeats=3)
-    return {"times": times, "first": first}
+    return times | interleaved(parts, rounds=rounds, repeats=3)
 
 
 def serve(rank: int, size: int, port: int, args: Any, out: Any) -> None:
@@ -214,8 +210,7 @@ def serve(rank: int, size: int, port: int, args: Any, out: Any) -> None:
         dist.destroy_process_group()
 
 
-def rows_of(name: str, got: dict[str, Any]) -> list[dict[str, Any]]:
-    times, first = got["times"], got["first"]
+def rows_of(name: str, times: dict[str, float]) -> list[dict[str, Any]]:
     base = times[BASE]
     rows = []
     for method, seconds in times.items():
@@ -225,14 +220,9 @@ def rows_of(name: str, got: dict[str, Any]) -> list[dict[str, Any]]:
             ref = times["optim: torch.optim.AdamW foreach"]
         else:
             ref = base
-        row = {"model": name, "ranks": SIZE, "method": method, "ms": round(seconds * 1e3, 2),
-               "vs_reference": round(seconds / ref, 3)}  # fmt: skip
-        if method in first:
-            compiled = "compiled" in method
-            ref_first = first["torch DDP compiled" if compiled else BASE]
-            row |= {"first_step_s": round(first[method], 2),
-                    "first_vs_torch": round(first[method] / ref_first, 3)}  # fmt: skip
-        rows.append(row)
+        rows.append({"model": name, "ranks": SIZE, "method": method,
+                     "ms": round(seconds * 1e3, 2),
+                     "vs_reference": round(seconds / ref, 3)})  # fmt: skip
     return rows
 
 
@@ -255,8 +245,7 @@ SLUGS = {
 def figures(row: dict[str, Any]) -> dict[str, float]:
     """One row's figures, as ``gpt2.fdp_pure.vs_reference``."""
     prefix = f"{row['model']}.{SLUGS[row['method']]}"
-    keys = ("ms", "vs_reference", "first_step_s", "first_vs_torch")
-    return {f"{prefix}.{k}": row[k] for k in keys if k in row}
+    return {f"{prefix}.{k}": row[k] for k in ("ms", "vs_reference")}
 
 
 def received(out: Any, procs: list[Any]) -> Any:
@@ -293,14 +282,8 @@ def main() -> None:
     for p in procs:
         p.join(120)
     for row in rows:
-        first = (
-            f", first step {row['first_step_s']} s ({row['first_vs_torch']}x)"
-            if "first_step_s" in row
-            else ""
-        )
         print(f"{row['model']} {row['method']:>34}: {row['ms']:8.2f} ms "
-              f"({row['vs_reference']:.2f}x){first}",
-              file=sys.stderr)  # fmt: skip
+              f"({row['vs_reference']:.2f}x)", file=sys.stderr)  # fmt: skip
     print(json.dumps({"rows": rows}))
     results.record("bench_models_step", {k: v for row in rows for k, v in figures(row).items()})
 
