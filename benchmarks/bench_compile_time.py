@@ -9,7 +9,7 @@ processes:
   directory of its own, what a new model or a new torch costs;
 - warm: the same directory again, what a restarted job costs.
 
-The methods, each as ``bench_models_step.py`` compiles it:
+The methods, each as ``bench_models_step.py`` compiles it (its functions):
 
 - torch DDP: ``torch.compile(DistributedDataParallel(model))``, torch AdamW;
 - fdp DDP: the loss ``fn(ddp(state))`` compiled, torch AdamW;
@@ -39,68 +39,14 @@ from typing import Any
 import results
 import torch
 import torch.distributed as dist
-from bench_models_step import batch, build
+from bench_models_step import batch, build, fdp_ddp_torch_optim, fdp_pure, torch_ddp
 from timing import run_ranks
 
 import fdp
 
 SIZE = 2
-METHODS = ("torch DDP", "fdp DDP", "fdp pure", "fdp FSDP")
 SLUGS = {"torch DDP": "torch_ddp", "fdp DDP": "fdp_ddp", "fdp pure": "fdp_pure",
          "fdp FSDP": "fdp_fsdp"}  # fmt: skip
-
-
-def torch_ddp(name: str, ids: torch.Tensor) -> Callable[[], None]:
-    model = build(name)
-    run = torch.compile(torch.nn.parallel.DistributedDataParallel(model))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-
-    def step() -> None:
-        run(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    return step
-
-
-def fdp_ddp(name: str, ids: torch.Tensor) -> Callable[[], None]:
-    fn, state = fdp.make_functional(build(name))
-    ddp = fdp.DistributedDataParallel(state)
-    opt = torch.optim.AdamW([t for t in state.values() if t.requires_grad], lr=1e-4, foreach=True)
-
-    def loss(s: dict[str, Any]) -> torch.Tensor:
-        out: torch.Tensor = fn(ddp(s), input_ids=ids, labels=ids).loss
-        return out
-
-    run = torch.compile(loss)
-
-    def step() -> None:
-        torch.autograd.backward(run(state))
-        opt.step()
-        opt.zero_grad()
-
-    return step
-
-
-def fdp_pure(name: str, ids: torch.Tensor) -> Callable[[], None]:
-    fn, state = fdp.make_functional(build(name))
-    ddp = fdp.DistributedDataParallel(state)
-    params = {k: v.detach() for k, v in state.items() if v.requires_grad}
-    buffers = {k: v for k, v in state.items() if not v.requires_grad}
-
-    def loss(p: dict[str, Any]) -> torch.Tensor:
-        out: torch.Tensor = fn(ddp({**p, **buffers}), input_ids=ids, labels=ids).loss
-        return out
-
-    opt = fdp.optim.adamw(torch.tensor(1e-4))
-    update = torch.compile(opt.update, fullgraph=True)
-    grad = fdp.grad(torch.compile(loss))
-    box = [params, opt.init(params)]
-
-    def step() -> None:
-        box[0], box[1] = update(grad(box[0]), box[1], box[0])
-
-    return step
 
 
 def fdp_fsdp(name: str, ids: torch.Tensor) -> Callable[[], None]:
@@ -126,8 +72,12 @@ def fdp_fsdp(name: str, ids: torch.Tensor) -> Callable[[], None]:
     return step
 
 
-MAKERS = {"torch DDP": torch_ddp, "fdp DDP": fdp_ddp, "fdp pure": fdp_pure,
-          "fdp FSDP": fdp_fsdp}  # fmt: skip
+MAKERS: dict[str, Callable[[str, torch.Tensor], Callable[[], None]]] = {
+    "torch DDP": lambda name, ids: torch_ddp(name, ids, compiled=True),
+    "fdp DDP": lambda name, ids: fdp_ddp_torch_optim(name, ids, compiled=True),
+    "fdp pure": lambda name, ids: fdp_pure(name, ids, grad=fdp.grad, compiled=True),
+    "fdp FSDP": fdp_fsdp,
+}
 
 
 def first_step(rank: int, size: int, port: int, name: str, method: str, out: str) -> None:
@@ -162,7 +112,7 @@ def timed(name: str, method: str, cache: str) -> float:
 
 def measure(name: str, root: str) -> list[dict[str, Any]]:
     got: dict[str, dict[str, float]] = {}
-    for method in METHODS:
+    for method in MAKERS:
         cache = os.path.join(root, f"{name}-{SLUGS[method]}")
         got[method] = {"cold_s": timed(name, method, cache), "warm_s": timed(name, method, cache)}
     base = got["torch DDP"]
