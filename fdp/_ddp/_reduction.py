@@ -106,6 +106,8 @@ class StepState(Protocol):
     buckets: list[InFlight]
     used: set[int]
     late: dict[int, torch.Tensor]
+    sparse: dict[int, torch.Tensor | None]
+    rides: bool  # the usage counts ride the last bucket
     lock: threading.Lock
     delivery: Delivery
     queued: bool

@@ -9,8 +9,8 @@ its bucket's flat buffer, by its hook or, under ``loss.backward()`` and
 full bucket is launched once every earlier bucket has been, so every rank
 issues the same collectives in the same order. A
 callback queued on the engine runs when backward ends: it launches what is
-left (leaves nobody used count as zero), waits, and hands the reduced
-gradients out:
+left (leaves nobody used count as zero; which leaves any rank used:
+``fdp/_ddp/_usage.py``), waits, and hands the reduced gradients out:
 
 - ``loss.backward()``: each leaf's ``.grad`` is a view of its bucket from the
   moment it is packed (the engine keeps the alias the hook returns, and the
@@ -41,7 +41,7 @@ from torch.autograd.profiler import record_function as _label
 from fdp import _compat, _grad
 from fdp._comm import _comm_hooks
 from fdp._comm._comm_hooks import GradBucket
-from fdp._ddp import _delivery, _graphed, _late
+from fdp._ddp import _delivery, _graphed, _late, _usage
 from fdp._ddp._delivery import Delivery
 from fdp._ddp._reduction import InFlight, Reduction
 from fdp._ddp._sparse import empty_sparse, reduce_sparse
@@ -331,7 +331,7 @@ class Step:
                 old = None
             _pack_old(self.buckets[k].views[j], old, self.prescale)
         if self.rides and k == len(self.buckets) - 1:
-            self._write_counts(flat[bucket.numel :])
+            _usage.write(self, flat[bucket.numel :])
         if self.reduction.hook is None:
             future: Any = _comm_hooks.sum_hook(flat, self.reduction.group)
         else:
@@ -377,7 +377,7 @@ class Step:
                     for i in self.hooked:
                         if i not in self.used:
                             _grad.hand_unused(self.leaves[i], self.view(i))
-                counts = self._counted(usage)
+                counts = _usage.summed(self, usage)
                 if counts is not None and not self.returned:  # else for join's mirrors only
                     self._hand_out(*counts)
                 if self.reduction.replicas is not None and not self.always_count:  # not in join
@@ -410,53 +410,9 @@ class Step:
         outer.register_hook(requeue)
         return True
 
-    def _counts(self) -> list[float]:
-        """This rank's count for each hooked leaf, then whether it has late gradients."""
-        # A sparse user counts world + 1, a dense one 1: one sum says both.
-        sparse = float(dist.get_world_size(self.reduction.group) + 1)
-        return [
-            *(
-                sparse
-                if i in self.sparse
-                else 1.0
-                if i in self.used or self.leaves[i].grad is not None
-                else 0.0
-                for i in self.hooked
-            ),
-            float(bool(self.late)),  # last: whether any rank has late gradients
-        ]
-
     def launch_usage(self) -> tuple[torch.Tensor, Any]:
         """Counts, over ranks, which hooked leaves had a gradient (one small all-reduce)."""
-        device = self.reduction.layout.buckets[0].device
-        counts = torch.tensor(self._counts(), device=device)
-        return counts, dist.all_reduce(counts, group=self.reduction.group, async_op=True)
-
-    def _write_counts(self, tail: torch.Tensor) -> None:
-        """The counts in the last bucket's tail: a slot per bucketed leaf, then late ones."""
-        *mine, late = self._counts()
-        values = [0.0] * tail.numel()
-        slots = self.reduction.slots
-        for i, count in zip(self.hooked, mine, strict=True):
-            values[slots[i]] = count
-        values[-1] = late
-        tail.copy_(torch.tensor(values, dtype=tail.dtype))
-
-    def _counted(self, usage: tuple[torch.Tensor, Any] | None) -> tuple[list[float], float] | None:
-        """The summed counts of the hooked leaves and of late gradients, once reduced."""
-        if self.rides:
-            last = self.buckets[-1].flat
-            if last is None:
-                raise RuntimeError("fdp internal error: the last bucket was never launched")
-            tail = last[self.reduction.layout.buckets[-1].numel :].tolist()
-            slots = self.reduction.slots
-            return [tail[slots[i]] for i in self.hooked], tail[-1]
-        if usage is None:
-            return None
-        counts, work = usage
-        work.wait()
-        *used, late = counts.tolist()
-        return used, late
+        return _usage.launch(self)
 
     def _hand_out(self, used: list[float], late: float) -> None:
         """``.grad`` becomes the reduced view; it stays ``None`` where no rank had one."""

@@ -1,0 +1,77 @@
+"""Which leaves had a gradient on any rank: a step's usage counts, summed over ranks.
+
+Under ``loss.backward()`` a leaf no rank used keeps ``.grad`` ``None``, as
+in local training, and a sparse gradient on any rank makes the leaf's
+reduction sparse; one more slot says whether any rank has late gradients
+(``fdp/_ddp/_late.py``). Each rank counts 1 for a dense user, world + 1 for
+a sparse one, so one sum says both. The counts ride the last bucket's
+all-reduce where it can sum them exactly (Note [usage rides the last
+bucket], ``fdp/_ddp/_reduction.py``), else they take one small all-reduce
+of their own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fdp._ddp._reduction import StepState
+
+
+def counts(step: StepState) -> list[float]:
+    """This rank's count for each hooked leaf, then whether it has late gradients."""
+    sparse = float(dist.get_world_size(step.reduction.group) + 1)
+    return [
+        *(
+            sparse
+            if i in step.sparse
+            else 1.0
+            if i in step.used or step.leaves[i].grad is not None
+            else 0.0
+            for i in step.hooked
+        ),
+        float(bool(step.late)),  # last: whether any rank has late gradients
+    ]
+
+
+def launch(step: StepState) -> tuple[torch.Tensor, Any]:
+    """The counts in an all-reduce of their own: the tensor and its work."""
+    device = step.reduction.layout.buckets[0].device
+    summed = torch.tensor(counts(step), device=device)
+    return summed, dist.all_reduce(summed, group=step.reduction.group, async_op=True)
+
+
+def write(step: StepState, tail: torch.Tensor) -> None:
+    """The counts in the last bucket's tail: a slot per bucketed leaf, then late ones."""
+    *mine, late = counts(step)
+    values = [0.0] * tail.numel()
+    slots = step.reduction.slots
+    for i, count in zip(step.hooked, mine, strict=True):
+        values[slots[i]] = count
+    values[-1] = late
+    tail.copy_(torch.tensor(values, dtype=tail.dtype))
+
+
+def summed(
+    step: StepState, usage: tuple[torch.Tensor, Any] | None
+) -> tuple[list[float], float] | None:
+    """The counts of the hooked leaves and of late gradients over ranks, once reduced.
+
+    From the last bucket's tail where they rode it, else from ``usage``
+    (:func:`launch`'s); None where the step counted nothing.
+    """
+    if step.rides:
+        last = step.buckets[-1].flat
+        if last is None:
+            raise RuntimeError("fdp internal error: the last bucket was never launched")
+        tail = last[step.reduction.layout.buckets[-1].numel :].tolist()
+        slots = step.reduction.slots
+        return [tail[slots[i]] for i in step.hooked], tail[-1]
+    if usage is None:
+        return None
+    reduced, work = usage
+    work.wait()
+    *used, late = reduced.tolist()
+    return used, late
