@@ -421,10 +421,10 @@ class Layout:
         size = self.buckets[k].numel + tail
         with self._lock:
             buf = self._buffers[k]
-            # A result still alive, or another length: a new one.
-            if buf is None or buf.numel() != size or _compat.storage_users(buf) > 1:
+            # A result still alive, or too short: a new one (a longer one serves both).
+            if buf is None or buf.numel() < size or _compat.storage_users(buf) > 1:
                 buf = self._buffers[k] = self.buckets[k].empty(tail)
-            return buf.view(-1)
+            return buf.view(-1)[:size]
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Leaf ``i``'s view of its bucket's flat buffer ``flat``."""

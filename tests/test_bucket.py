@@ -212,3 +212,20 @@ def test_plan_matches_torchs_ddp_bucket_assignment(seed: int, n_dtypes: int) -> 
         # bucket only fills at the end of backward does not hold back the
         # buckets after it (both launch buckets strictly in order).
         assert sorted(ours) == sorted(theirs)
+
+
+def test_layout_buffers_are_reused_until_a_result_views_them() -> None:
+    tensors = [torch.randn(3, 4), torch.randn(5)]
+    layout = _bucket.Layout(tensors, cap_bytes=1 << 20)
+    first = layout.buffer(0, tail=4)  # the usage counts' tail of DDP's last bucket
+    assert first.numel() == layout.buckets[0].numel + 4
+    ptr = first.data_ptr()
+    del first
+    plain = layout.buffer(0)  # the longer buffer serves a step without a tail
+    assert (plain.numel(), plain.data_ptr()) == (layout.buckets[0].numel, ptr)
+    # A view still alive (a gradient handed out) keeps it: the next caller gets a new one.
+    again = layout.buffer(0, tail=4)
+    assert again.data_ptr() != ptr
+    assert again.numel() == layout.buckets[0].numel + 4
+    del plain, again
+    assert layout.buffer(0, tail=4).numel() == layout.buckets[0].numel + 4
