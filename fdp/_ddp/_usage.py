@@ -5,8 +5,8 @@ in local training, and a sparse gradient on any rank makes the leaf's
 reduction sparse; one more slot says whether any rank has late gradients
 (``fdp/_ddp/_late.py``). Each rank counts 1 for a dense user, world + 1 for
 a sparse one, so one sum says both. The counts ride the last bucket's
-all-reduce where it can sum them exactly (Note [usage rides the last
-bucket], ``fdp/_ddp/_reduction.py``), else they take one small all-reduce
+all-reduce where it can sum them exactly (``fdp/_ddp/_reduction.py``:
+Note [usage rides the last bucket]), else they take one small all-reduce
 of their own.
 """
 
