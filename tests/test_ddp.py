@@ -192,6 +192,37 @@ def test_returned_grads_equal_full_batch_reference(body: Callable[..., Any]) -> 
         tree_allclose(grads, expected, **TOL)
 
 
+def _alternating(rank: int, size: int) -> list[Any]:
+    """loss.backward() (its last bucket carries the usage counts), autograd.grad, again."""
+    params, ddp, x, y = _setup(rank, size, {})
+    flat, spec = optree.tree_flatten(params, none_is_leaf=True)
+    indices = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    out: list[Any] = []
+    for step in range(4):
+        if step % 2 == 0:
+            torch.autograd.backward(loss_fn(ddp(params), x, y))
+            out.append(optree.tree_map(lambda g: g.clone(), grad_tree(params)))
+            for i in indices:
+                flat[i].grad = None  # the bucket's views released: its buffer is reusable
+        else:
+            got = torch.autograd.grad(loss_fn(ddp(params), x, y), [flat[i] for i in indices])
+            leaves_: list[Any] = [None] * len(flat)
+            for i, g in zip(indices, got, strict=True):
+                leaves_[i] = g.clone()
+            out.append(optree.tree_unflatten(spec, leaves_))
+    return out
+
+
+def test_backward_and_returned_gradients_alternate_on_one_ddp() -> None:
+    # The last bucket's buffer is longer under loss.backward() (the usage
+    # counts' tail) than under autograd.grad: one buffer serves both.
+    results = ranks.world(2).run(_alternating)
+    expected = reference_grads(2)
+    for per_rank in results:
+        for grads in per_rank:
+            tree_allclose(grads, expected, **TOL)
+
+
 def test_backward_with_inputs_treats_the_other_leaves_as_unused() -> None:
     # backward(inputs=...) computes grads for the named leaves only; the others
     # are unused on every rank, so their .grad stays None as in local training.

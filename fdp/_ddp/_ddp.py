@@ -219,13 +219,13 @@ class DistributedDataParallel:
         # each tensor once), for join's mirroring ranks.
         hooked = hooked_leaves(self._layout, leaves)
         counted = [leaves[i] for i in hooked]
-        order = {i: p for p, i in enumerate(self._layout.order)}
+        slots = self._reducer.reduction.slots  # where a riding count sits in the tail
         return _join.JoinPlan(
             group=group,
             buckets=tuple(self._layout.buckets),
             counted=len(counted),
             counted_meta=tuple((t.shape, t.dtype, t.device) for t in counted),
-            counted_slots=tuple(order[i] for i in hooked),
+            counted_slots=tuple(slots[i] for i in hooked),
             buffers=self._buffers,
             final=final,  # join's final synchronisation
             meta=tuple(self._meta),
