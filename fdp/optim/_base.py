@@ -24,6 +24,7 @@ not require grad: compile the update in ``torch.func.grad`` loops, or set
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -188,22 +189,13 @@ class Optimizer:
         p, spec = _tree.flatten(params)
         g = _matching(call, "grads", grads, spec, params)
         s = {k: _matching(call, f"state[{k!r}]", state.get(k), spec, params) for k in self._keys()}
-        live = [
-            i
-            for i, (pi, gi) in enumerate(zip(p, g, strict=True))
-            if is_param(pi) and gi is not None
-        ]
-        for i in live:
-            check_grad(call, params, i, p[i], g[i])
-            # A slot of another dtype would be promoted silently (a float64
-            # parameter out of a float32 one); other corruption fails in the step.
-            if any(getattr(s[k][i], "dtype", None) is not p[i].dtype for k in self.slots):
-                _explain_state(call, params, p, s, live)
+        live = _live(call, params, p, g, s, self.slots)
         if not live:  # nothing to step (foreach ops refuse empty lists)
             return params, {k: state[k] for k in self._keys()}
         ops: _lists.Ops = _lists.Foreach()
-        lr = self._rate(s["step"][live[0]], differentiable(self.lr, p, g, s))
-        if differentiable(lr, p, g, s):
+        carries = differentiable(None, p, g, s)  # the leaves' part, asked once
+        lr = self._rate(s["step"][live[0]], carries or _carries(self.lr))
+        if carries or _carries(lr):
             _refuse_derivative(call, donate=donate, fused=self.fused is True)
             ops = _lists.Plain()
         elif self.fused is not False and not _mode.traced() and rule == self.rule:
@@ -232,12 +224,12 @@ class Optimizer:
         p, g, s = leaves
         kernel = self._kernel()
         devices = _compat.fused_optimizer_devices()
-        fused = [
-            i
-            for i in live
+        slot_lists = [s[k] for k in self.slots]
+        fused = (
+            [i for i in live if _fused.fusable([p[i], g[i], *(v[i] for v in slot_lists)], devices)]
             if kernel is not None
-            and _fused.fusable([p[i], g[i], *(s[k][i] for k in self.slots)], devices)
-        ]
+            else []
+        )
         if self.fused and len(fused) < len(live):
             i = next(i for i in live if i not in set(fused))
             raise ValueError(
@@ -252,8 +244,9 @@ class Optimizer:
         try:
             with torch.no_grad():
                 steps = _lists.Foreach()("add", [s["step"][i] for i in fused], 1, own=donate)
-                slots = {k: [_real(s[k][i]) for i in fused] for k in self.slots}
-                real = ([_real(p[i]) for i in fused], [_real(g[i]) for i in fused], slots)
+                cplx = _any_complex(p, fused)
+                slots = {k: _picked(s[k], fused, cplx) for k in self.slots}
+                real = (_picked(p, fused, cplx), _picked(g, fused, cplx), slots)
                 new_p, new_slots = _fused.run(kernel, real, list(steps), donate, lr)
         except (RuntimeError, TypeError):
             _explain_state(call, params, p, s, fused)
@@ -262,7 +255,7 @@ class Optimizer:
         for j, i in enumerate(fused):
             s["step"][i] = steps[j]
             if not donate:
-                back = p[i].is_complex()
+                back = cplx and p[i].is_complex()
                 p[i] = like_leaf(_complex(new_p[j], back), p[i])
                 for k in self.slots:
                     s[k][i] = _complex(new_slots[k][j], back)
@@ -310,12 +303,13 @@ class Optimizer:
                 steps = ops("add", [s["step"][i] for i in live], 1, own=donate)
                 # Complex leaves as real pairs, as torch's foreach implementations
                 # do: Adam's second moment is per component, not g * g.
-                slots = {k: [_real(s[k][i]) for i in live] for k in self.slots}
-                live_g = [_real(g[i]) for i in live]
+                cplx = _any_complex(p, live)
+                slots = {k: _picked(s[k], live, cplx) for k in self.slots}
+                live_g = _picked(g, live, cplx)
                 if self.maximize:
                     live_g = list(ops("neg", live_g))
                 new_p, new_slots = rule(
-                    ops, [_real(p[i]) for i in live], live_g, slots, steps, donate, lr
+                    ops, _picked(p, live, cplx), live_g, slots, steps, donate, lr
                 )
         except (RuntimeError, TypeError):
             _explain_state(call, params, p, s, live)  # a corrupt state, named; else torch's
@@ -325,7 +319,7 @@ class Optimizer:
             out["step"][i] = steps[j]
             if donate:  # written in place (through the real views): the inputs themselves
                 continue
-            back = p[i].is_complex()
+            back = cplx and p[i].is_complex()
             new = _complex(new_p[j], back)
             out_p[i] = like_leaf(new, p[i]) if foreach else new
             for k in self.slots:
@@ -386,13 +380,49 @@ def differentiable(lr: Any, p: list[Any], g: list[Any], s: dict[str, list[Any]])
     ``loss.backward()`` loop passes them every step and wants new leaves,
     not a graph that grows with every step.
     """
-    tensors = [
-        t for t in (lr, *g, *(t for v in s.values() for t in v)) if isinstance(t, torch.Tensor)
-    ]
-    if _mode.transformed([*tensors, *p]):
+    if _mode.transform_running():
         return True
-    computed = [t for t in p if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    return torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *computed))
+    tensors = [lr, *g, *(t for v in s.values() for t in v)]
+    if _mode.dual(itertools.chain(tensors, p)):
+        return True
+    if not torch.is_grad_enabled():
+        return False
+    # Loops, not any(): this runs over every leaf of every step.
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return True
+    for t in p:  # noqa: SIM110
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+            return True
+    return False
+
+
+def _carries(lr: Any) -> bool:
+    """Whether a tensor learning rate alone makes the step carry derivatives."""
+    return isinstance(lr, torch.Tensor) and differentiable(lr, [], [], {})
+
+
+def _live(
+    call: str, params: Any, p: list[Any], g: list[Any], s: dict[str, list[Any]], slots: Any
+) -> list[int]:
+    """The leaves this step updates (a parameter with a gradient), their inputs checked.
+
+    One loop over the leaves: it runs on every step of every leaf.
+    """
+    live = []
+    slot_lists = [s[k] for k in slots]
+    for i, (pi, gi) in enumerate(zip(p, g, strict=True)):
+        if gi is None or not is_param(pi):
+            continue
+        if type(gi) is not torch.Tensor or gi.dtype is not pi.dtype or gi.shape != pi.shape:
+            check_grad(call, params, i, pi, gi)  # a subclass passes; others raise
+        live.append(i)
+        for leaves in slot_lists:
+            # A slot of another dtype would be promoted silently (a float64
+            # parameter out of a float32 one); other corruption fails in the step.
+            if getattr(leaves[i], "dtype", None) is not pi.dtype:
+                _explain_state(call, params, p, s, live)
+    return live
 
 
 def _refuse_derivative(call: str, *, donate: bool, fused: bool) -> None:
@@ -441,6 +471,19 @@ def _like_leaf_traced(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
 def like_leaf(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """``new`` as a leaf that requires grad if ``old`` did (see the module doc)."""
     return new.requires_grad_() if old.requires_grad else new
+
+
+def _any_complex(p: list[Any], idx: list[int]) -> bool:
+    # A loop, not any(genexpr): this runs over every leaf of every step.
+    for i in idx:  # noqa: SIM110
+        if p[i].is_complex():
+            return True
+    return False
+
+
+def _picked(xs: list[Any], idx: list[int], real: bool) -> list[torch.Tensor]:
+    """``xs`` at ``idx``; complex ones as real views where ``real`` (any is complex)."""
+    return [_real(xs[i]) for i in idx] if real else [xs[i] for i in idx]
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:

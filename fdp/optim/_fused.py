@@ -41,17 +41,20 @@ def fusable(tensors: list[torch.Tensor], devices: frozenset[str]) -> bool:
     ``devices``: :func:`fdp._compat.fused_optimizer_devices`, read once per step.
     """
     first = tensors[0]
-    if first.is_complex():  # stepped as real pairs, as the rule steps them
-        tensors = [torch.view_as_real(t) for t in tensors]
+    if first.dtype not in _DTYPES:
+        if not first.is_complex():
+            return False
+        tensors = [torch.view_as_real(t) for t in tensors]  # stepped as real pairs, as the rule
         first = tensors[0]
     device, shape = first.device, first.shape
-    if first.dtype not in _DTYPES or device.type not in devices:
+    if device.type not in devices:
         return False
     contiguous = True
     for t in tensors:  # a loop, not all(): this runs for every leaf of every step
         if t.shape != shape or t.device != device:
             return False
-        contiguous = contiguous and t.is_contiguous()
+        if contiguous and not t.is_contiguous():
+            contiguous = False
     return contiguous or (_dense(first) and all(t.stride() == first.stride() for t in tensors))
 
 
