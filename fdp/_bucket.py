@@ -279,6 +279,14 @@ def memory_unflat(
     return torch.view_as_complex(view) if complex_ else view
 
 
+def memory_unflat_rows(
+    rows: torch.Tensor, shape: torch.Size, order: tuple[int, ...]
+) -> torch.Tensor:
+    """Rows of real leaves in memory order ``order`` as a stack ``(k, *shape)``, viewed."""
+    view = rows.reshape([rows.shape[0], *(shape[d] for d in order)])
+    return view.permute([0, *(1 + d for d in _inverse(order))])
+
+
 def _inverse(order: tuple[int, ...]) -> list[int]:
     out = [0] * len(order)
     for pos, d in enumerate(order):

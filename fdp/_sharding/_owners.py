@@ -29,7 +29,7 @@ from torch.distributed import ProcessGroup
 from fdp import _bucket
 from fdp._comm import _raw
 from fdp._sharding._shards import Part, Shards
-from fdp.optim._whole import WholeLeafOptimizer, plan_owners, transform_leaves
+from fdp.optim._whole import WholeLeafOptimizer, plan_owners, transform_stack
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -136,42 +136,60 @@ class Owners:
         receive: list[int],
         pieces: dict[int, list[tuple[int, int]]],
     ) -> torch.Tensor:
-        """The owned leaves put together, transformed, and cut back into the same pieces."""
-        world = self.layout.world
-        by_rank = list(got.split_with_sizes(receive))
-        held: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        for r in range(world):  # rank r's pieces come in leaf order
-            lengths = [n for i in pieces for q, n in pieces[i] if q == r]
-            held[r] = list(by_rank[r].split_with_sizes(lengths))
-        parts: dict[int, list[torch.Tensor]] = {}
-        cursor = [0] * world
-        for i in pieces:
-            for q, _ in pieces[i]:
-                parts.setdefault(i, []).append(held[q][cursor[q]])
-                cursor[q] += 1
-        owned = list(pieces)
-        wholes = [
-            _bucket.memory_unflat(
-                torch.cat(parts[i]), self.shapes[i], self.orders[i], complex_=False
+        """The owned leaves put together, transformed, and cut back into the same pieces.
+
+        Each same-shaped group of leaves is assembled straight into its
+        stack's rows, and the updates' pieces straight into the buffer that
+        goes back (cast to the leaves' dtype there): one copy each way.
+        """
+        held = _held(got, receive, pieces, self.layout.world)
+        updates: dict[int, torch.Tensor] = {}
+        for group in self._stacks(list(pieces)):
+            first = group[0]
+            rows = got.new_empty((len(group), self.shapes[first].numel()))
+            for row, i in zip(rows.unbind(0), group, strict=True):
+                torch.cat(held[i], out=row)
+            stacked = _bucket.memory_unflat_rows(rows, self.shapes[first], self.orders[first])
+            done = transform_stack(self.optimizers[first].transform, stacked)
+            updates |= dict(zip(group, done.unbind(0), strict=True))
+        back: list[list[torch.Tensor]] = [[] for _ in range(self.layout.world)]
+        for i in pieces:  # in leaf order, as each rank sent them
+            cut = _bucket.memory_flat(updates[i], self.orders[i]).split_with_sizes(
+                [n for _, n in pieces[i]]
             )
-            for i in owned
-        ]
-        updates: list[torch.Tensor] = [wholes[0]] * len(owned) if owned else []
-        by_optimizer: dict[int, list[int]] = {}
-        for k, i in enumerate(owned):
-            by_optimizer.setdefault(id(self.optimizers[i]), []).append(k)
-        for ks in by_optimizer.values():
-            transform = self.optimizers[owned[ks[0]]].transform
-            for k, u in zip(ks, transform_leaves(transform, [wholes[k] for k in ks]), strict=True):
-                updates[k] = u
-        back: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        for i, u in zip(owned, updates, strict=True):
-            flat = _bucket.memory_flat(u, self.orders[i])
-            cut = flat.split_with_sizes([n for _, n in pieces[i]])
             for (q, _), piece in zip(pieces[i], cut, strict=True):
                 back[q].append(piece)
-        out = [p for r in range(world) for p in back[r]]
-        return torch.cat(out) if out else got.new_empty(0)
+        out = [p for pieces_to_q in back for p in pieces_to_q]  # by rank, then in leaf order
+        if not out:  # owns nothing in this exchange
+            return got.new_empty(0)
+        return torch.cat(out, out=got.new_empty(sum(p.numel() for p in out)))
+
+    def _stacks(self, owned: list[int]) -> list[list[int]]:
+        """``owned`` in groups that one ``transform`` call takes: optimizer, shape and order."""
+        groups: dict[tuple[int, torch.Size, tuple[int, ...]], list[int]] = {}
+        for i in owned:
+            key = (id(self.optimizers[i]), self.shapes[i], self.orders[i])
+            groups.setdefault(key, []).append(i)
+        return list(groups.values())
+
+
+def _held(
+    got: torch.Tensor, receive: list[int], pieces: dict[int, list[tuple[int, int]]], world: int
+) -> dict[int, list[torch.Tensor]]:
+    """Each owned leaf's received pieces, in rank order (views of ``got``)."""
+    by_rank = got.split_with_sizes(receive)
+    held: list[list[torch.Tensor]] = []
+    for r in range(world):  # rank r's pieces come in leaf order
+        held.append(
+            list(by_rank[r].split_with_sizes([n for i in pieces for q, n in pieces[i] if q == r]))
+        )
+    cursor = [0] * world
+    out: dict[int, list[torch.Tensor]] = {}
+    for i in pieces:
+        for q, _ in pieces[i]:
+            out.setdefault(i, []).append(held[q][cursor[q]])
+            cursor[q] += 1
+    return out
 
 
 def part_like(part: Part) -> torch.Tensor:

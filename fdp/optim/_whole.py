@@ -246,17 +246,23 @@ def transform_leaves(transform: Any, directions: list[torch.Tensor]) -> list[tor
             stacked = directions[idx[0]].unsqueeze(0)
         else:
             stacked = torch.stack([directions[j] for j in idx])
-        updates = transform(stacked)
-        if not isinstance(updates, torch.Tensor) or updates.shape != stacked.shape:
-            raise TypeError(
-                "fdp.optim.WholeLeafOptimizer.transform: expected a tensor of the stack's shape "
-                f"{tuple(stacked.shape)}; got {_tree.describe(updates)}"
-            )
+        updates = transform_stack(transform, stacked)
         for j, u in zip(idx, updates.unbind(0), strict=True):
             # In the leaf's dtype: exact (torch adds a bfloat16 update to a float32
             # parameter the same way), and a tensor rate times it is not rounded to bfloat16.
             out[j] = u.to(directions[j].dtype)
     return out
+
+
+def transform_stack(transform: Any, stacked: torch.Tensor) -> torch.Tensor:
+    """``transform`` of a stack of same-shaped leaves, checked to keep the stack's shape."""
+    updates = transform(stacked)
+    if not isinstance(updates, torch.Tensor) or updates.shape != stacked.shape:
+        raise TypeError(
+            "fdp.optim.WholeLeafOptimizer.transform: expected a tensor of the stack's shape "
+            f"{tuple(stacked.shape)}; got {_tree.describe(updates)}"
+        )
+    return updates
 
 
 class _Finisher:
