@@ -25,7 +25,8 @@ from fdp._comm import _agreement, _transforms
 from fdp._sharding import _owners, _shards, _zero_comm, _zero_join
 from fdp._sharding._shards import Part, Shards, ZeroState
 from fdp.optim import _base, _clip, _whole
-from fdp.optim._base import OptimizerProtocol, check_grad
+from fdp.optim._base import OptimizerProtocol
+from fdp.optim._checks import check_grad
 
 T = TypeVar("T")
 

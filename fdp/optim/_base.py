@@ -31,7 +31,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import torch
 
 from fdp import _compat, _mode, _tree
-from fdp.optim import _fused, _lists
+from fdp.optim import _checks, _fused, _lists
+from fdp.optim._checks import is_param as is_param
 from fdp.optim._donate import untied as _untied
 from fdp.optim._hyper import check_hyper
 from fdp.optim._lists import Lists
@@ -187,16 +188,19 @@ class Optimizer:
         """:meth:`update` running ``rule`` (``WholeLeafOptimizer`` runs its parts so)."""
         call = f"fdp.optim.{self.name}.update"
         p, spec = _tree.flatten(params)
-        g = _matching(call, "grads", grads, spec, params)
-        s = {k: _matching(call, f"state[{k!r}]", state.get(k), spec, params) for k in self._keys()}
-        live = _live(call, params, p, g, s, self.slots)
+        g = _checks.matching(call, "grads", grads, spec, params)
+        s = {
+            k: _checks.matching(call, f"state[{k!r}]", state.get(k), spec, params)
+            for k in self._keys()
+        }
+        live = _checks.live(call, params, p, g, s, self.slots)
         if not live:  # nothing to step (foreach ops refuse empty lists)
             return params, {k: state[k] for k in self._keys()}
         ops: _lists.Ops = _lists.Foreach()
         carries = differentiable(None, p, g, s)  # the leaves' part, asked once
         lr = self._rate(s["step"][live[0]], carries or _carries(self.lr))
         if carries or _carries(lr):
-            _refuse_derivative(call, donate=donate, fused=self.fused is True)
+            _checks.refuse_derivative(call, donate=donate, fused=self.fused is True)
             ops = _lists.Plain()
         elif self.fused is not False and not _mode.traced() and rule == self.rule:
             if donate:
@@ -249,7 +253,7 @@ class Optimizer:
                 real = (_picked(p, fused, cplx), _picked(g, fused, cplx), slots)
                 new_p, new_slots = _fused.run(kernel, real, list(steps), donate, lr)
         except (RuntimeError, TypeError):
-            _explain_state(call, params, p, s, fused)
+            _checks.explain_state(call, params, p, s, fused)
             raise
         p, s = list(p), {k: list(v) for k, v in s.items()}
         for j, i in enumerate(fused):
@@ -312,7 +316,7 @@ class Optimizer:
                     ops, _picked(p, live, cplx), live_g, slots, steps, donate, lr
                 )
         except (RuntimeError, TypeError):
-            _explain_state(call, params, p, s, live)  # a corrupt state, named; else torch's
+            _checks.explain_state(call, params, p, s, live)  # a corrupt state, named; else torch's
             raise
         out_p, out = list(p), {k: list(v) for k, v in s.items()}
         for j, i in enumerate(live):
@@ -402,66 +406,6 @@ def _carries(lr: Any) -> bool:
     return isinstance(lr, torch.Tensor) and differentiable(lr, [], [], {})
 
 
-def _live(
-    call: str, params: Any, p: list[Any], g: list[Any], s: dict[str, list[Any]], slots: Any
-) -> list[int]:
-    """The leaves this step updates (a parameter with a gradient), their inputs checked.
-
-    One loop over the leaves: it runs on every step of every leaf.
-    """
-    live = []
-    slot_lists = [s[k] for k in slots]
-    for i, (pi, gi) in enumerate(zip(p, g, strict=True)):
-        if gi is None or not is_param(pi):
-            continue
-        if type(gi) is not torch.Tensor or gi.dtype is not pi.dtype or gi.shape != pi.shape:
-            check_grad(call, params, i, pi, gi)  # a subclass passes; others raise
-        live.append(i)
-        for leaves in slot_lists:
-            # A slot of another dtype would be promoted silently (a float64
-            # parameter out of a float32 one); other corruption fails in the step.
-            if getattr(leaves[i], "dtype", None) is not pi.dtype:
-                _explain_state(call, params, p, s, live)
-    return live
-
-
-def _refuse_derivative(call: str, *, donate: bool, fused: bool) -> None:
-    """A step that must carry derivatives cannot write in place nor run a fused kernel."""
-    for option, on, why in (
-        ("donate", donate, "writes in place"),
-        ("fused", fused, "runs torch's fused kernel"),
-    ):
-        if on:
-            raise ValueError(
-                f"{call}: `{option}=True` {why}, which cannot carry a derivative; got inputs "
-                "that require grad or are under a torch.func transform "
-                f"(drop {option}=True to differentiate through the step)"
-            )
-
-
-def _explain_state(
-    call: str, params: Any, p: list[Any], s: dict[str, list[Any]], live: list[int]
-) -> None:
-    """Raises a ValueError naming the first state leaf that cannot be this leaf's state.
-
-    Checked only after the step failed: the fast path pays nothing for it.
-    """
-    for key, leaves in s.items():
-        for i in live:
-            t, want = leaves[i], p[i]
-            if key == "step":
-                ok = isinstance(t, torch.Tensor) and t.numel() == 1
-                expected = "a 1-element tensor (the step count)"
-            else:
-                ok = isinstance(t, torch.Tensor) and (t.shape, t.dtype) == (want.shape, want.dtype)
-                expected = f"shape {tuple(want.shape)} and dtype {want.dtype}, as the parameter"
-            if not ok:
-                raise ValueError(
-                    f"{call}: `state` leaf {_tree.path(params, i, f'state[{key!r}]')} expected "
-                    f"{expected}; got {_tree.describe(t)}"
-                )
-
-
 def _like_leaf_traced(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """``new`` as it is: setting ``requires_grad`` would break the graph."""
     return new
@@ -492,24 +436,3 @@ def _real(t: torch.Tensor) -> torch.Tensor:
 
 def _complex(t: torch.Tensor, back: bool) -> torch.Tensor:
     return torch.view_as_complex(t) if back else t
-
-
-def is_param(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-
-
-def _matching(call: str, arg: str, tree: Any, spec: Any, params: Any) -> list[Any]:
-    """``tree``'s leaves, checked to have ``params``' structure."""
-    if tree is None:
-        raise ValueError(f"{call}: `{arg}` expected a tree shaped like `params`; got None")
-    leaves, got = _tree.flatten(tree)
-    _tree.require_structure(call, arg, got, spec, of="`params`")
-    return leaves
-
-
-def check_grad(call: str, params: Any, i: int, p: torch.Tensor, g: Any) -> None:
-    if not isinstance(g, torch.Tensor) or g.shape != p.shape or g.dtype != p.dtype:
-        raise ValueError(
-            f"{call}: `grads` leaf {_tree.path(params, i, 'grads')} expected a tensor of shape "
-            f"{tuple(p.shape)} and dtype {p.dtype}; got {_tree.describe(g)}"
-        )
