@@ -315,7 +315,7 @@ def test_muon_on_shards_directly_is_refused_naming_fsdp_optimizer() -> None:
         assert "fsdp.optimizer(...)" in message, message
 
 
-def _ddp_muon(rank: int, size: int, split: bool) -> tuple[list[torch.Tensor], int]:
+def _ddp_muon(rank: int, size: int, split: bool, compiled: bool) -> tuple[list[torch.Tensor], int]:
     params = _mlp()
     ddp = fdp.DistributedDataParallel(params)
     x, y = batch(4 * size)
@@ -330,9 +330,13 @@ def _ddp_muon(rank: int, size: int, split: bool) -> tuple[list[torch.Tensor], in
     def loss(p: Any) -> torch.Tensor:
         return torch.nn.functional.mse_loss(mlp(ddp(p), shard(x, rank)), shard(y, rank))
 
+    # Compiled: the update, one graph; the gradient stays eager (ddp(params) inside a
+    # compiled torch.func transform is refused under fullgraph: docs/compile.md).
+    update = (
+        torch.compile(opt.update, backend="aot_eager", fullgraph=True) if compiled else opt.update
+    )
     for _ in range(4):
-        grads = fdp.grad(loss)(params)
-        params, state = opt.update(grads, state, params)
+        params, state = update(fdp.grad(loss)(params), state, params)
     return tensor_leaves(params), muon.leaves
 
 
@@ -341,8 +345,20 @@ def _mlp() -> dict[str, Any]:
     return params
 
 
-@pytest.mark.parametrize(("size", "split"), [(2, False), (2, True), (3, True)])
-def test_ddp_muon_equals_one_process_on_the_whole_batch(size: int, split: bool) -> None:
+@pytest.mark.parametrize(
+    ("size", "split", "compiled"),
+    [
+        (2, False, False),
+        (2, True, False),
+        (3, True, False),
+        (4, False, False),
+        (4, True, False),
+        pytest.param(2, True, True, marks=pytest.mark.compile),
+    ],
+)
+def test_ddp_muon_equals_one_process_on_the_whole_batch(
+    size: int, split: bool, compiled: bool
+) -> None:
     """DDP's averaged gradients, Muon + AdamW on every rank; with split_transforms each
     matrix is orthogonalized by one rank (once in the group), the values the same."""
     x, y = batch(4 * size)
@@ -360,7 +376,7 @@ def test_ddp_muon_equals_one_process_on_the_whole_batch(size: int, split: bool) 
         torch.autograd.backward(torch.nn.functional.mse_loss(mlp(reference, x), y))
         for o in opts:
             o.step()
-    results = ranks.world(size).run(_ddp_muon, split)
+    results = ranks.world(size).run(_ddp_muon, split, compiled)
     matrices = sum(1 for t in leaves if t.ndim >= 2) * 4
     assert sum(count for _, count in results) == matrices * (1 if split else size)
     for got, _ in results:
