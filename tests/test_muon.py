@@ -568,7 +568,11 @@ def _fsdp_layers(rank: int, size: int, steps: int, how: str) -> tuple[list[torch
 
 
 def _layers_reference(size: int, steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    x, y = batch(4 * size)
+    return _layers_reference_in([(size, steps)], dtype)
+
+
+def _layers_reference_in(phases: list[tuple[int, int]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """One process, torch's Muon + AdamW: for each (size, steps), steps on that whole batch."""
     leaves = [t.requires_grad_() for t in tensor_leaves(_layers(dtype))]
     params = [
         {"b": leaves[2 * k], "w": leaves[2 * k + 1]} for k in range(len(WIDTHS) - 1)
@@ -577,13 +581,57 @@ def _layers_reference(size: int, steps: int, dtype: torch.dtype) -> list[torch.T
         torch.optim.Muon([t for t in leaves if t.ndim >= 2], lr=0.02),
         torch.optim.AdamW([t for t in leaves if t.ndim < 2], lr=0.003, foreach=True),
     ]
-    for _ in range(steps):
-        for t in leaves:
-            t.grad = None
-        torch.autograd.backward(_layers_loss(params, x, y[:, : WIDTHS[-1]]))
-        for o in opts:
-            _step(o)
+    for size, steps in phases:
+        x, y = batch(4 * size)
+        for _ in range(steps):
+            for t in leaves:
+                t.grad = None
+            torch.autograd.backward(_layers_loss(params, x, y[:, : WIDTHS[-1]]))
+            for o in opts:
+                _step(o)
     return [t.detach() for t in leaves]
+
+
+def _fsdp_layers_checkpointed(
+    rank: int, size: int, steps: int, path: str, how: str
+) -> list[torch.Tensor]:
+    """Fully sharded Muon + AdamW steps: then saved to ``path`` ("save"), or resumed first."""
+    resume = how == "resume"
+    params = _layers()
+    fsdp = fdp.FullyShardedDataParallel(params)
+    opt = fsdp.optimizer(_sharded_split(fdp.optim.muon(0.02)))
+    shards = fsdp.shard(params)
+    state = opt.init(shards)
+    if resume:
+        like = {"params": fsdp.to_checkpoint(shards), "opt": fsdp.to_checkpoint(state)}
+        loaded = fdp.load_checkpoint(path, like=like)
+        shards, state = fsdp.from_checkpoint(loaded["params"]), fsdp.from_checkpoint(loaded["opt"])
+    x, y = batch(4 * size)
+
+    def loss(s: Any) -> torch.Tensor:
+        h = shard(x, rank)
+        for i in range(len(params)):
+            h = fsdp.apply(s, str(i), _layer, h)
+        return torch.nn.functional.mse_loss(h, shard(y, rank)[:, : WIDTHS[-1]])
+
+    for _ in range(steps):
+        shards, state = opt.update(fdp.grad(loss)(shards), state, shards)
+    if not resume:
+        fdp.save_checkpoint(
+            path, {"params": fsdp.to_checkpoint(shards), "opt": fsdp.to_checkpoint(state)}
+        )
+    return tensor_leaves(fsdp.full(shards))
+
+
+def test_fsdp_muon_checkpoints_resume_on_another_world_size(tmp_path: Path) -> None:
+    """Three steps at 2 ranks, a checkpoint, three more at 3 ranks (the momentum resharded):
+    one process's torch Muon + AdamW over the same six batches."""
+    path = str(tmp_path / "ckpt")
+    ranks.world(2).run(_fsdp_layers_checkpointed, 3, path, "save")
+    want = _layers_reference_in([(2, 3), (3, 3)], torch.float32)
+    for got in ranks.world(3).run(_fsdp_layers_checkpointed, 3, path, "resume"):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
