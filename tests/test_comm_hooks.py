@@ -8,10 +8,11 @@ rank's gradients.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 
@@ -138,6 +139,54 @@ def test_the_bucket_offers_what_torchs_grad_bucket_offers() -> None:
         assert [s[0] for s in seen] == list(range(n))
         assert [s[1] for s in seen] == [False] * (n - 1) + [True]
         assert all(s[2] and s[3] for s in seen)
+
+
+def _raw_future(rank: int, size: int, dtype: str) -> torch.Tensor:
+    params = mlp_params(depth=3)
+    ddp = fdp.DistributedDataParallel(params, **CAPS)
+
+    def raw(group: Any, bucket: fdp.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        # The collective's own future, of a list of one tensor (torch's DDP takes it too).
+        flat = bucket.buffer().to(getattr(torch, dtype)).div_(size)
+        future = dist.all_reduce(flat, group=group, async_op=True).get_future()
+        return cast("torch.futures.Future[torch.Tensor]", future)
+
+    ddp.register_comm_hook(None, raw)
+    x, y = batch(size * PER_RANK)
+    torch.autograd.backward(loss(ddp(params), shard(x, rank), shard(y, rank)))
+    return flat_grads(params)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_hook_may_return_the_collectives_own_future(dtype: str) -> None:
+    got = ranks.world(2).run(_raw_future, dtype)
+    assert torch.equal(got[0], got[1])
+    tol = LOSSY["bf16"] if dtype == "bfloat16" else None
+    kw = {"rtol": tol, "atol": tol} if tol else TOL
+    torch.testing.assert_close(got[0], reference(2), **kw)
+
+
+def _wrong_result(rank: int, size: int) -> str:
+    params = mlp_params(depth=3)
+    ddp = fdp.DistributedDataParallel(params, **CAPS)
+
+    def short(group: Any, bucket: fdp.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(torch.zeros(3))
+        return done
+
+    ddp.register_comm_hook(None, short)
+    x, y = batch(size * PER_RANK)
+    with pytest.raises(TypeError) as info:
+        torch.autograd.backward(loss(ddp(params), shard(x, rank), shard(y, rank)))
+    return str(info.value)
+
+
+def test_a_hook_resolving_to_another_shape_is_refused() -> None:
+    for error in ranks.world(2).run(_wrong_result):
+        assert error.startswith("fdp.DistributedDataParallel: `comm_hook` expected to resolve")
+        assert "tensor of the bucket's shape (" in error
+        assert "got Tensor (3,)" in error
 
 
 def wrong_bucket(state: Any, bucket: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

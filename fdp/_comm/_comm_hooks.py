@@ -86,21 +86,29 @@ class GradBucket:
         return f"GradBucket(index={self._index}, numel={n}, is_last={self._is_last})"
 
 
-CommHook = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
+CommHook = Callable[[Any, GradBucket], "torch.futures.Future[Any]"]
 """``hook(state, bucket) -> Future[Tensor]``, called once per bucket and step.
 
 ``state`` is what was registered with the hook (fdp's and torch's default
 hooks take the process group, ``None`` meaning the world). The future must
 resolve to the *average* over the ranks of ``bucket.buffer()``, with the
 buffer's shape and device (any floating dtype: it is copied into the
-bucket); it may be the buffer itself, reduced in place. Every rank must
-issue the same collectives.
+bucket); it may be the buffer itself, reduced in place, or a list of that
+one tensor (a collective's own ``work.get_future()``, as torch's DDP
+accepts). Every rank must issue the same collectives.
 """
 
 
-def reduced_tensor(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-    """The one tensor a single-tensor collective's future resolves to."""
-    return fut.value()[0]
+Reduced = torch.futures.Future[torch.Tensor] | torch.futures.Future[list[torch.Tensor]]
+"""What a comm hook returns: a future of the reduced bucket, or of a list of it."""
+
+
+def resolved(future: Any) -> Any:
+    """What a comm hook's future resolves to, a collective's one-tensor list unwrapped."""
+    out = future.wait()
+    if isinstance(out, list) and len(out) == 1:
+        return out[0]
+    return out
 
 
 def allreduce_hook(
@@ -112,20 +120,84 @@ def allreduce_hook(
 
         ddp = fdp.DistributedDataParallel(params, comm_hook=fdp.allreduce_hook)
     """
-    return _average(state, bucket.buffer())
+    return _into(bucket.buffer(), _average(state, bucket.buffer()))
 
 
-def _average(group: ProcessGroup | None, flat: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+def _average(group: ProcessGroup | None, flat: torch.Tensor) -> Reduced:
     # Divide first, as torch's DDP does: one pass, and no overflow in the sum.
     flat.div_(dist.get_world_size(group))
     return sum_hook(flat, group)
 
 
-def sum_hook(flat: torch.Tensor, group: ProcessGroup | None) -> torch.futures.Future[torch.Tensor]:
-    """DDP's reduction without a comm hook: the sum (packing already divided)."""
-    work = dist.all_reduce(flat, group=group, async_op=True)
-    future: torch.futures.Future[list[torch.Tensor]] = work.get_future()
-    return future.then(reduced_tensor)
+def sum_hook(flat: torch.Tensor, group: ProcessGroup | None) -> Reduced:
+    """DDP's reduction without a comm hook: the sum (packing already divided).
+
+    The collective's own future (of ``[flat]``), not a ``.then`` of it: a
+    Python callback runs on the communication thread, which must take the
+    GIL from the thread running backward (measured: 2.5 ms a step of a
+    4-layer Llama at one rank, most of what fdp's DDP cost over torch's).
+    """
+    future: torch.futures.Future[list[torch.Tensor]]
+    future = dist.all_reduce(flat, group=group, async_op=True).get_future()
+    return future
+
+
+def _into(flat: torch.Tensor, future: Reduced) -> torch.futures.Future[torch.Tensor]:
+    """A future of ``flat`` holding the result: what torch's DDP takes from a Python hook."""
+
+    def copy(done: Reduced) -> torch.Tensor:
+        out = resolved(done)
+        return flat if out is flat else flat.copy_(out)
+
+    return future.then(copy)
+
+
+def _compressed(group: ProcessGroup | None, flat: torch.Tensor, dtype: torch.dtype) -> Reduced:
+    """``flat`` averaged over the ranks in ``dtype``: a future of ``[result]``, no callback."""
+    if flat.dtype == dtype:
+        return _average(group, flat)
+    return sum_hook(flat.to(dtype).div_(dist.get_world_size(group)), group)
+
+
+def fp16_compress_hook(
+    state: ProcessGroup | None, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Reduces each bucket in float16 (half the bytes) and hands back full precision.
+
+    Example::
+
+        ddp = fdp.DistributedDataParallel(params, comm_hook=fdp.fp16_compress_hook)
+    """
+    return _into(bucket.buffer(), _compressed(state, bucket.buffer(), torch.float16))
+
+
+def bf16_compress_hook(
+    state: ProcessGroup | None, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Reduces each bucket in bfloat16 (half the bytes, float32's range).
+
+    Example::
+
+        ddp = fdp.DistributedDataParallel(params, comm_hook=fdp.bf16_compress_hook)
+    """
+    return _into(bucket.buffer(), _compressed(state, bucket.buffer(), torch.bfloat16))
+
+
+def direct(hook: CommHook) -> CommHook:
+    """The form of ``hook`` fdp's DDP runs: fdp's own hooks without their callback.
+
+    The same collectives; the future resolves to the collective's
+    ``[result]``, which the reduction copies into the bucket (see
+    :func:`sum_hook` for why). Any other hook is run as it is.
+    """
+    return _DIRECT.get(hook, hook)
+
+
+_DIRECT: dict[Any, CommHook] = {
+    allreduce_hook: lambda state, bucket: _average(state, bucket.buffer()),
+    fp16_compress_hook: lambda state, bucket: _compressed(state, bucket.buffer(), torch.float16),
+    bf16_compress_hook: lambda state, bucket: _compressed(state, bucket.buffer(), torch.bfloat16),
+}
 
 
 def check_future(future: object) -> None:
@@ -138,40 +210,14 @@ def check_future(future: object) -> None:
         )
 
 
-def _compressed(
-    group: ProcessGroup | None, bucket: GradBucket, dtype: torch.dtype
-) -> torch.futures.Future[torch.Tensor]:
-    flat = bucket.buffer()
-    if flat.dtype == dtype:
-        return _average(group, flat)
-    compressed = flat.to(dtype).div_(dist.get_world_size(group))
-    work = dist.all_reduce(compressed, group=group, async_op=True)
-    future: torch.futures.Future[list[torch.Tensor]] = work.get_future()
-    return future.then(lambda fut: flat.copy_(reduced_tensor(fut)))
-
-
-def fp16_compress_hook(
-    state: ProcessGroup | None, bucket: GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """Reduces each bucket in float16 (half the bytes) and hands back full precision.
-
-    Example::
-
-        ddp = fdp.DistributedDataParallel(params, comm_hook=fdp.fp16_compress_hook)
-    """
-    return _compressed(state, bucket, torch.float16)
-
-
-def bf16_compress_hook(
-    state: ProcessGroup | None, bucket: GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """Reduces each bucket in bfloat16 (half the bytes, float32's range).
-
-    Example::
-
-        ddp = fdp.DistributedDataParallel(params, comm_hook=fdp.bf16_compress_hook)
-    """
-    return _compressed(state, bucket, torch.bfloat16)
+def check_result(result: object, flat: torch.Tensor) -> None:
+    """Raises unless a comm hook's future resolved to a tensor of the bucket's shape."""
+    if not isinstance(result, torch.Tensor) or result.shape != flat.shape:
+        raise TypeError(
+            "fdp.DistributedDataParallel: `comm_hook` expected to resolve each bucket to a "
+            f"tensor of the bucket's shape {tuple(flat.shape)} (or a list of one); got "
+            f"{type(result).__name__} {tuple(getattr(result, 'shape', ()))}"
+        )
 
 
 def bf16_wire_hook(

@@ -94,7 +94,7 @@ class InFlight:
     views: list[torch.Tensor] = field(default_factory=list)  # of flat, per leaf
     filled: set[int] = field(default_factory=set)  # leaves packed so far
     expected: int = 0  # leaves hooked on this rank (a tied tensor counts once)
-    future: torch.futures.Future[torch.Tensor] | None = None  # the reduction, once launched
+    future: Any = None  # the reduction, once launched
 
 
 class StepState(Protocol):

@@ -56,9 +56,7 @@ def _hooked(
     )
     future = hook(state, bucket)
     _comm_hooks.check_future(future)
-    out = future.wait()
-    if isinstance(out, list) and len(out) == 1:  # a raw collective's future
-        out = out[0]
+    out = _comm_hooks.resolved(future)
     if not isinstance(out, torch.Tensor) or out.shape != leaf.shape:
         raise TypeError(
             f"fdp.DistributedDataParallel: `comm_hook` expected to resolve the sparse "

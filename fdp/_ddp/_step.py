@@ -342,7 +342,7 @@ class Step:
                 gradients=self.buckets[k].views,
                 parameters=[self.leaves[i] for i in bucket.indices],
             )
-            future = self.reduction.hook(self.reduction.state, grad_bucket)
+            future = _comm_hooks.direct(self.reduction.hook)(self.reduction.state, grad_bucket)
         _comm_hooks.check_future(future)
         self.buckets[k].future = future
         self.next_launch = k + 1
@@ -368,8 +368,9 @@ class Step:
                     fut, flat = state.future, state.flat
                     if fut is None or flat is None:
                         raise RuntimeError("fdp internal error: a bucket was never launched")
-                    result = fut.wait()
+                    result = _comm_hooks.resolved(fut)
                     if result is not flat:
+                        _comm_hooks.check_result(result, flat)
                         flat.copy_(result)
                 if usage is None and self.reduction.serial and alone:
                     usage = self.launch_usage()  # after every hook's last collective
