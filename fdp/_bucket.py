@@ -331,6 +331,7 @@ def plan(
     *,
     cap_bytes: int,
     first_cap_bytes: int | None = None,
+    order: Sequence[int] | None = None,
 ) -> list[Bucket]:
     """Groups the non-None ``tensors`` (leaves of one flattened tree) into buckets.
 
@@ -339,13 +340,16 @@ def plan(
         cap_bytes: a bucket closes once it holds at least this many bytes.
         first_cap_bytes: the cap of the first bucket of each (device, dtype);
             ``cap_bytes`` when None.
+        order: the leaves in the order they are used (their gradients arrive
+            in reverse); the flattened order when None.
     """
     first = cap_bytes if first_cap_bytes is None else first_cap_bytes
     open_: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     sizes: dict[tuple[torch.device, torch.dtype], int] = {}
     closed_count: dict[tuple[torch.device, torch.dtype], int] = {}
     done: list[list[int]] = []
-    for i in reversed(range(len(tensors))):
+    used = range(len(tensors)) if order is None else order
+    for i in reversed(used):
         t = tensors[i]
         if t is None:
             continue
@@ -411,8 +415,11 @@ class Layout:
         *,
         cap_bytes: int,
         first_cap_bytes: int | None = None,
+        order: Sequence[int] | None = None,
     ) -> None:
-        self.buckets = plan(tensors, cap_bytes=cap_bytes, first_cap_bytes=first_cap_bytes)
+        self.buckets = plan(
+            tensors, cap_bytes=cap_bytes, first_cap_bytes=first_cap_bytes, order=order
+        )
         self.where = {
             i: (k, j) for k, b in enumerate(self.buckets) for j, i in enumerate(b.indices)
         }

@@ -147,6 +147,31 @@ def traced_spec(tree: Any) -> tuple[Any, ...] | None:
     return spec if same else None
 
 
+def insertion_order(tree: Any) -> list[int]:
+    """``tree``'s leaf indices (optree's order) with every dict's keys in insertion order.
+
+    optree sorts a dict's keys; a dict keeps the order it was built in,
+    which for a module's state (``make_functional``, ``named_parameters``)
+    is the order the layers run. DDP plans its buckets backwards along it,
+    as torch's DDP does along ``model.parameters()``, so that a bucket's
+    gradients arrive together in backward.
+    """
+    return _insertion_order(tree, [0])
+
+
+def _insertion_order(node: Any, counter: list[int]) -> list[int]:
+    if optree.tree_is_leaf(node, none_is_leaf=NONE_IS_LEAF):
+        counter[0] += 1
+        return [counter[0] - 1]
+    children, _, entries, _ = optree.tree_flatten_one_level(node, none_is_leaf=NONE_IS_LEAF)
+    spans = [_insertion_order(child, counter) for child in children]
+    if type(node) in (dict, collections.defaultdict):  # the kinds optree sorts
+        position = {key: p for p, key in enumerate(node)}
+        spans = [span for _, span in sorted(zip(entries, spans, strict=True),
+                                             key=lambda pair: position[pair[0]])]  # fmt: skip
+    return [i for span in spans for i in span]
+
+
 def paths(tree: Any, root: str) -> list[str]:
     """Python expressions (``params['layers'][0].weight``) naming each leaf of ``tree``."""
     accessors = optree.tree_accessors(tree, none_is_leaf=NONE_IS_LEAF)

@@ -237,16 +237,18 @@ def test_backward_with_inputs_treats_the_other_leaves_as_unused() -> None:
 
 def test_bucket_order_and_default_first_bucket() -> None:
     (_, buckets), *_ = ranks.world(2).run(_grads_by_backward, DEFAULT)
-    # Reverse leaf order (optree sorts dict keys): float64 'scale' comes first,
-    # then the float32 leaves, all within the 1 MiB first bucket.
+    # The reverse of the order the leaves were put in the tree (each dict's
+    # insertion order, as torch's DDP reverses model.parameters(); optree
+    # sorts the keys): float64 'scale' comes first, then the float32
+    # leaves, all within the 1 MiB first bucket.
     assert buckets == [
         ("params['scale']",),
         (
-            "params['layers'][1]['w']",
-            "params['layers'][1]['b']",
-            "params['layers'][0]['w']",
-            "params['layers'][0]['b']",
             "params['head'].first",
+            "params['layers'][1]['b']",
+            "params['layers'][1]['w']",
+            "params['layers'][0]['b']",
+            "params['layers'][0]['w']",
         ),
     ]
 
@@ -741,3 +743,47 @@ def _custom_node_compiled(rank: int, size: int) -> str:
 def test_a_node_compiled_code_cannot_flatten_is_refused_inside_compile_only() -> None:
     for message in ranks.world(2).run(_custom_node_compiled):
         assert "the tree this DistributedDataParallel was planned for must be built" in message
+
+
+def _module_buckets(rank: int, size: int) -> tuple[list[tuple[str, ...]], list[str], Any]:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        collections.OrderedDict(
+            [("z_in", torch.nn.Linear(6, 8)), ("a_mid", torch.nn.Linear(8, 8)),
+             ("m_out", torch.nn.Linear(8, 3))]
+        )
+    )  # fmt: skip
+    fn, state = fdp.make_functional(net)
+    ddp = fdp.DistributedDataParallel(state, bucket_cap_mb=200 / 2**20, first_bucket_cap_mb=1e-6)
+    x, y = batch(size * PER_RANK)
+    out = fn(ddp(state), shard(x, rank))
+    torch.autograd.backward(torch.nn.functional.mse_loss(out, shard(y, rank)))
+    names = [n for n, _ in net.named_parameters()]
+    # A rank whose dict has the same keys in another order: refused, on every rank.
+    swapped = dict(reversed(state.items())) if rank == 1 else dict(state)
+    with pytest.raises(ValueError, match="differs across ranks") as info:
+        fdp.DistributedDataParallel(swapped)
+    return ddp.buckets, names, ([p.grad for p in net.parameters()], str(info.value))
+
+
+def test_buckets_follow_the_modules_parameter_order_backwards() -> None:
+    """As torch's DDP buckets ``reversed(model.parameters())``: the gradients of a
+    bucket arrive together, so the first bucket launches early in backward."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        collections.OrderedDict(
+            [("z_in", torch.nn.Linear(6, 8)), ("a_mid", torch.nn.Linear(8, 8)),
+             ("m_out", torch.nn.Linear(8, 3))]
+        )
+    )  # fmt: skip
+    x, y = batch(2 * PER_RANK)
+    for r in range(2):
+        torch.autograd.backward(torch.nn.functional.mse_loss(net(shard(x, r)), shard(y, r)) / 2)
+    for buckets, names, (grads, error) in ranks.world(2).run(_module_buckets):
+        flat = [p.removeprefix("params['").removesuffix("']") for b in buckets for p in b]
+        assert flat == list(reversed(names))
+        assert len(buckets) > 2  # small caps: several buckets, in that order
+        for g, p in zip(grads, net.parameters(), strict=True):
+            torch.testing.assert_close(g, p.grad, **TOL)
+        assert "`params` differs across ranks" in error
+        assert "the order of its dicts' keys" in error

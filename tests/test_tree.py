@@ -85,3 +85,34 @@ def test_planned_refuses_inside_compile_a_node_the_traced_flatten_makes_a_leaf()
         lambda p: plain.leaves("f", "params", p)[0] * 2, backend="eager", fullgraph=True
     )
     torch.testing.assert_close(compiled({"w": [torch.ones(2)]}), torch.full((2,), 2.0))
+
+
+def _insertion_reference(tree: Any) -> list[int]:
+    """optree's own insertion-ordered flatten, its leaves found in the sorted one by path."""
+    sorted_paths = optree.tree_paths(tree, none_is_leaf=True)
+    with optree.dict_insertion_ordered(True, namespace="fdp-test"):
+        inserted = optree.tree_paths(tree, none_is_leaf=True, namespace="fdp-test")
+    return [sorted_paths.index(p) for p in inserted]
+
+
+@pytest.mark.parametrize("name", list(params_corpus()))
+def test_insertion_order_follows_each_dicts_insertion_order(name: str) -> None:
+    tree = params_corpus()[name]
+    assert _tree.insertion_order(tree) == _insertion_reference(tree)
+
+
+def test_insertion_order_of_a_modules_state_is_the_module_order() -> None:
+    net = torch.nn.Sequential(
+        collections.OrderedDict(
+            [("z_in", torch.nn.Linear(2, 3)), ("a_mid", torch.nn.Linear(3, 3)),
+             ("m_out", torch.nn.Linear(3, 1))]
+        )
+    )  # fmt: skip
+    state = dict(net.named_parameters())
+    leaves, _ = _tree.flatten(state)
+    names = sorted(state)  # optree's order
+    inserted = [names[i] for i in _tree.insertion_order(state)]
+    assert inserted == list(state) == [n for n, _ in net.named_parameters()]
+    assert len(leaves) == len(inserted)
+    nested = {"b": {"y": 1, "x": [2, {"q": 3, "p": 4}]}, "a": collections.defaultdict(int, k=5)}
+    assert _tree.insertion_order(nested) == _insertion_reference(nested)

@@ -49,11 +49,15 @@ class DistributedDataParallel:
 
     Construction:
         ``ddp = DistributedDataParallel(params)`` plans buckets once: tensor
-        leaves grouped by device and dtype in reverse leaf order, a first
-        bucket of about ``first_bucket_cap_mb`` so communication starts
-        early, then buckets of about ``bucket_cap_mb``. Construction is
-        collective: all ranks check that they hold the same tree and raise
-        the same ``ValueError``, naming the first differing leaf, if not.
+        leaves grouped by device and dtype in the reverse of the order they
+        were put in the tree (each dict's insertion order, so a
+        ``make_functional`` state buckets as torch's DDP buckets
+        ``reversed(model.parameters())``), a first bucket of about
+        ``first_bucket_cap_mb`` so communication starts early, then buckets
+        of about ``bucket_cap_mb``. Construction is collective: all ranks
+        check that they hold the same tree (and dicts in the same key order)
+        and raise the same ``ValueError``, naming the first differing leaf,
+        if not.
 
     Each step:
         ``ddp(params)`` returns the same tree with an alias (the same memory)
@@ -176,7 +180,7 @@ class DistributedDataParallel:
         first_cap = _agreement.check_cap(first_bucket_cap_mb, "first_bucket_cap_mb", call=call)
         if comm_hook is not None:
             _comm_hooks.check_hook(comm_hook, call=call, arg="comm_hook")
-        leaves, spec, tensors = _checked_params(call, params, group)
+        leaves, spec, tensors, order = _checked_params(call, params, group)
         self._spec = spec
         self._planned = _tree.Planned(params, owner="this DistributedDataParallel")
         every = [t if isinstance(t, torch.Tensor) else None for t in leaves]
@@ -188,7 +192,9 @@ class DistributedDataParallel:
         elif self._buffers is not None:  # no_sync calls use them
             self._buffers.sync(leaves, src=0)
         self._refs = _join.weak(leaves)  # the tensors join synchronises if none come later
-        self._layout = _bucket.Layout(tensors, cap_bytes=cap, first_cap_bytes=first_cap)
+        self._layout = _bucket.Layout(
+            tensors, cap_bytes=cap, first_cap_bytes=first_cap, order=order
+        )
         paths = _tree.paths(params, "params")
         # Without a hook the division by the world size is folded into
         # packing the bucket (one pass over the gradients instead of two).
@@ -472,8 +478,9 @@ def overlap_options() -> dict[str, Any]:
 
 def _checked_params(
     call: str, params: Any, group: ProcessGroup | None
-) -> tuple[list[Any], Any, list[torch.Tensor | None]]:
-    """``params``' leaves, spec and float tensors, the same tree on every rank of ``group``."""
+) -> tuple[list[Any], Any, list[torch.Tensor | None], list[int]]:
+    """``params``' leaves, spec, float tensors and their order of use (buckets follow it
+    backwards: :func:`fdp._tree.insertion_order`), the same on every rank of ``group``."""
     _agreement.require_member(call, group)
     leaves, spec, tensors = _tree.tensor_leaves(params, call=call, arg="params", float_only=True)
     if all(t is None for t in tensors):
@@ -483,5 +490,8 @@ def _checked_params(
             "DistributedDataParallel is not needed)"
         )
     described = _agreement.signature(params, leaves, "params", requires_grad=True)
+    order = _tree.insertion_order(params)
+    if order != sorted(order):  # its dicts' key order, not optree's: the buckets follow it
+        described.append(("the order of its dicts' keys", repr(order)))
     _agreement.check(described, group=group, call=call, arg="params")
-    return leaves, spec, tensors
+    return leaves, spec, tensors, order
