@@ -745,14 +745,19 @@ def test_a_node_compiled_code_cannot_flatten_is_refused_inside_compile_only() ->
         assert "the tree this DistributedDataParallel was planned for must be built" in message
 
 
-def _module_buckets(rank: int, size: int) -> tuple[list[tuple[str, ...]], list[str], Any]:
+def _three_layers() -> torch.nn.Module:
+    """Layers whose names sort in another order than they run (optree sorts dict keys)."""
     torch.manual_seed(0)
-    net = torch.nn.Sequential(
+    return torch.nn.Sequential(
         collections.OrderedDict(
             [("z_in", torch.nn.Linear(6, 8)), ("a_mid", torch.nn.Linear(8, 8)),
              ("m_out", torch.nn.Linear(8, 3))]
         )
     )  # fmt: skip
+
+
+def _module_buckets(rank: int, size: int) -> tuple[list[tuple[str, ...]], list[str], Any]:
+    net = _three_layers()
     fn, state = fdp.make_functional(net)
     ddp = fdp.DistributedDataParallel(state, bucket_cap_mb=200 / 2**20, first_bucket_cap_mb=1e-6)
     x, y = batch(size * PER_RANK)
@@ -769,13 +774,7 @@ def _module_buckets(rank: int, size: int) -> tuple[list[tuple[str, ...]], list[s
 def test_buckets_follow_the_modules_parameter_order_backwards() -> None:
     """As torch's DDP buckets ``reversed(model.parameters())``: the gradients of a
     bucket arrive together, so the first bucket launches early in backward."""
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        collections.OrderedDict(
-            [("z_in", torch.nn.Linear(6, 8)), ("a_mid", torch.nn.Linear(8, 8)),
-             ("m_out", torch.nn.Linear(8, 3))]
-        )
-    )  # fmt: skip
+    net = _three_layers()
     x, y = batch(2 * PER_RANK)
     for r in range(2):
         torch.autograd.backward(torch.nn.functional.mse_loss(net(shard(x, r)), shard(y, r)) / 2)
