@@ -120,7 +120,11 @@ def allreduce_hook(
 
         ddp = fdp.DistributedDataParallel(params, comm_hook=fdp.allreduce_hook)
     """
-    return _into(bucket.buffer(), _average(state, bucket.buffer()))
+    return _into(bucket.buffer(), _allreduce(state, bucket))
+
+
+def _allreduce(state: ProcessGroup | None, bucket: GradBucket) -> Reduced:
+    return _average(state, bucket.buffer())
 
 
 def _average(group: ProcessGroup | None, flat: torch.Tensor) -> Reduced:
@@ -168,7 +172,11 @@ def fp16_compress_hook(
 
         ddp = fdp.DistributedDataParallel(params, comm_hook=fdp.fp16_compress_hook)
     """
-    return _into(bucket.buffer(), _compressed(state, bucket.buffer(), torch.float16))
+    return _into(bucket.buffer(), _fp16(state, bucket))
+
+
+def _fp16(state: ProcessGroup | None, bucket: GradBucket) -> Reduced:
+    return _compressed(state, bucket.buffer(), torch.float16)
 
 
 def bf16_compress_hook(
@@ -180,7 +188,11 @@ def bf16_compress_hook(
 
         ddp = fdp.DistributedDataParallel(params, comm_hook=fdp.bf16_compress_hook)
     """
-    return _into(bucket.buffer(), _compressed(state, bucket.buffer(), torch.bfloat16))
+    return _into(bucket.buffer(), _bf16(state, bucket))
+
+
+def _bf16(state: ProcessGroup | None, bucket: GradBucket) -> Reduced:
+    return _compressed(state, bucket.buffer(), torch.bfloat16)
 
 
 def direct(hook: CommHook) -> CommHook:
@@ -193,10 +205,11 @@ def direct(hook: CommHook) -> CommHook:
     return _DIRECT.get(hook, hook)
 
 
+# Each public hook is ``_into(bucket.buffer(), its direct form(state, bucket))``.
 _DIRECT: dict[Any, CommHook] = {
-    allreduce_hook: lambda state, bucket: _average(state, bucket.buffer()),
-    fp16_compress_hook: lambda state, bucket: _compressed(state, bucket.buffer(), torch.float16),
-    bf16_compress_hook: lambda state, bucket: _compressed(state, bucket.buffer(), torch.bfloat16),
+    allreduce_hook: _allreduce,
+    fp16_compress_hook: _fp16,
+    bf16_compress_hook: _bf16,
 }
 
 
