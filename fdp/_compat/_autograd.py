@@ -6,6 +6,7 @@ Part of :mod:`fdp._compat` (its docstring says how each function degrades).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -84,7 +85,9 @@ def add_grad_hooks(tensors: Sequence[torch.Tensor], hooks: Iterable[Callable[...
         if register is None or t._backward_hooks is not None:
             t.register_hook(hook)  # type: ignore[no-untyped-call]
             continue
-        t._backward_hooks = {0: hook}
+        # An OrderedDict, as torch makes: a user's register_hook on the
+        # tensor takes a weak reference to it. Key -1: handle ids count from 0.
+        t._backward_hooks = OrderedDict(((-1, hook),))
         register(t)
 
 

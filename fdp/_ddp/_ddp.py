@@ -70,8 +70,9 @@ class DistributedDataParallel:
         outside :meth:`no_sync` raises (a forgotten ``ddp(params)``). So a
         call's output may be reused: ``retain_graph=True``, several forwards
         then several backwards, or ``p = ddp(params)`` kept across steps all
-        reduce every backward once. Gradients are handed out only once
-        reduced:
+        reduce every backward once; a call with the module tensors of the
+        last call gets that call's aliases back (``fdp/_ddp/_reuse.py``
+        says when). Gradients are handed out only once reduced:
 
         - ``loss.backward()``: every leaf's ``.grad`` holds the average over
           ranks, including leaves this rank did not use (they count as

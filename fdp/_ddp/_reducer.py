@@ -31,6 +31,7 @@ import torch
 
 from fdp import _bucket, _compat, _mode
 from fdp._bucket import Layout
+from fdp._ddp import _reuse
 from fdp._ddp._reduction import Reduction
 from fdp._ddp._step import Step
 
@@ -81,6 +82,7 @@ class Reducer:
         self.open: Step | None = None
         self.lock = threading.Lock()
         self.runs = alias_runs(reduction.layout)
+        self.last: _reuse.Armed | None = None  # Note [reused aliases]
         # Per device, a leaf that every alias node takes: see fdp/_ddp/_delivery.py.
         self.probes = {
             b.device: torch.empty(0, device=b.device, requires_grad=True)
@@ -96,6 +98,11 @@ class Reducer:
         # A custom Function cannot run with functorch's keys disabled: inside
         # a transform of the inputs, the reshape alias (no sparse gradients).
         sparse_ok = not _mode.transform_running()
+        options = (prescale, always_count)
+        if sparse_ok:
+            again = _reuse.reused(self.last, leaves, options, hooked)
+            if again is not None:
+                return again
         call = _Call(self, leaves, hooked, prescale, always_count, sparse_ok)
         # Plain leaves, also inside a transform of the inputs (jvp, vmap):
         # their aliases belong to ordinary autograd, as the leaves do.
@@ -120,6 +127,8 @@ class Reducer:
                 shared = by_id.get(id(leaves[i]))
                 if shared is not None:
                     out[i] = shared
+        if sparse_ok:
+            self.last = _reuse.keep(leaves, options, hooked, aliases, out)
         return out
 
     def _run_aliases(self, call: _Call, leaves: list[Any], hooked: list[int]) -> list[torch.Tensor]:
