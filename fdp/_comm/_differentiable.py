@@ -50,7 +50,6 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function as _label
 from torch.distributed import ProcessGroup
 
 from fdp import _compat, _mode
@@ -128,9 +127,7 @@ def _eager_form(c: Collective) -> Rule:
             # and its buffer may still be filling (fdp.all_gather writes it after).
             return done.detach()
         explain = contextlib.nullcontext() if c.explain is None else c.explain(*consts)
-        # Eager only: a profiler trace shows it (the label costs microseconds: only then).
-        label = _label(f"fdp::{c.name}") if _compat.profiling() else contextlib.nullcontext()
-        with explain, label:
+        with explain, _compat.label(f"fdp::{c.name}"):  # eager only: a profiler trace shows it
             return c.forward(x, *consts)
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

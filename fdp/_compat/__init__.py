@@ -56,6 +56,7 @@ from fdp._compat._functorch import (
     unwrap_functorch,
 )
 from fdp._compat._profiler import (
+    label,
     profiling,
 )
 from fdp._compat._tensors import (
@@ -96,6 +97,7 @@ __all__ = [
     "innermost_is_grad",
     "is_compiled_module",
     "is_transformed",
+    "label",
     "leaf_destination",
     "one_jvp",
     "only_reverse_transforms",

@@ -29,14 +29,12 @@ disabled: the c10d ops are differentiable and would otherwise be recorded
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function as _label
 
 from fdp import _compat, _grad
 from fdp._comm import _comm_hooks
@@ -263,7 +261,7 @@ class Step:
         # Riding, the last bucket waits for the counts: the finish launches it.
         end = len(self.buckets) - 1 if self.rides else len(self.buckets)
         while self.next_launch < end and self._complete(self.next_launch):
-            with _bucket_label(self.next_launch):
+            with _compat.label(f"fdp::ddp.bucket {self.next_launch}"):
                 self._launch(self.next_launch)
 
     @staticmethod
@@ -348,7 +346,7 @@ class Step:
         self.next_launch = k + 1
 
     def finish(self) -> None:
-        with self.lock, _label("fdp::ddp.finish"):
+        with self.lock, _compat.label("fdp::ddp.finish"):
             if self._defer_to_outer_backward():
                 return
             self._finish()
@@ -360,7 +358,7 @@ class Step:
                     _graphed.finish(self)
                     return
                 while self.next_launch < len(self.buckets):
-                    with _bucket_label(self.next_launch):
+                    with _compat.label(f"fdp::ddp.bucket {self.next_launch}"):
                         self._launch(self.next_launch)
                 alone = self.counting and not self.rides
                 usage = self.launch_usage() if alone and not self.reduction.serial else None
@@ -432,11 +430,6 @@ class Step:
                 )
             elif count > 0:
                 self.leaves[i].grad = self.view(i)
-
-
-def _bucket_label(k: int) -> contextlib.AbstractContextManager[Any]:
-    """A profiler trace shows each bucket's launch; a label costs ~10 us when none records."""
-    return _label(f"fdp::ddp.bucket {k}") if _compat.profiling() else contextlib.nullcontext()
 
 
 def _pack_run(views: list[torch.Tensor], grads: list[torch.Tensor], scale: float) -> None:

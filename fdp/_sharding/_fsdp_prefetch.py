@@ -25,9 +25,8 @@ import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
-from torch.autograd.profiler import record_function as _label
 
-from fdp import _mode
+from fdp import _compat, _mode
 from fdp._sharding import _fsdp_gather, _fsdp_reshard, _fsdp_unit
 
 
@@ -49,14 +48,15 @@ class Started:
         self.name, self.shards = state.name, tuple(shards)
         hows = [state.policy_for(k, t) for k, t in enumerate(shards)]
         self.versions = tuple(t._version for t in shards)
-        with _label(f"fdp::fsdp.all_gather {self.name}"):  # eager only: a profiler trace shows it
+        # Eager only: a profiler trace shows it.
+        with _compat.label(f"fdp::fsdp.all_gather {self.name}"):
             started = [_fsdp_gather.start(t, how) for t, how in zip(shards, hows, strict=True)]
         self.flats = [flat for flat, _ in started]
         self.works = [work for _, work in started]
 
     def wait(self) -> list[torch.Tensor]:
         explain = _fsdp_gather.in_step(f"the all-gather of unit {self.name!r}")
-        with explain, _label(f"fdp::fsdp.wait {self.name}"):
+        with explain, _compat.label(f"fdp::fsdp.wait {self.name}"):
             for work in self.works:
                 work.wait()
         self.works = []
