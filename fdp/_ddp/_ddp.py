@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 from fdp import _bucket, _compat, _mode, _tree
 from fdp._comm import _agreement, _comm_hooks, _transforms
 from fdp._comm._comm_hooks import CommHook
-from fdp._ddp import _buffers, _forgotten, _join, _traced
+from fdp._ddp import _buffers, _forgotten, _join, _reuse, _traced
 from fdp._ddp._join import Joiner
 from fdp._ddp._reducer import Reducer, hooked_leaves
 from fdp._ddp._reduction import Reduction
@@ -213,6 +213,7 @@ class DistributedDataParallel:
         self._sync = True
         self._due = True  # the first training call broadcasts, as torch's first forward
         self._called = False
+        self._kept: _reuse.Armed | None = None  # Note [reused aliases]
         self._reduces = False  # a ddp(params) call has reduced (armed a backward, or traced one)
         self._joiner: Joiner | None = None
         self._join_plan = self._plan_join(leaves, group, final)
@@ -269,6 +270,7 @@ class DistributedDataParallel:
             )
         reduction = dataclasses.replace(self._reducer.reduction, hook=hook, state=state)
         self._reducer = Reducer(reduction)
+        self._kept = None  # made by the old reducer (none yet: no call came before)
         self._traced_hook = _traced.traced_hook(hook, state, reduction.group)
 
     @contextmanager
@@ -446,7 +448,12 @@ class DistributedDataParallel:
 
     def _hooked(self, params: T, leaves: list[Any], *, prescale: float | None) -> T:
         """The eager path: the backward through the returned aliases reduces as it runs."""
-        armed = self._reducer.arm(leaves, prescale=prescale, always_count=self._joiner is not None)
+        armed, kept = self._reducer.arm(
+            leaves, prescale=prescale, always_count=self._joiner is not None, last=self._kept
+        )
+        # Kept here, not on the reducer (see Reducer.arm), and only where the
+        # reduction holds nothing that could refer back to this object.
+        self._kept = kept if _reuse.safe(self._reducer.reduction) else None
         return cast(T, _tree.unflatten(self._spec, armed))
 
 

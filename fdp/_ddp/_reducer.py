@@ -82,15 +82,27 @@ class Reducer:
         self.open: Step | None = None
         self.lock = threading.Lock()
         self.runs = alias_runs(reduction.layout)
-        self.last: _reuse.Armed | None = None  # Note [reused aliases]
         # Per device, a leaf that every alias node takes: see fdp/_ddp/_delivery.py.
         self.probes = {
             b.device: torch.empty(0, device=b.device, requires_grad=True)
             for b in reduction.layout.buckets
         }
 
-    def arm(self, leaves: list[Any], *, prescale: float | None, always_count: bool) -> list[Any]:
-        """``leaves`` with an armed alias in place of each leaf a backward reduces."""
+    def arm(
+        self,
+        leaves: list[Any],
+        *,
+        prescale: float | None,
+        always_count: bool,
+        last: _reuse.Armed | None = None,
+    ) -> tuple[list[Any], _reuse.Armed | None]:
+        """``leaves`` with an armed alias in place of each leaf a backward reduces.
+
+        Also what a later call may reuse (Note [reused aliases]), given
+        ``last``, this reducer's previous call's: the caller keeps it. Not
+        the reducer: its aliases' nodes refer to the reducer through C++,
+        a cycle Python's collector cannot see.
+        """
         if self.open is not None and not _compat.in_backward():
             self.open = None  # an earlier backward failed before its end: start afresh
         layout = self.reduction.layout
@@ -100,9 +112,9 @@ class Reducer:
         sparse_ok = not _mode.transform_running()
         options = (prescale, always_count)
         if sparse_ok:
-            again = _reuse.reused(self.last, leaves, options, hooked)
+            again = _reuse.reused(last, leaves, options, hooked)
             if again is not None:
-                return again
+                return again, last
         call = _Call(self, leaves, hooked, prescale, always_count, sparse_ok)
         # Plain leaves, also inside a transform of the inputs (jvp, vmap):
         # their aliases belong to ordinary autograd, as the leaves do.
@@ -127,9 +139,8 @@ class Reducer:
                 shared = by_id.get(id(leaves[i]))
                 if shared is not None:
                     out[i] = shared
-        if sparse_ok:
-            self.last = _reuse.keep(leaves, options, hooked, aliases, out)
-        return out
+        kept = _reuse.keep(leaves, options, hooked, aliases, out) if sparse_ok else None
+        return out, kept
 
     def _run_aliases(self, call: _Call, leaves: list[Any], hooked: list[int]) -> list[torch.Tensor]:
         """An alias of each hooked leaf, one node per run (see Note [one node a run])."""

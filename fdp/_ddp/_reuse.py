@@ -22,6 +22,14 @@ aliases back when:
 Only a tree of module tensors (``nn.Parameter``, a ``make_functional``
 buffer) is kept: the module holds those anyway, so keeping them holds no
 memory. A tree of fresh tensors per step (a pure loop) is never kept.
+
+The ``DistributedDataParallel`` keeps the record. The aliases' node refers
+to the reducer through C++ (its context holds the call), which Python's
+collector cannot follow: a record held by the reducer, or by anything the
+reduction holds (a comm hook's state or closure may hold the DDP), would
+make a cycle no collection frees, and a dropped DDP would keep its
+parameters. So it is kept only with the default reduction or one of fdp's
+hooks on a process group (:func:`safe`).
 """
 
 from __future__ import annotations
@@ -31,7 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
+from fdp._comm import _comm_hooks
 from fdp._functional import module_tensor
 
 
@@ -59,6 +69,15 @@ def keep(
     if not all(module_tensor(t) for t in leaves if isinstance(t, tensor)):
         return None
     return Armed(list(leaves), options, hooked, aliases, [a.grad_fn for a in aliases], out)
+
+
+def safe(reduction: Any) -> bool:
+    """Whether a DDP may keep a record: nothing its reduction holds can refer back to it."""
+    hook, state = reduction.hook, reduction.state
+    if hook is None:
+        return True
+    fdps = _comm_hooks.direct(hook) is not hook
+    return fdps and (state is None or isinstance(state, ProcessGroup))
 
 
 def reused(
