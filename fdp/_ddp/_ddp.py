@@ -270,7 +270,7 @@ class DistributedDataParallel:
             )
         reduction = dataclasses.replace(self._reducer.reduction, hook=hook, state=state)
         self._reducer = Reducer(reduction)
-        self._kept = None  # made by the old reducer (none yet: no call came before)
+        self._kept = None
         self._traced_hook = _traced.traced_hook(hook, state, reduction.group)
 
     @contextmanager
@@ -448,11 +448,8 @@ class DistributedDataParallel:
 
     def _hooked(self, params: T, leaves: list[Any], *, prescale: float | None) -> T:
         """The eager path: the backward through the returned aliases reduces as it runs."""
-        armed, kept = self._reducer.arm(
-            leaves, prescale=prescale, always_count=self._joiner is not None, last=self._kept
-        )
-        # Kept here, not on the reducer (see Reducer.arm), and only where the
-        # reduction holds nothing that could refer back to this object.
+        joining, last = self._joiner is not None, self._kept  # kept here: see Reducer.arm
+        armed, kept = self._reducer.arm(leaves, prescale=prescale, always_count=joining, last=last)
         self._kept = kept if _reuse.safe(self._reducer.reduction) else None
         return cast(T, _tree.unflatten(self._spec, armed))
 
