@@ -5,7 +5,8 @@ steps on 2 gloo ranks, calling ``ddp(params)`` every step, and compares the
 parameters with one process's steps on the full batch. What the cases change
 between steps (a leaf moved to new memory, a hook, ``retain_grad`` or an
 in-place op on an output, a leaf frozen) must give the next call aliases of its own; the
-records say which calls reused.
+records say which calls reused; each step's gradients and the final
+parameters equal the reference's.
 """
 
 from __future__ import annotations
@@ -60,12 +61,16 @@ def _trained(rank: int, size: int, case: str) -> dict[str, Any]:
     opt = torch.optim.SGD(params.values(), lr=0.5)
     calls: list[int] = []
     reused: list[bool] = []
+    grads: list[dict[str, torch.Tensor | None]] = []
     last: dict[str, torch.Tensor] | None = None
     for step in range(STEPS):
         _between(case, step, params)
         x = shard(_x(step, size), rank)
         opt.zero_grad()
-        armed = ddp(params)
+        if case == "inside_jvp" and step == 1:  # ddp(params) where jvp transforms x
+            armed, loss = _inside_jvp(ddp, params, x)
+        else:
+            armed = ddp(params)
         reused.append(last is not None and armed["w2"] is last["w2"])
         if case == "hooked" and step == 0:
             armed["w2"].register_hook(lambda g, step=step: calls.append(step))  # type: ignore[no-untyped-call]
@@ -80,15 +85,35 @@ def _trained(rank: int, size: int, case: str) -> dict[str, Any]:
             torch.autograd.backward(first)
             torch.autograd.backward(second)
         else:
-            torch.autograd.backward(_loss(armed, x))
+            torch.autograd.backward(loss if case == "inside_jvp" and step == 1 else _loss(armed, x))
+        grads.append(_grads(params))
         opt.step()
         last = armed
-    return {"params": {k: v.detach() for k, v in params.items()}, "reused": reused, "calls": calls}
+    out = {"params": {k: v.detach() for k, v in params.items()}, "grads": grads}
+    return out | {"reused": reused, "calls": calls}
 
 
-def _reference(case: str, size: int) -> dict[str, torch.Tensor]:
+def _inside_jvp(
+    ddp: fdp.DistributedDataParallel, params: dict[str, torch.Tensor], x: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    seen: dict[str, torch.Tensor] = {}
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        seen.update(ddp(params))
+        return _loss(seen, x)
+
+    loss, _ = torch.func.jvp(f, (x,), (torch.ones_like(x),))
+    return seen, loss
+
+
+def _grads(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    return {k: None if v.grad is None else v.grad.clone() for k, v in params.items()}
+
+
+def _reference(case: str, size: int) -> dict[str, Any]:
     params = _params("parameters")
     opt = torch.optim.SGD(params.values(), lr=0.5)
+    grads = []
     for step in range(STEPS):
         _between(case, step, params)
         opt.zero_grad()
@@ -96,8 +121,9 @@ def _reference(case: str, size: int) -> dict[str, torch.Tensor]:
         for x in xs:
             losses = [_loss(params, shard(x, r)) for r in range(size)]
             torch.autograd.backward(torch.stack(losses).mean())
+        grads.append(_grads(params))
         opt.step()
-    return {k: v.detach() for k, v in params.items()}
+    return {"params": {k: v.detach() for k, v in params.items()}, "grads": grads}
 
 
 # Which calls get the last call's aliases back: step 1's and 2's, except where
@@ -110,6 +136,8 @@ REUSED = {
     "retained": [False, False, True],
     "in_place": [False, False, True],
     "tensors": [False, False, False],
+    # Under a transform the call makes plain aliases and keeps nothing.
+    "inside_jvp": [False, False, False],
     # Per step: the second call reuses the first's; the next step's first call
     # reuses the last step's aliases.
     "two_forwards": [False, True, True, True, True, True],
@@ -122,7 +150,13 @@ def test_a_call_with_the_last_calls_tensors_reuses_its_aliases_and_reduces(case:
     expected = _reference(case, size)
     for got in ranks.world(size).run(_trained, case):
         assert got["reused"] == REUSED[case]
-        for key, e in expected.items():
+        for step, (g, e_grads) in enumerate(zip(got["grads"], expected["grads"], strict=True)):
+            for key, e in e_grads.items():  # None where the reference has none (frozen)
+                if e is None:
+                    assert g[key] is None, (step, key)
+                else:
+                    torch.testing.assert_close(g[key], e, **TOL, msg=f"step {step} {key}")
+        for key, e in expected["params"].items():
             torch.testing.assert_close(got["params"][key], e, **TOL, msg=key)
         if case == "hooked":  # a hook on step 0's output ran in step 0's backward only
             assert got["calls"] == [0]
