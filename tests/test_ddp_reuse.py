@@ -102,7 +102,7 @@ def _inside_jvp(
         seen.update(ddp(params))
         return _loss(seen, x)
 
-    loss, _ = torch.func.jvp(f, (x,), (torch.ones_like(x),))
+    loss: torch.Tensor = torch.func.jvp(f, (x,), (torch.ones_like(x),))[0]
     return seen, loss
 
 
