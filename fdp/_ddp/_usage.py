@@ -22,6 +22,10 @@ from fdp._ddp._reduction import StepState
 
 def counts(step: StepState) -> list[float]:
     """This rank's count for each hooked leaf, then whether it has late gradients."""
+    if not step.sparse and len(step.used) == len(step.hooked):
+        # The common step: every hooked leaf had a dense gradient here (``used``
+        # holds hooked leaves only), and no per-leaf test is needed.
+        return [*(1.0 for _ in step.hooked), float(bool(step.late))]
     sparse = float(dist.get_world_size(step.reduction.group) + 1)
     return [
         *(
