@@ -180,6 +180,26 @@ def _different_leaves(rank: int, size: int) -> Any:
     return fdp.grad(lambda p: loss(ddp(p)))(params), torch.func.grad(lambda p: loss(ddp(p)))(params)
 
 
+def _with_a_closure_leaf(rank: int, size: int, first: bool) -> Any:
+    """fdp.grad's inputs share one bucket with a leaf that is not an input (a closure's)."""
+    params = mlp_params(0, head_bias=True)
+    w = torch.ones(3, requires_grad=True)
+
+    def tree(p: Any) -> dict[str, Any]:
+        return {"w": w, **p} if first else {**p, "w": w}
+
+    ddp = fdp.DistributedDataParallel(tree(params))  # default caps: one bucket
+    x, y = (shard(t, rank) for t in batch(size * PER_RANK))
+
+    def loss(p: Any) -> torch.Tensor:
+        q = ddp(tree(p))
+        extra: torch.Tensor = (q.pop("w") * (rank + 1)).sum()
+        return _mlp_loss(q, x, y) + extra
+
+    got = fdp.grad(loss)(params)
+    return got, w.grad
+
+
 def _fsdp_grads(rank: int, size: int) -> Any:
     params = mlp_params(0, head_bias=True)
     fsdp = fdp.FullyShardedDataParallel(params)
@@ -202,6 +222,16 @@ def test_ddp_gives_the_whole_batchs_gradient() -> None:
 def test_ddp_leaves_a_rank_did_not_use_get_the_average_as_torch_func_grad() -> None:
     for mine, theirs in ranks.world(3).run(_different_leaves):
         tree_allclose(mine, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["closure_leaf_first", "closure_leaf_last"])
+def test_ddp_bucket_shared_with_a_leaf_that_is_not_an_input(first: bool) -> None:
+    # The bucket's delivery is decided from its leaves: fdp.grad's inputs are
+    # returned, the closure's leaf is not asked for and keeps .grad None.
+    expected = torch.func.grad(_mlp_loss)(mlp_params(0, head_bias=True), *batch(2 * PER_RANK))
+    for got, closure_grad in ranks.world(2).run(_with_a_closure_leaf, first):
+        tree_allclose(got, expected, **TOL)
+        assert closure_grad is None
 
 
 def test_fully_sharded_gives_the_whole_batchs_gradient() -> None:
