@@ -26,10 +26,9 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function as _label
 from torch.distributed import ProcessGroup
 
-from fdp import _bucket, _tree
+from fdp import _bucket, _compat, _tree
 from fdp._comm import _agreement
 from fdp._sharding import (
     _fsdp_accumulate,
@@ -317,7 +316,7 @@ class FullyShardedDataParallel:
         outputs = [t for t in flat_out if isinstance(t, torch.Tensor) and t.requires_grad]
         if self.reshard_after_forward and _fsdp_reshard.eligible(outputs):  # eager only
             _fsdp_reshard.check_not_returned(call, name, out, flat_out, gathered)
-            with _label(f"fdp::fsdp.reshard {name}"):  # a profiler trace shows it
+            with _compat.label(f"fdp::fsdp.reshard {name}"):  # a profiler trace shows it
                 held = [_fsdp_reshard.Resharded(*g) for g in gathered if g[0].requires_grad]
             unit_held = self._prefetch.held(held)
             state.resharded = unit_held

@@ -44,7 +44,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.profiler import record_function as _label
 
 from fdp import _compat, _functional, _mode, _tree
 from fdp._sharding import _fsdp_reshard
@@ -230,7 +229,7 @@ class Pass:
             live = self.live[unit] = self._gather(unit)
         elif live.held is not None:  # used again in this call: the same leaves, refilled
             freed = [b for b in live.held.buffers if b.storage.nbytes() != b.nbytes]
-            with _label(f"fdp::fsdp.refill {unit}"):
+            with _compat.label(f"fdp::fsdp.refill {unit}"):
                 for buffer in live.held.buffers:
                     buffer.refill()  # no-op where gathered; waits for one under way
             live.refilled = bool(freed) and not _compat.in_backward()
@@ -288,7 +287,7 @@ class Pass:
         if not (fsdp.reshard_after_forward and _fsdp_reshard.eligible(outputs)):
             return  # kept (a transform, or reshard_after_forward=False): reused as it is
         _fsdp_reshard.check_not_returned(f"{CALL}(fn)", unit, out, flat_out, live.gathered)
-        with _label(f"fdp::fsdp.reshard {unit}"):
+        with _compat.label(f"fdp::fsdp.reshard {unit}"):
             buffers = [_fsdp_reshard.Resharded(*g) for g in live.gathered if g[0].requires_grad]
         if unit in self.wrapped.plan.enclosing:
             # Note [an enclosing unit prefetches nothing]: backward reaches its outputs

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.autograd.profiler import record_function as _label
 
 from fdp import _compat, _mode, _tree
 from fdp._sharding import _fsdp_gather
@@ -138,7 +137,7 @@ class Held:
         """
         if not self.refilled:
             self.refilled = True
-            with _label("fdp::fsdp.refill"):  # a profiler trace shows it
+            with _compat.label("fdp::fsdp.refill"):  # a profiler trace shows it
                 for buffer in self.buffers:
                     buffer.refill()
             _compat.queue_backward_callback(self._settled)
