@@ -18,6 +18,13 @@ processes; the figures are ratios to torch DDP's eager step:
   before the timing; ``bench_compile_time.py`` times it, each method in
   processes of its own, with a cold and a warm cache.
 
+The comparisons with targets (fdp DDP and fdp's pure loop against torch
+DDP eager; fdp's pure loop compiled against torch's compiled DDP) are then
+timed again head to head, each pair alone, alternating, four times the
+rounds (``timing.paired``: the median of each round's ratio; the seven-way
+rotation above puts other methods, and their memory, between the two, and
+moves a ratio by up to 10% from run to run).
+
 Also per rank, without DDP: one gradient by ``loss.backward()``,
 ``fdp.grad`` and ``torch.func.grad``; and one optimizer step,
 ``fdp.optim.adamw`` against ``torch.optim.AdamW(foreach=True)`` on the
@@ -44,13 +51,19 @@ from typing import Any
 import results
 import torch
 import torch.distributed as dist
-from timing import interleaved
+from timing import interleaved, paired
 
 import fdp
 
 Step = Callable[[], Any]
 SIZE = 2
 BASE = "torch DDP"
+# The targets' comparisons, timed again head to head (timing.paired): (reference, method).
+HEAD_TO_HEAD = (
+    (BASE, "fdp DDP + torch AdamW"),
+    (BASE, "fdp pure (fdp.grad + fdp.optim)"),
+    ("torch DDP compiled", "fdp pure compiled"),
+)
 
 
 def build(name: str) -> torch.nn.Module:
@@ -191,6 +204,11 @@ def measure(rank: int, name: str, rounds: int) -> dict[str, float]:
         steps[method] = make()
         steps[method]()  # the first step: compiles, where the method compiles
     times = interleaved(steps, rounds=rounds, repeats=3, sync=dist.barrier)
+    for reference, method in HEAD_TO_HEAD:  # alone: no other method between the two
+        ratio, _, mine = paired(steps[reference], steps[method], rounds=4 * rounds, repeats=3,
+                                sync=dist.barrier)  # fmt: skip
+        times[f"head to head: {method}"] = mine
+        times[f"head to head ratio: {method}"] = ratio
     parts = local_parts(name, ids)
     return times | interleaved(parts, rounds=rounds, repeats=3)
 
@@ -214,6 +232,14 @@ def rows_of(name: str, times: dict[str, float]) -> list[dict[str, Any]]:
     base = times[BASE]
     rows = []
     for method, seconds in times.items():
+        if method.startswith("head to head ratio: "):
+            continue
+        if method.startswith("head to head: "):
+            ratio = round(times[method.replace(":", " ratio:", 1)], 3)
+            ms = round(seconds * 1e3, 2)
+            rows.append({"model": name, "ranks": SIZE, "method": method, "ms": ms,
+                         "vs_reference": ratio})  # fmt: skip
+            continue
         if method.startswith("grad: "):
             ref = times["grad: loss.backward()"]
         elif method.startswith("optim: "):
@@ -239,6 +265,9 @@ SLUGS = {
     "grad: torch.func.grad": "grad_func",
     "optim: torch.optim.AdamW foreach": "optim_torch",
     "optim: fdp.optim.adamw": "optim_fdp",
+    "head to head: fdp DDP + torch AdamW": "head_to_head.fdp_ddp_torch_optim",
+    "head to head: fdp pure (fdp.grad + fdp.optim)": "head_to_head.fdp_pure",
+    "head to head: fdp pure compiled": "head_to_head.fdp_pure_compiled",
 }
 
 

@@ -45,6 +45,35 @@ def side_by_side(
     return statistics.median(ta), statistics.median(tb)
 
 
+def paired(
+    a: Callable[[], Any],
+    b: Callable[[], Any],
+    *,
+    rounds: int,
+    repeats: int,
+    sync: Callable[[], None] = lambda: None,
+) -> tuple[float, float, float]:
+    """``b`` against ``a`` head to head: the median of each round's ratio ``b / a``.
+
+    Each round times the two back to back, alternating which goes first;
+    a round's ratio compares two timings seconds apart, so drift over the
+    run cancels, which a ratio of two medians over the run does not.
+    Returns ``(ratio, median seconds of a, median seconds of b)``.
+    """
+    for _ in range(max(2, repeats // 4)):
+        a()
+        b()
+    ta, tb = [], []
+    for r in range(rounds):
+        first, second = (a, b) if r % 2 == 0 else (b, a)
+        t1 = timed(first, repeats, sync)
+        t2 = timed(second, repeats, sync)
+        ta.append(t1 if r % 2 == 0 else t2)
+        tb.append(t2 if r % 2 == 0 else t1)
+    ratio = statistics.median(y / x for x, y in zip(ta, tb, strict=True))
+    return ratio, statistics.median(ta), statistics.median(tb)
+
+
 def interleaved(
     fns: dict[str, Callable[[], Any]],
     *,
