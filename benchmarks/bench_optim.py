@@ -7,6 +7,13 @@ compiled fdp (inductor, fullgraph) < 1x. Also: fdp eager with
 ``donate=True`` (written in place, as torch does), fdp's foreach step
 (``fused=False``) and torch's own ``fused=True`` step, for scale.
 
+Then the eager default against torch's foreach step once more, in a process
+started with glibc's allocator held steady (a fixed mmap threshold, no
+trimming, as ``bench_ddp_step.py`` runs its ranks): by default glibc hands a
+freed tree's pages back to the kernel, and a pure step, which writes new
+trees, faults them in again; CUDA's caching allocator (and jemalloc or
+tcmalloc) keep them. Those figures are ``steady_allocator.<optimizer>.fdp_vs_torch``.
+
     python benchmarks/bench_optim.py
     python benchmarks/bench_optim.py --quick
 """
@@ -14,6 +21,10 @@ compiled fdp (inductor, fullgraph) < 1x. Also: fdp eager with
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import results
@@ -37,7 +48,7 @@ OPTIMIZERS: dict[str, tuple[Any, type[torch.optim.Optimizer], dict[str, Any]]] =
 }
 
 
-def bench(name: str, rounds: int) -> dict[str, float]:
+def bench(name: str, rounds: int, *, steady_child: bool = False) -> dict[str, float]:
     fdp_make, torch_cls, hyper = OPTIMIZERS[name]
     grads = {k: torch.randn_like(v) for k, v in tree().items()}
 
@@ -57,6 +68,9 @@ def bench(name: str, rounds: int) -> dict[str, float]:
 
         return step
 
+    if steady_child:  # the allocator's share: the eager default and torch's step only
+        return interleaved({"torch": torch_step(foreach=True), "fdp": fdp_step(fdp_make(**hyper))},
+                           rounds=rounds, repeats=5)  # fmt: skip
     tensor_lr = {**hyper, "lr": torch.tensor(hyper["lr"])}  # compiled: no recompile per rate
     fns = {
         "torch": torch_step(foreach=True),
@@ -73,11 +87,35 @@ def bench(name: str, rounds: int) -> dict[str, float]:
 VARIANTS = ("fdp", "fdp_donated", "fdp_foreach", "fdp_compiled", "torch_fused")
 
 
+# A fixed mmap threshold above a tree's largest block, and no trimming (bench_ddp_step.py's).
+STEADY_ALLOCATOR = {
+    "MALLOC_MMAP_THRESHOLD_": str(256 * 2**20),
+    "MALLOC_TRIM_THRESHOLD_": str(2**30),
+}
+
+
+def steady(quick: bool) -> dict[str, float]:
+    """fdp's eager default / torch's foreach step, in a process whose allocator keeps pages."""
+    command = [sys.executable, __file__, "--steady-child", *(["--quick"] if quick else [])]
+    env = {**os.environ, **STEADY_ALLOCATOR}
+    env.pop("FDP_BENCH_RESULTS", None)  # the parent records
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, check=True, timeout=1800
+    )
+    figures: dict[str, float] = json.loads(done.stdout.splitlines()[-1])
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--steady-child", action="store_true", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()  # nox -s bench passes every script the same flags
     rounds = 5 if args.quick else 15
+    if args.steady_child:
+        got = {name: bench(name, rounds, steady_child=True) for name in OPTIMIZERS}
+        print(json.dumps({f"{n}.fdp_vs_torch": t["fdp"] / t["torch"] for n, t in got.items()}))
+        return
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {LEAVES} leaves of {SHAPE}"
     )
@@ -93,6 +131,10 @@ def main() -> None:
             f"torch fused=True {t['torch_fused'] / t['torch']:.2f}x"
         )
         figures |= {f"{name}.{variant}_vs_torch": t[variant] / t["torch"] for variant in VARIANTS}
+    held = steady(args.quick)
+    print("glibc's allocator held steady: fdp eager / torch foreach "
+          + ", ".join(f"{k.split('.')[0]} {v:.2f}x" for k, v in held.items()))  # fmt: skip
+    figures |= {f"steady_allocator.{k}": v for k, v in held.items()}
     results.record("bench_optim", figures)
 
 
