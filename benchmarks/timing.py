@@ -22,15 +22,14 @@ def timed(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> floa
     return (time.perf_counter() - start) / repeats
 
 
-def side_by_side(
+def _alternated(
     a: Callable[[], Any],
     b: Callable[[], Any],
-    *,
     rounds: int,
     repeats: int,
-    sync: Callable[[], None] = lambda: None,
-) -> tuple[float, float]:
-    """Median seconds per call of ``a`` and ``b``, interleaved round by round."""
+    sync: Callable[[], None],
+) -> tuple[list[float], list[float]]:
+    """Seconds per call of ``a`` and ``b``, one of each per round, in alternating order."""
     for _ in range(max(2, repeats // 4)):  # warm-up: pools, allocator, caches
         a()
         b()
@@ -42,6 +41,19 @@ def side_by_side(
         t2 = timed(second, repeats, sync)
         ta.append(t1 if r % 2 == 0 else t2)
         tb.append(t2 if r % 2 == 0 else t1)
+    return ta, tb
+
+
+def side_by_side(
+    a: Callable[[], Any],
+    b: Callable[[], Any],
+    *,
+    rounds: int,
+    repeats: int,
+    sync: Callable[[], None] = lambda: None,
+) -> tuple[float, float]:
+    """Median seconds per call of ``a`` and ``b``, interleaved round by round."""
+    ta, tb = _alternated(a, b, rounds, repeats, sync)
     return statistics.median(ta), statistics.median(tb)
 
 
@@ -60,16 +72,7 @@ def paired(
     run cancels, which a ratio of two medians over the run does not.
     Returns ``(ratio, median seconds of a, median seconds of b)``.
     """
-    for _ in range(max(2, repeats // 4)):
-        a()
-        b()
-    ta, tb = [], []
-    for r in range(rounds):
-        first, second = (a, b) if r % 2 == 0 else (b, a)
-        t1 = timed(first, repeats, sync)
-        t2 = timed(second, repeats, sync)
-        ta.append(t1 if r % 2 == 0 else t2)
-        tb.append(t2 if r % 2 == 0 else t1)
+    ta, tb = _alternated(a, b, rounds, repeats, sync)
     ratio = statistics.median(y / x for x, y in zip(ta, tb, strict=True))
     return ratio, statistics.median(ta), statistics.median(tb)
 
