@@ -54,6 +54,7 @@ import results
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from timing import STEADY_ALLOCATOR  # see the docstring
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fdp
@@ -208,14 +209,6 @@ def worker(name: str, rank: int, size: int, port: int, cap_mb: float, conn: Conn
 
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-# A fixed mmap threshold above the step's largest block, and no trimming:
-# freed blocks stay in the heap for the next step (see the docstring).
-STEADY_ALLOCATOR = {
-    "MALLOC_MMAP_THRESHOLD_": str(256 * 2**20),
-    "MALLOC_TRIM_THRESHOLD_": str(2**30),
-}
 
 
 Ranks = tuple[list[Any], list[Connection]]

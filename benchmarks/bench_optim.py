@@ -29,7 +29,7 @@ from typing import Any
 
 import results
 import torch
-from timing import interleaved
+from timing import STEADY_ALLOCATOR, interleaved
 
 import fdp
 
@@ -85,13 +85,6 @@ def bench(name: str, rounds: int, *, steady_child: bool = False) -> dict[str, fl
 
 
 VARIANTS = ("fdp", "fdp_donated", "fdp_foreach", "fdp_compiled", "torch_fused")
-
-
-# A fixed mmap threshold above a tree's largest block, and no trimming (bench_ddp_step.py's).
-STEADY_ALLOCATOR = {
-    "MALLOC_MMAP_THRESHOLD_": str(256 * 2**20),
-    "MALLOC_TRIM_THRESHOLD_": str(2**30),
-}
 
 
 def steady(quick: bool) -> dict[str, float]:

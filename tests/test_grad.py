@@ -196,8 +196,9 @@ def _with_a_closure_leaf(rank: int, size: int, first: bool) -> Any:
         extra: torch.Tensor = (q.pop("w") * (rank + 1)).sum()
         return _mlp_loss(q, x, y) + extra
 
-    got = fdp.grad(loss)(params)
-    return got, w.grad
+    got, value = fdp.grad_and_value(loss)(params)
+    plain = _mlp_loss(params, x, y) + (w.detach() * (rank + 1)).sum()  # no DDP, this shard
+    return got, value, plain.detach(), w.grad
 
 
 def _fsdp_grads(rank: int, size: int) -> Any:
@@ -229,8 +230,9 @@ def test_ddp_bucket_shared_with_a_leaf_that_is_not_an_input(first: bool) -> None
     # The bucket's delivery is decided from its leaves: fdp.grad's inputs are
     # returned, the closure's leaf is not asked for and keeps .grad None.
     expected = torch.func.grad(_mlp_loss)(mlp_params(0, head_bias=True), *batch(2 * PER_RANK))
-    for got, closure_grad in ranks.world(2).run(_with_a_closure_leaf, first):
+    for got, value, plain, closure_grad in ranks.world(2).run(_with_a_closure_leaf, first):
         tree_allclose(got, expected, **TOL)
+        torch.testing.assert_close(value, plain, rtol=0, atol=0)  # the rank's own loss
         assert closure_grad is None
 
 

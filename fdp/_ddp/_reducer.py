@@ -195,8 +195,6 @@ class _Call:
         step = self.reducer.open  # the lock only to open one: once a backward
         if step is None:
             step = self.reducer.step(self)
-        elif step.batched and self.sparse_ok and not torch.is_grad_enabled():
-            return grad  # Step.on_grad's batched case, a call less (once a leaf a step)
         return step.on_grad(i, grad, node=self.sparse_ok)
 
 
