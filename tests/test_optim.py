@@ -34,6 +34,7 @@ CONFIGS: dict[str, tuple[Callable[..., Any], type[torch.optim.Optimizer], dict[s
         torch.optim.SGD,
         {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "nesterov": True},
     ),
+    "sgd_heavy_ball": (fdp.optim.sgd, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
     "sgd_dampening": (
         fdp.optim.sgd,
         torch.optim.SGD,
@@ -71,11 +72,13 @@ def grad_for(step: int, i: int, p: torch.Tensor) -> torch.Tensor | None:
     return torch.sin(p.detach() * (step + 1)) + 0.1 * (i + 1)
 
 
-def tolerance(t: torch.Tensor) -> dict[str, Any]:
+def tolerance(t: torch.Tensor, *, fused_sgd: bool = False) -> dict[str, Any]:
     # float16 rounds each op to 1e-3; the two sides round in different places.
-    return (
-        {"rtol": 2e-3, "atol": 2e-3} if t.dtype == torch.float16 else {"rtol": 1e-6, "atol": 1e-7}
-    )
+    if t.dtype == torch.float16:
+        return {"rtol": 2e-3, "atol": 2e-3}
+    # torch's own fused and foreach SGD steps with momentum 0.9 drift apart by up
+    # to 3.3e-6 relative in float32 over these ten steps (sgd_heavy_ball).
+    return {"rtol": 5e-6, "atol": 1e-7} if fused_sgd else {"rtol": 1e-6, "atol": 1e-7}
 
 
 def torch_steps(name: str, tree: Any) -> list[torch.Tensor]:
@@ -124,7 +127,8 @@ def test_ten_steps_equal_torch_optim_over_the_tree_corpus(name: str, donate: boo
     assert len(got) == len(expected)
     for g, e in zip(got, expected, strict=True):
         assert g.dtype == e.dtype
-        torch.testing.assert_close(g, e.detach(), **tolerance(e))
+        fused_sgd = donate and name.startswith("sgd")  # donated, SGD runs its fused kernel
+        torch.testing.assert_close(g, e.detach(), **tolerance(e, fused_sgd=fused_sgd))
 
 
 def complex_tree() -> dict[str, torch.Tensor]:

@@ -62,16 +62,29 @@ class _Kernels(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return func(*args, **(kwargs or {}))
 
 
+# Pure, SGD without weight decay, dampening, Nesterov or maximize runs torch's
+# foreach rule: the fused kernel would need copies first (docs/optim.md).
+FOREACH_WHEN_PURE = ("sgd", "sgd_heavy_ball")
+
+
 @pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_the_default_eager_step_is_torchs_fused_step_bitwise(name: str, donate: bool) -> None:
-    expected = torch_steps(name, float_tree(), fused=True)
+def test_the_default_eager_step_is_torchs_fused_or_foreach_step_bitwise(
+    name: str, donate: bool
+) -> None:
+    foreach = not donate and name in FOREACH_WHEN_PURE
+    expected = torch_steps(
+        name, float_tree(), **({"foreach": True} if foreach else {"fused": True})
+    )
     before = detached_copy(float_tree())
     with _Kernels() as seen:
         got = tensor_leaves(fdp_steps(name, before, donate=donate))
     kernel = "_fused_sgd_" if name.startswith("sgd") else "_fused_adam"
-    assert seen.names
-    assert all(n.startswith(kernel) for n in seen.names), seen.names
+    if foreach:
+        assert not any(n.startswith("_fused_") for n in seen.names), seen.names
+    else:
+        assert seen.names
+        assert all(n.startswith(kernel) for n in seen.names), seen.names
     for g, e in zip(got, expected, strict=True):
         assert (g.dtype, g.stride()) == (e.dtype, e.stride())
         torch.testing.assert_close(g, e.detach(), rtol=0, atol=0)
@@ -125,15 +138,19 @@ def test_leaves_the_kernel_would_misread_take_the_foreach_step() -> None:
         fdp.optim.adam(0.1, fused=True).update(grads, state, new)
 
 
-def test_foreach_true_is_torchs_foreach_step_bitwise() -> None:
-    expected = torch_steps("adamw", float_tree(), foreach=True)
-    _, _, hyper = CONFIGS["adamw"]
-    opt = fdp.optim.adamw(**hyper, foreach=True)
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_foreach_true_is_torchs_foreach_step_bitwise(name: str, donate: bool) -> None:
+    """Every dtype, float16 and bfloat16 included: a pure step's new lists round as
+    torch's in-place kernels do."""
+    expected = torch_steps(name, float_tree(), foreach=True)
+    make, _, hyper = CONFIGS[name]
+    opt = make(**hyper, foreach=True)
     with _Kernels() as seen:
-        got = tensor_leaves(fdp_steps("adamw", detached_copy(float_tree()), opt=opt))
-    assert seen.names
-    assert set(seen.names) == {"_foreach_sqrt"}
+        got = tensor_leaves(fdp_steps(name, detached_copy(float_tree()), opt=opt, donate=donate))
+    assert not any(n.startswith("_fused_") for n in seen.names), seen.names
     for g, e in zip(got, expected, strict=True):
+        assert (g.dtype, g.stride()) == (e.dtype, e.stride())
         torch.testing.assert_close(g, e.detach(), rtol=0, atol=0)
 
 

@@ -202,7 +202,7 @@ class Optimizer:
         if carries or _carries(lr):
             _checks.refuse_derivative(call, donate=donate, fused=self.fused is True)
             ops = _lists.Plain()
-        elif self.fused is not False and not _mode.traced() and rule == self.rule:
+        elif self._fuses(donate) and not _mode.traced() and rule == self.rule:
             if donate:
                 p = _untied(p, live)
             p, s, live = self._fused_step(call, params, (p, g, s), live, donate, lr)
@@ -214,6 +214,10 @@ class Optimizer:
     def _kernel(self) -> _fused.Kernel | None:
         """torch's fused kernel for this rule (see ``fdp/optim/_fused.py``), or ``None``."""
         return None
+
+    def _fuses(self, donate: bool) -> bool:
+        """Whether an eager step tries the fused kernel (``fused=None``: where it pays)."""
+        return self.fused is not False
 
     def _fused_step(
         self,
@@ -255,14 +259,9 @@ class Optimizer:
         except (RuntimeError, TypeError):
             _checks.explain_state(call, params, p, s, fused)
             raise
-        p, s = list(p), {k: list(v) for k, v in s.items()}
-        for j, i in enumerate(fused):
-            s["step"][i] = steps[j]
-            if not donate:
-                back = cplx and p[i].is_complex()
-                p[i] = like_leaf(_complex(new_p[j], back), p[i])
-                for k in self.slots:
-                    s[k][i] = _complex(new_slots[k][j], back)
+        p, s = _placed(
+            (p, s), fused, (steps, new_p, new_slots), cplx=cplx, donate=donate, leaf=True
+        )
         done = set(fused)
         return p, s, [i for i in live if i not in done]
 
@@ -318,16 +317,8 @@ class Optimizer:
         except (RuntimeError, TypeError):
             _checks.explain_state(call, params, p, s, live)  # a corrupt state, named; else torch's
             raise
-        out_p, out = list(p), {k: list(v) for k, v in s.items()}
-        for j, i in enumerate(live):
-            out["step"][i] = steps[j]
-            if donate:  # written in place (through the real views): the inputs themselves
-                continue
-            back = cplx and p[i].is_complex()
-            new = _complex(new_p[j], back)
-            out_p[i] = like_leaf(new, p[i]) if foreach else new
-            for k in self.slots:
-                out[k][i] = _complex(new_slots[k][j], back)
+        news = (steps, new_p, new_slots)
+        out_p, out = _placed((p, s), live, news, cplx=cplx, donate=donate, leaf=foreach)
         return _tree.unflatten(spec, out_p), {k: _tree.unflatten(spec, v) for k, v in out.items()}
 
     def _keys(self) -> tuple[str, ...]:
@@ -415,6 +406,55 @@ def _like_leaf_traced(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
 def like_leaf(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """``new`` as a leaf that requires grad if ``old`` did (see the module doc)."""
     return new.requires_grad_() if old.requires_grad else new
+
+
+def _like_leaves_traced(new: Lists, old: list[Any]) -> Lists:
+    """``new`` as it is: setting ``requires_grad`` would break the graph."""
+    return new
+
+
+@_mode.traced_as(_like_leaves_traced)
+def like_leaves(new: Lists, old: list[Any]) -> Lists:
+    """:func:`like_leaf` over lists, asking once whether dynamo traces."""
+    return [n.requires_grad_() if o.requires_grad else n for n, o in zip(new, old, strict=True)]
+
+
+def _placed(
+    inputs: tuple[list[Any], dict[str, list[Any]]],
+    idx: list[int],
+    news: tuple[Lists, Lists, Mapping[str, Lists]],
+    *,
+    cplx: bool,
+    donate: bool,
+    leaf: bool,
+) -> tuple[list[Any], dict[str, list[Any]]]:
+    """The flat parameters and state with a step's results at ``idx``.
+
+    ``news``: the new steps, parameters and slots (real views where
+    ``cplx``), aligned with ``idx``; donated, only the steps are new (the
+    rest was written in place, through the real views). ``leaf``: new
+    parameters require grad where the old did (:func:`like_leaf`).
+    """
+    p, s = inputs
+    steps, new_p, new_slots = news
+    out_p, out = list(p), {k: list(v) for k, v in s.items()}
+    results: list[tuple[list[Any], Lists]] = [(out["step"], steps)]
+    if not donate:
+        slots = [(out[k], v) for k, v in new_slots.items()]
+        if cplx:  # back from real views, leaf by leaf
+            back = [p[i].is_complex() for i in idx]
+            new_p = [_complex(t, b) for t, b in zip(new_p, back, strict=True)]
+            slots = [(d, [_complex(t, b) for t, b in zip(v, back, strict=True)]) for d, v in slots]
+        new_p = like_leaves(new_p, [p[i] for i in idx]) if leaf else new_p
+        results += [*slots, (out_p, new_p)]
+    whole = len(idx) == len(p)  # every leaf, in order: the lists themselves
+    for dst, values in results:
+        if whole:
+            dst[:] = values
+            continue
+        for j, i in enumerate(idx):
+            dst[i] = values[j]
+    return out_p, out
 
 
 def _any_complex(p: list[Any], idx: list[int]) -> bool:

@@ -50,6 +50,11 @@ class Foreach:
         self, name: OpName, xs: Lists, *args: Any, own: bool = False, **kwargs: Any
     ) -> Lists:
         _check(name)
+        if not own and name == "mul" and _any_half(xs):
+            # torch 2.13's out-of-place foreach mul by a scalar rounds otherwise
+            # than its in-place one in float16/bfloat16; torch.optim multiplies
+            # in place, so a new list is a copy multiplied in place.
+            xs, own = [x.clone() for x in xs], True
         if own:
             getattr(torch, f"_foreach_{name}_")(xs, *args, **kwargs)
             return xs
@@ -130,6 +135,16 @@ def _runs(xs: Lists) -> list[slice]:
             start, size = i, 0
         size += nbytes
     return [*runs, slice(start, len(xs))]
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _any_half(xs: Lists) -> bool:
+    for x in xs:  # noqa: SIM110  # a loop, not any(genexpr): every leaf of every step
+        if x.dtype in _HALF:
+            return True
+    return False
 
 
 def _at(arg: Any, i: int) -> Any:
