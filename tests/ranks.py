@@ -19,6 +19,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -60,10 +61,23 @@ def _serve(rank: int, size: int, port: int, pg_timeout_s: float, inbox: Any, out
             break
         fn, args = job
         try:
-            outbox.put((rank, True, fn(rank, size, *args)))
+            outbox.put((rank, True, _sendable(fn, fn(rank, size, *args))))
         except BaseException as e:
             outbox.put((rank, False, "".join(traceback.format_exception(e))))
     dist.destroy_process_group()
+
+
+def _sendable(fn: Any, result: Any) -> Any:
+    """``result``, checked to pickle here: the queue pickles in a background thread, and a
+    result it cannot send would be dropped there, leaving the caller to its timeout."""
+    try:
+        ForkingPickler.dumps(result)  # the queue's pickler: torch's tensor reductions
+    except Exception as e:
+        raise TypeError(
+            f"tests.ranks: `{getattr(fn, '__name__', fn)}` returned a result that cannot be "
+            f"sent back ({type(e).__name__}: {e}); expected plain values (detach tensors)"
+        ) from e
+    return result
 
 
 class World:
