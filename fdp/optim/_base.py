@@ -341,7 +341,8 @@ class Optimizer:
                 ``name`` over the list ``xs`` (list arguments element by
                 element), foreach kernels or plain ops; ``own=True`` may
                 write into ``xs`` (pass ``own=donate`` for inputs, ``True``
-                for lists this rule made).
+                for lists this rule made); ``ops.scaled(xs, s, own=...)``
+                multiplies as torch's foreach steps do in place.
             params, grads: the live leaves (real views of complex ones), and
                 their gradients (negated under ``maximize``).
             slots: each slot's list, aligned with ``params``.
@@ -397,17 +398,6 @@ def _carries(lr: Any) -> bool:
     return isinstance(lr, torch.Tensor) and differentiable(lr, [], [], {})
 
 
-def _like_leaf_traced(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` as it is: setting ``requires_grad`` would break the graph."""
-    return new
-
-
-@_mode.traced_as(_like_leaf_traced)
-def like_leaf(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` as a leaf that requires grad if ``old`` did (see the module doc)."""
-    return new.requires_grad_() if old.requires_grad else new
-
-
 def _like_leaves_traced(new: Lists, old: list[Any]) -> Lists:
     """``new`` as it is: setting ``requires_grad`` would break the graph."""
     return new
@@ -415,7 +405,10 @@ def _like_leaves_traced(new: Lists, old: list[Any]) -> Lists:
 
 @_mode.traced_as(_like_leaves_traced)
 def like_leaves(new: Lists, old: list[Any]) -> Lists:
-    """:func:`like_leaf` over lists, asking once whether dynamo traces."""
+    """Each ``new`` as a leaf that requires grad if its ``old`` did (see the module doc).
+
+    Asks once per list whether dynamo traces: the per-leaf loop stays plain.
+    """
     return [n.requires_grad_() if o.requires_grad else n for n, o in zip(new, old, strict=True)]
 
 
@@ -433,7 +426,7 @@ def _placed(
     ``news``: the new steps, parameters and slots (real views where
     ``cplx``), aligned with ``idx``; donated, only the steps are new (the
     rest was written in place, through the real views). ``leaf``: new
-    parameters require grad where the old did (:func:`like_leaf`).
+    parameters require grad where the old did (:func:`like_leaves`).
     """
     p, s = inputs
     steps, new_p, new_slots = news

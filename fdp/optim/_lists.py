@@ -50,11 +50,6 @@ class Foreach:
         self, name: OpName, xs: Lists, *args: Any, own: bool = False, **kwargs: Any
     ) -> Lists:
         _check(name)
-        if not own and name == "mul" and _any_half(xs):
-            # torch 2.13's out-of-place foreach mul by a scalar rounds otherwise
-            # than its in-place one in float16/bfloat16; torch.optim multiplies
-            # in place, so a new list is a copy multiplied in place.
-            xs, own = [x.clone() for x in xs], True
         if own:
             getattr(torch, f"_foreach_{name}_")(xs, *args, **kwargs)
             return xs
@@ -65,6 +60,18 @@ class Foreach:
         """``base ** e`` for each tensor ``e``."""
         out: Lists = torch._foreach_pow(base, exponents)
         return out
+
+    def scaled(self, xs: Lists, scale: float | torch.Tensor, *, own: bool) -> Lists:
+        """``xs * scale`` where torch.optim's foreach step runs ``_foreach_mul_`` in place.
+
+        In float16 and bfloat16 torch's in-place foreach multiply by a scalar
+        rounds otherwise than its out-of-place one (and than ``Tensor.mul``,
+        which torch's single-tensor steps such as Muon's use; torch 2.11 to
+        2.15): a new list there is a copy, multiplied in place.
+        """
+        if not own and _any_half(xs):
+            xs, own = [x.clone() for x in xs], True
+        return self("mul", xs, scale, own=own)
 
     def counts(self, steps: Lists) -> list[float] | None:
         """The step counts as Python floats where they can be read (see :func:`_counts`)."""
@@ -91,6 +98,10 @@ class Plain:
     def powers(self, base: float, exponents: Lists) -> Lists:
         """``base ** e`` for each tensor ``e``."""
         return [torch.pow(base, e) for e in exponents]
+
+    def scaled(self, xs: Lists, scale: float | torch.Tensor, *, own: bool) -> Lists:
+        """``xs * scale``, differentiable."""
+        return self("mul", xs, scale)
 
     def counts(self, steps: Lists) -> list[float] | None:
         """None: a differentiated or batched step count cannot be read."""

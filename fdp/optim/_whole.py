@@ -29,7 +29,7 @@ import torch
 
 from fdp import _tree
 from fdp.optim import _lists, _param_groups
-from fdp.optim._base import Optimizer, is_param, like_leaf
+from fdp.optim._base import Optimizer, is_param, like_leaves
 from fdp.optim._lists import Lists, Ops
 from fdp.optim._pending import Pending
 
@@ -287,9 +287,10 @@ class _Finisher:
         with torch.no_grad() if foreach else contextlib.nullcontext():
             new = self.opt.apply(ops, self.box["params"], ups, sizes, self.box["lr"], self.donate)
         out = list(leaves)
-        for j, i in enumerate(live):
-            if not self.donate:  # donated: written in place
-                out[i] = like_leaf(new[j], leaves[i]) if foreach else new[j]
+        if not self.donate:  # donated: written in place
+            new = like_leaves(new, [leaves[i] for i in live]) if foreach else new
+            for j, i in enumerate(live):
+                out[i] = new[j]
         return _tree.unflatten(spec, out)
 
 
