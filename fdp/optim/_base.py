@@ -341,8 +341,8 @@ class Optimizer:
                 ``name`` over the list ``xs`` (list arguments element by
                 element), foreach kernels or plain ops; ``own=True`` may
                 write into ``xs`` (pass ``own=donate`` for inputs, ``True``
-                for lists this rule made); ``ops.scaled(xs, s, own=...)``
-                multiplies as torch's foreach steps do in place.
+                for lists this rule made); ``ops.scaled(xs, s, own=...,
+                like=...)`` multiplies as torch's step does, to the bit.
             params, grads: the live leaves (real views of complex ones), and
                 their gradients (negated under ``maximize``).
             slots: each slot's list, aligned with ``params``.

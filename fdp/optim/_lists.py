@@ -34,6 +34,8 @@ OpName = Literal[
     "maximum", "minimum", "mul", "neg", "reciprocal", "sign", "sqrt", "sub",
 ]  # fmt: skip
 OPS: frozenset[str] = frozenset(get_args(OpName))
+# Whose multiply a step's rounds as (see Foreach.scaled).
+Rounding = Literal["foreach_", "tensor"]
 
 
 def _check(name: str) -> None:
@@ -61,16 +63,24 @@ class Foreach:
         out: Lists = torch._foreach_pow(base, exponents)
         return out
 
-    def scaled(self, xs: Lists, scale: float | torch.Tensor, *, own: bool) -> Lists:
-        """``xs * scale`` where torch.optim's foreach step runs ``_foreach_mul_`` in place.
+    def scaled(self, xs: Lists, scale: float | torch.Tensor, *, own: bool, like: Rounding) -> Lists:
+        """``xs * scale``, rounded as torch's step rounds it (``like``).
 
-        In float16 and bfloat16 torch's in-place foreach multiply by a scalar
-        rounds otherwise than its out-of-place one (and than ``Tensor.mul``,
-        which torch's single-tensor steps such as Muon's use; torch 2.11 to
-        2.15): a new list there is a copy, multiplied in place.
+        In float16 and bfloat16 torch's in-place foreach multiply by a number
+        (``_foreach_mul_``, ``like="foreach_"``: torch.optim's foreach steps)
+        rounds otherwise than its out-of-place one and ``Tensor.mul_``
+        (``like="tensor"``: torch's single-tensor steps, Muon's); torch 2.11
+        to 2.15. There a new list is a copy multiplied in place, or an owned
+        one is multiplied tensor by tensor.
         """
-        if not own and _any_half(xs):
+        if not _any_half(xs):
+            return self("mul", xs, scale, own=own)
+        if like == "foreach_" and not own:
             xs, own = [x.clone() for x in xs], True
+        elif like == "tensor" and own:
+            for x in xs:
+                x.mul_(scale)
+            return xs
         return self("mul", xs, scale, own=own)
 
     def counts(self, steps: Lists) -> list[float] | None:
@@ -99,7 +109,7 @@ class Plain:
         """``base ** e`` for each tensor ``e``."""
         return [torch.pow(base, e) for e in exponents]
 
-    def scaled(self, xs: Lists, scale: float | torch.Tensor, *, own: bool) -> Lists:
+    def scaled(self, xs: Lists, scale: float | torch.Tensor, *, own: bool, like: Rounding) -> Lists:
         """``xs * scale``, differentiable."""
         return self("mul", xs, scale)
 

@@ -148,7 +148,7 @@ class Muon(WholeLeafOptimizer):
         donate: bool,
     ) -> Lists:
         """Decoupled decay by ``lr``, then the update at the shape's adjusted rate, as torch."""
-        decayed = list(ops("mul", params, 1 - lr * self.weight_decay, own=donate))
+        decayed = list(ops.scaled(params, 1 - lr * self.weight_decay, own=donate, like="tensor"))
         by_ratio: dict[float, list[int]] = {}
         for j, shape in enumerate(shapes):
             by_ratio.setdefault(adjusted_ratio(self.adjust_lr, shape), []).append(j)

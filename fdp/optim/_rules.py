@@ -70,7 +70,7 @@ class SGD(Optimizer):
         if self.momentum:
             # torch starts the buffer at the first gradient itself; from
             # zeros, "momentum * 0 + c * g" gives it with c = 1 at step 1.
-            bufs = ops.scaled(slots["momentum_buffer"], self.momentum, own=donate)
+            bufs = ops.scaled(slots["momentum_buffer"], self.momentum, own=donate, like="foreach_")
             if self.dampening:
                 bufs = self._damped_add(ops, bufs, grads, steps)
             else:
@@ -178,11 +178,11 @@ class Adam(Optimizer):
         """Adam's (or AdamW's) update, as torch's foreach implementation computes it."""
         beta1, beta2 = self.betas
         if self.weight_decay and self.decoupled:
-            params = ops.scaled(params, 1 - lr * self.weight_decay, own=donate)
+            params = ops.scaled(params, 1 - lr * self.weight_decay, own=donate, like="foreach_")
         elif self.weight_decay:
             grads = ops("add", grads, params, alpha=self.weight_decay)
         exp_avg = ops("lerp", slots["exp_avg"], grads, 1 - beta1, own=donate)
-        exp_avg_sq = ops.scaled(slots["exp_avg_sq"], beta2, own=donate)
+        exp_avg_sq = ops.scaled(slots["exp_avg_sq"], beta2, own=donate, like="foreach_")
         exp_avg_sq = ops("addcmul", exp_avg_sq, grads, grads, value=1 - beta2, own=True)
         new_slots: dict[str, Lists] = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         second = exp_avg_sq
