@@ -219,6 +219,36 @@ def test_update_is_pure_and_skips_none_grads() -> None:
     torch.testing.assert_close(new["w"], torch.full((3,), 0.9))
 
 
+@pytest.mark.parametrize("name", ["sgd_heavy_ball", "adamw"])
+def test_step_counts_are_each_leafs_own_in_its_dtype_and_shape(name: str) -> None:
+    # A pure step makes the new counts as views of one stacked tensor: each
+    # must still be a count of its own (written in place by a later donated
+    # step, alone), keep its dtype and shape, and a stack that cannot hold
+    # the counts (other dtypes, shapes) must not change them.
+    make, _, hyper = CONFIGS[name]
+    opt = make(**hyper)
+    params = {k: torch.ones(3) for k in "abcd"}
+    grads = {k: torch.ones(3) for k in "abcd"}
+    state = opt.init(params)
+    _, state = opt.update(grads, state, params)
+    state["step"]["b"].add_(5)  # one count alone, in place
+    assert [state["step"][k].item() for k in "abcd"] == [1.0, 6.0, 1.0, 1.0]
+    p, state = opt.update(grads, state, params)
+    p, state = opt.update(grads, state, p, donate=True)
+    assert [state["step"][k].item() for k in "abcd"] == [3.0, 8.0, 3.0, 3.0]
+    state["step"]["c"] = torch.tensor(4.0, dtype=torch.float32)  # a count of another dtype
+    _, mixed = opt.update(grads, state, p)
+    assert [mixed["step"][k].item() for k in "abcd"] == [4.0, 9.0, 5.0, 4.0]
+    assert [mixed["step"][k].dtype for k in "abcd"] == [torch.float64] * 2 + [
+        torch.float32,
+        torch.float64,
+    ]
+    state["step"]["c"] = torch.tensor([4.0], dtype=torch.float64)  # another shape
+    _, shaped = opt.update(grads, state, p)
+    assert [tuple(shaped["step"][k].shape) for k in "abcd"] == [(), (), (1,), ()]
+    assert [shaped["step"][k].item() for k in "abcd"] == [4.0, 9.0, 5.0, 4.0]
+
+
 @pytest.mark.compile
 def test_compiled_update_matches_eager_and_compiles_once() -> None:
     torch._dynamo.reset()

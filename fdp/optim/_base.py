@@ -251,7 +251,7 @@ class Optimizer:
             return p, s, live
         try:
             with torch.no_grad():
-                steps = _lists.Foreach()("add", [s["step"][i] for i in fused], 1, own=donate)
+                steps = _lists.Foreach().counted([s["step"][i] for i in fused], own=donate)
                 cplx = _any_complex(p, fused)
                 slots = {k: _picked(s[k], fused, cplx) for k in self.slots}
                 real = (_picked(p, fused, cplx), _picked(g, fused, cplx), slots)
@@ -303,7 +303,7 @@ class Optimizer:
             with torch.no_grad() if foreach else contextlib.nullcontext():
                 if donate:
                     p = _untied(p, live)
-                steps = ops("add", [s["step"][i] for i in live], 1, own=donate)
+                steps = ops.counted([s["step"][i] for i in live], own=donate)
                 # Complex leaves as real pairs, as torch's foreach implementations
                 # do: Adam's second moment is per component, not g * g.
                 cplx = _any_complex(p, live)

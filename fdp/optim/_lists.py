@@ -83,6 +83,16 @@ class Foreach:
             return xs
         return self("mul", xs, scale, own=own)
 
+    def counted(self, steps: Lists, *, own: bool) -> Lists:
+        """``steps + 1``: the step counts after this step (``own``: in place).
+
+        A pure step's new counts are views of one new tensor (see
+        :func:`_new_counts`).
+        """
+        if own:
+            return self("add", steps, 1, own=True)
+        return _new_counts(steps)
+
     def counts(self, steps: Lists) -> list[float] | None:
         """The step counts as Python floats where they can be read (see :func:`_counts`)."""
         return _counts(steps)
@@ -112,6 +122,10 @@ class Plain:
     def scaled(self, xs: Lists, scale: float | torch.Tensor, *, own: bool, like: Rounding) -> Lists:
         """``xs * scale``, differentiable."""
         return self("mul", xs, scale)
+
+    def counted(self, steps: Lists, *, own: bool) -> Lists:
+        """``steps + 1``, leaf by leaf."""
+        return self("add", steps, 1)
 
     def counts(self, steps: Lists) -> list[float] | None:
         """None: a differentiated or batched step count cannot be read."""
@@ -166,6 +180,37 @@ def _any_half(xs: Lists) -> bool:
         if x.dtype in _HALF:
             return True
     return False
+
+
+def _new_counts_traced(steps: Lists) -> Lists:
+    """One foreach add: views of a graph's intermediate would be aliased outputs."""
+    out: Lists = torch._foreach_add(steps, 1)
+    return out
+
+
+@_mode.traced_as(_new_counts_traced)
+def _new_counts(steps: Lists) -> Lists:
+    """``steps + 1`` in new tensors: views of one stacked tensor where the counts allow.
+
+    A tensor of its own per count costs 2.2 us a leaf (200 leaves: 0.44 ms,
+    a tenth of torch's in-place SGD step on them); one stack, one add and
+    the views of it, 0.16-0.21 ms. Plain tensors of one dtype only: stacking
+    others would promote them or dispatch as a subclass; shapes and devices
+    that differ fail the stack, and take the foreach add.
+    """
+    plain = torch.Tensor
+    if len(steps) > 1 and type(steps[0]) is plain:
+        dtype = steps[0].dtype
+        for t in steps:
+            if type(t) is not plain or t.dtype is not dtype:
+                break
+        else:
+            try:
+                return torch.stack(steps).add_(1).unbind()
+            except RuntimeError:  # shapes or devices that differ
+                pass
+    out: Lists = torch._foreach_add(steps, 1)
+    return out
 
 
 def _at(arg: Any, i: int) -> Any:
