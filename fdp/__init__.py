@@ -19,7 +19,7 @@ from fdp._comm._tree_collectives import all_reduce_grads as all_reduce_grads
 from fdp._comm._tree_collectives import broadcast_params as broadcast_params
 from fdp._data_parallel import data_parallel as data_parallel
 from fdp._ddp._ddp import DistributedDataParallel as DistributedDataParallel
-from fdp._ddp._ddp import overlap_options as overlap_options
+from fdp._ddp._traced import overlap_options as overlap_options
 from fdp._ft._diloco import DiLoCo as DiLoCo
 from fdp._ft._diloco import LocalSGD as LocalSGD
 from fdp._ft._fault_tolerance import FaultTolerance as FaultTolerance

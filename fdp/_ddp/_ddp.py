@@ -454,33 +454,6 @@ class DistributedDataParallel:
         return cast(T, _tree.unflatten(self._spec, armed))
 
 
-def overlap_options() -> dict[str, Any]:
-    """Inductor options that overlap DDP's all-reduces with the rest of backward.
-
-    Inside a compiled loss, ``ddp(params)`` puts one all-reduce per bucket in
-    the compiled backward, each depending only on its own bucket's
-    gradients. Autograd still records them after the last gradient; these
-    options let inductor's scheduler issue each one as soon as its
-    gradients exist and wait for it as late as possible. They are options
-    of ``torch.compile``, for the user to pass (fdp sets no global config).
-
-    Returns:
-        A new dict for ``torch.compile(..., options=...)`` with the
-        inductor backend: ``reorder_for_compute_comm_overlap`` and the passes
-        this torch provides.
-
-    Example:
-        >>> import fdp, torch
-        >>> loss = torch.compile(lambda x: x.sum(), fullgraph=True, options=fdp.overlap_options())
-        >>> sorted(fdp.overlap_options())
-        ['reorder_for_compute_comm_overlap', 'reorder_for_compute_comm_overlap_passes']
-    """
-    return {
-        "reorder_for_compute_comm_overlap": True,
-        "reorder_for_compute_comm_overlap_passes": _compat.inductor_overlap_passes(),
-    }
-
-
 def _checked_params(
     call: str, params: Any, group: ProcessGroup | None
 ) -> tuple[list[Any], Any, list[torch.Tensor | None], list[int]]:
