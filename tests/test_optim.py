@@ -247,6 +247,21 @@ def test_step_counts_are_each_leafs_own_in_its_dtype_and_shape(name: str) -> Non
     _, shaped = opt.update(grads, state, p)
     assert [tuple(shaped["step"][k].shape) for k in "abcd"] == [(), (), (1,), ()]
     assert [shaped["step"][k].item() for k in "abcd"] == [4.0, 9.0, 5.0, 4.0]
+    # Donated from init: the counts all at once, or each alone while a leaf
+    # has no gradient (its count stays).
+    p, state = {k: torch.ones(3) for k in "abcd"}, opt.init(params)
+    for left_out in (None, "b", "d", None):
+        step = grads | ({} if left_out is None else {left_out: None})
+        p, state = opt.update(step, state, p, donate=True)
+    assert [state["step"][k].item() for k in "abcd"] == [4.0, 3.0, 4.0, 3.0]
+    p, state = opt.update(grads, state, p)  # and a pure step after them
+    assert [state["step"][k].item() for k in "abcd"] == [5.0, 4.0, 5.0, 4.0]
+    # One count at two leaves (the other element of its tensor at none): added
+    # to twice, as the foreach add does, and the orphan left alone.
+    p, state = {k: torch.ones(3) for k in "abcd"}, opt.init(params)
+    orphan, state["step"]["b"] = state["step"]["b"], state["step"]["a"]
+    _, state = opt.update(grads, state, p, donate=True)
+    assert [state["step"][k].item() for k in "abcd"] + [orphan.item()] == [2, 2, 1, 1, 0]
 
 
 @pytest.mark.compile

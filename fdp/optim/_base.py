@@ -152,14 +152,9 @@ class Optimizer:
     def init(self, params: Any) -> dict[str, Any]:
         """The state before the first step: zero steps and zero slots."""
         leaves, spec = _tree.flatten(params)
+        counts = iter(_lists.counts_of([t for t in leaves if is_param(t)]))
         state: dict[str, Any] = {
-            "step": _tree.unflatten(
-                spec,
-                [
-                    torch.zeros((), dtype=torch.float64, device=t.device) if is_param(t) else None
-                    for t in leaves
-                ],
-            )
+            "step": _tree.unflatten(spec, [next(counts) if is_param(t) else None for t in leaves])
         }
         for slot in self.slots:
             zeros = [

@@ -90,7 +90,11 @@ class Foreach:
         :func:`_new_counts`).
         """
         if own:
-            return self("add", steps, 1, own=True)
+            base = _one_base(steps)
+            if base is None:
+                return self("add", steps, 1, own=True)
+            base.add_(1)  # every count at once: see _one_base
+            return steps
         return _new_counts(steps)
 
     def counts(self, steps: Lists) -> list[float] | None:
@@ -211,6 +215,50 @@ def _new_counts(steps: Lists) -> Lists:
                 pass
     out: Lists = torch._foreach_add(steps, 1)
     return out
+
+
+def _one_base_traced(steps: Lists) -> torch.Tensor | None:
+    """None: the compiled step adds to each count."""
+    return None
+
+
+@_mode.traced_as(_one_base_traced)
+def _one_base(steps: Lists) -> torch.Tensor | None:
+    """The tensor whose elements ``steps`` are, each once and in order; else None.
+
+    ``init`` and a pure step make the counts so (:func:`counts_of`,
+    :func:`_new_counts`). A donated step then adds to all of them in one
+    call: the foreach add's 0-d tensors cost 1.9 us each (200 leaves:
+    0.38 ms, most of what fdp's donated SGD step costs over torch's, which
+    keeps no counts). Where a count is missing (a leaf without a gradient)
+    or another tensor, the foreach add.
+    """
+    base = getattr(steps[0], "_base", None)
+    if type(base) is not torch.Tensor or base.dim() != 1 or base.numel() != len(steps):
+        return None
+    ptr, size = base.data_ptr(), base.element_size()
+    if base.stride(0) != 1:
+        return None
+    for i, t in enumerate(steps):
+        if type(t) is not torch.Tensor or t._base is not base or t.dim() != 0:
+            return None
+        if t.data_ptr() != ptr + i * size:
+            return None
+    return base
+
+
+def counts_of(like: list[torch.Tensor]) -> Lists:
+    """Zero step counts (float64, 0-d) on each tensor's device: views of one per device.
+
+    One tensor for the lot where every tensor is on one device, so that a
+    donated step adds to them at once (:func:`_one_base`).
+    """
+    if not like:
+        return []
+    device = like[0].device
+    if any(t.device != device for t in like):
+        return [torch.zeros((), dtype=torch.float64, device=t.device) for t in like]
+    return torch.zeros(len(like), dtype=torch.float64, device=device).unbind()
 
 
 def _at(arg: Any, i: int) -> Any:
