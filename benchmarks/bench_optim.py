@@ -14,6 +14,10 @@ freed tree's pages back to the kernel, and a pure step, which writes new
 trees, faults them in again; CUDA's caching allocator (and jemalloc or
 tcmalloc) keep them. Those figures are ``steady_allocator.<optimizer>.fdp_vs_torch``.
 
+The default and the donated step are also timed against torch's step head to
+head, each pair alone, alternating, four times the rounds
+(``head_to_head.<optimizer>.fdp_vs_torch``, ``...fdp_donated_vs_torch``).
+
     python benchmarks/bench_optim.py
     python benchmarks/bench_optim.py --quick
 """
@@ -29,11 +33,16 @@ from typing import Any
 
 import results
 import torch
-from timing import STEADY_ALLOCATOR, interleaved
+from timing import STEADY_ALLOCATOR, interleaved, paired
 
 import fdp
 
 LEAVES, SHAPE = 200, (128, 128)
+# The targets' comparisons, timed again as a pair alone, alternating
+# (timing.paired: the median of the rounds' ratios). In the six-way rotation
+# the pure steps' new trees, freed and faulted in again, sit between the
+# two, and moved the SGD ratios by up to 0.35x from run to run.
+HEAD_TO_HEAD = ("fdp", "fdp_donated")
 
 
 def tree() -> dict[str, torch.Tensor]:
@@ -81,7 +90,11 @@ def bench(name: str, rounds: int, *, steady_child: bool = False) -> dict[str, fl
         "fdp_compiled": fdp_step(fdp_make(**tensor_lr), compiled=True),
     }
     fns["fdp_compiled"]()  # compile outside the timing
-    return interleaved(fns, rounds=rounds, repeats=5)
+    times = interleaved(fns, rounds=rounds, repeats=5)
+    for variant in HEAD_TO_HEAD:  # alone against torch's step: nobody else's memory between
+        ratio, _, _ = paired(fns["torch"], fns[variant], rounds=4 * rounds, repeats=5)
+        times[f"head_to_head.{variant}"] = ratio
+    return times
 
 
 VARIANTS = ("fdp", "fdp_donated", "fdp_foreach", "fdp_compiled", "torch_fused")
@@ -124,6 +137,9 @@ def main() -> None:
             f"torch fused=True {t['torch_fused'] / t['torch']:.2f}x"
         )
         figures |= {f"{name}.{variant}_vs_torch": t[variant] / t["torch"] for variant in VARIANTS}
+        pairs = {v: t[f"head_to_head.{v}"] for v in HEAD_TO_HEAD}
+        print(f"{name} head to head: " + ", ".join(f"{v} {r:.2f}x" for v, r in pairs.items()))
+        figures |= {f"head_to_head.{name}.{v}_vs_torch": r for v, r in pairs.items()}
     held = steady(args.quick)
     print("glibc's allocator held steady: fdp eager / torch foreach "
           + ", ".join(f"{k.split('.')[0]} {v:.2f}x" for k, v in held.items()))  # fmt: skip
