@@ -289,6 +289,27 @@ def test_compiled_update_matches_eager_and_compiles_once() -> None:
     assert len(frames) == 2
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ["sgd_heavy_ball", "adamw"])
+def test_a_compiled_donated_update_steps_inits_counts_as_eager(name: str) -> None:
+    # init's counts are views of one tensor: compiled and donated, they are
+    # inputs that alias and are written in place (AOTAutograd's synthetic base).
+    make, _, hyper = CONFIGS[name]
+    opt = make(**{**hyper, "lr": torch.tensor(hyper["lr"])})
+    update = torch.compile(opt.update, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    grads = [{k: torch.randn(3, generator=g) for k in "abcd"} for _ in range(3)]
+    got = {k: torch.randn(3, generator=g) for k in "abcd"}
+    want = {k: v.clone() for k, v in got.items()}
+    got_state, want_state = opt.init(got), opt.init(want)
+    for step in grads:
+        got, got_state = update(step, got_state, got, donate=True)
+        want, want_state = opt.update(step, want_state, want, donate=True)
+    tree_allclose(got, want, rtol=1e-6, atol=1e-7)
+    tree_allclose(got_state, want_state, rtol=1e-6, atol=1e-7)
+    assert [got_state["step"][k].item() for k in "abcd"] == [3.0] * 4
+
+
 def test_donated_update_writes_into_the_inputs_and_returns_them() -> None:
     opt = fdp.optim.adamw(0.1, amsgrad=True)
     params = {"w": torch.ones(3, requires_grad=True), "skip": torch.ones(2)}
