@@ -296,7 +296,7 @@ def test_a_compiled_donated_update_steps_inits_counts_as_eager(name: str) -> Non
     # inputs that alias and are written in place (AOTAutograd's synthetic base).
     make, _, hyper = CONFIGS[name]
     opt = make(**{**hyper, "lr": torch.tensor(hyper["lr"])})
-    update = torch.compile(opt.update, backend="aot_eager", fullgraph=True)
+    update: Any = torch.compile(opt.update, backend="aot_eager", fullgraph=True)
     g = torch.Generator().manual_seed(0)
     grads = [{k: torch.randn(3, generator=g) for k in "abcd"} for _ in range(3)]
     got = {k: torch.randn(3, generator=g) for k in "abcd"}
