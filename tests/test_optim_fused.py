@@ -195,6 +195,7 @@ def test_fused_is_refused_where_it_cannot_apply() -> None:
 
 def test_a_compiled_step_traces_the_foreach_rule_once() -> None:
     """Under torch.compile the rule is traced (inductor fuses it): one graph for ten steps."""
+    torch._dynamo.reset()  # counted from a clean cache: earlier tests compiled update too
     counts = CompileCounterWithBackend("eager")
     opt = fdp.optim.adamw(fdp.optim.linear_schedule(0.1, 0.01, 10))
     update = torch.compile(opt.update, backend=counts, fullgraph=True)
