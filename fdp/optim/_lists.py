@@ -248,7 +248,7 @@ def _one_base(steps: Lists) -> torch.Tensor | None:
 
 
 def counts_of(like: list[torch.Tensor]) -> Lists:
-    """Zero step counts (float64, 0-d) on each tensor's device: views of one per device.
+    """Zero step counts (float64, 0-d) on each tensor's device, views of one where one device.
 
     One tensor for the lot where every tensor is on one device, so that a
     donated step adds to them at once (:func:`_one_base`).
