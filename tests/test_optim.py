@@ -202,6 +202,53 @@ def test_an_eager_cpu_step_makes_its_temporaries_run_by_run_and_equals_torch(nam
         assert len(made.nbytes) == 4 * STEPS  # b.*; big; w.0-3; w.4 and z
 
 
+class _Kernels(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The bytes of each call to ``kernel`` (an op, any overload; its first list)."""
+
+    def __init__(self, kernel: Any) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.kernel, self.nbytes = kernel, list[int]()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket is self.kernel:
+            self.nbytes.append(sum(t.numel() * t.element_size() for t in args[0]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fused", [None, False], ids=["default", "foreach"])
+@pytest.mark.parametrize("name", ["sgd_heavy_ball", "sgd_momentum", "sgd_dampening"])
+def test_a_pure_eager_cpu_sgd_step_runs_run_by_run_and_equals_torch(
+    name: str, fused: bool | None
+) -> None:
+    """A pure SGD step a run of at most 4 MiB at a time (its new buffer still in
+    cache for the parameters' add; the fused kernel's copies likewise); donated, the
+    fused kernel over the whole tree at once. Both the trajectory of torch's step."""
+    from fdp.optim._lists import RUN_BYTES
+
+    expected = torch_steps(name, large_tree())
+    make, _, hyper = CONFIGS[name]
+    heavy_ball = name == "sgd_heavy_ball"  # pure and undamped: foreach by default
+    for donate in (False, True):
+        by_kernel = fused is None and (donate or not heavy_ball)
+        kernel = torch.ops.aten._fused_sgd_ if by_kernel else torch.ops.aten._foreach_mul
+        kernel = torch.ops.aten._foreach_mul_ if donate and not by_kernel else kernel
+        with _Kernels(kernel) as made:
+            opt = make(**hyper, fused=fused)
+            got = tensor_leaves(
+                fdp_steps(name, detached_copy(large_tree()), opt=opt, donate=donate)
+            )
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e.detach(), **tolerance(e, fused_sgd=by_kernel))
+        big = 1536 * 1024 * 4  # the one leaf larger than a run: a run of its own
+        if donate:
+            assert len(made.nbytes) >= STEPS
+            assert max(made.nbytes) > RUN_BYTES  # the whole tree in one call
+        else:
+            assert max(made.nbytes) == big
+            assert max(n for n in made.nbytes if n != big) <= RUN_BYTES
+            assert len(made.nbytes) >= 4 * STEPS  # b.*; big; w.0-3; w.4 and z
+
+
 def test_update_is_pure_and_skips_none_grads() -> None:
     opt = fdp.optim.adam(0.1)
     params = {"w": torch.ones(3), "b": torch.zeros(2), "n": None}

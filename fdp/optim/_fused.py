@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from fdp import _compat
+from fdp.optim import _lists
 
 _DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
@@ -74,26 +75,30 @@ def run(
     """The step of these (real) leaves: new parameters and slots, or the donated ones written.
 
     ``steps`` are the step counts, already incremented. Without ``donate``
-    the parameters and slots are copied first (same strides) and the kernel
-    writes the copies: the caller's tensors are untouched.
+    the parameters and slots are copied first (same strides), a run of
+    leaves at a time (:func:`fdp.optim._lists.runs`: eagerly on CPU the
+    kernel reads the copies while they are in cache), and the kernel writes
+    the copies: the caller's tensors are untouched.
     """
     params, grads, slots = leaves
-    if not donate:
-        params = _copies(params)
-        slots = {k: _copies(v) for k, v in slots.items()}
+    out_p, out_s = list(params), {k: list(v) for k, v in slots.items()}
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for j, t in enumerate(params):
         groups.setdefault((t.device, t.dtype), []).append(j)
     for (device, _), idx in groups.items():
         rate = lr.to(device) if isinstance(lr, torch.Tensor) else lr
-        kernel(
-            [params[j] for j in idx],
-            [grads[j] for j in idx],
-            {k: [v[j] for j in idx] for k, v in slots.items()},
-            [steps[j] for j in idx],
-            rate,
-        )
-    return params, slots
+        cuts = [slice(None)] if donate else _lists.runs([params[j] for j in idx])
+        for cut in cuts:
+            at = idx[cut]
+            p = [params[j] for j in at]
+            s = {k: [v[j] for j in at] for k, v in slots.items()}
+            if not donate:
+                p, s = _copies(p), {k: _copies(v) for k, v in s.items()}
+            kernel(p, [grads[j] for j in at], s, [steps[j] for j in at], rate)
+            for dst, new in ((out_p, p), *((out_s[k], v) for k, v in s.items())):
+                for j, t in zip(at, new, strict=True):
+                    dst[j] = t
+    return out_p, out_s
 
 
 def _copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:

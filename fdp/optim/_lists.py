@@ -102,8 +102,8 @@ class Foreach:
         return _counts(steps)
 
     def runs(self, xs: Lists) -> list[slice]:
-        """Consecutive runs of ``xs``, for a rule's temporaries (see :func:`_runs`)."""
-        return _runs(xs)
+        """Consecutive runs of ``xs``, for a rule's temporaries (see :func:`runs`)."""
+        return runs(xs)
 
 
 class Plain:
@@ -162,13 +162,13 @@ def _runs_traced(xs: Lists) -> list[slice]:
 
 
 @_mode.traced_as(_runs_traced)
-def _runs(xs: Lists) -> list[slice]:
+def runs(xs: Lists) -> list[slice]:
     """``xs`` cut into runs of at most :data:`RUN_BYTES` (one tensor at least)."""
-    if any(x.device.type != "cpu" for x in xs):
-        return [slice(None)]
     runs, start, size = [], 0, 0
     for i, x in enumerate(xs):
-        nbytes = x.numel() * x.element_size()
+        if not x.is_cpu:
+            return [slice(None)]
+        nbytes = x.nbytes
         if i > start and size + nbytes > RUN_BYTES:
             runs.append(slice(start, i))
             start, size = i, 0

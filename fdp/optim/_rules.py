@@ -63,21 +63,42 @@ class SGD(Optimizer):
         donate: bool,
         lr: float | torch.Tensor,
     ) -> tuple[Lists, Mapping[str, Lists]]:
-        """SGD's update (momentum, dampening, Nesterov), as torch's foreach implementation."""
+        """SGD's update (momentum, dampening, Nesterov), as torch's foreach implementation.
+
+        A run of leaves at a time (:meth:`Ops.runs`): eagerly on CPU a pure
+        step's new buffer is still in cache when the parameters' add reads it
+        (``benchmarks/bench_optim.py``; 200 leaves of 128x128: 4.6 -> 4.0 ms).
+        """
+        new_params: list[torch.Tensor] = []
+        bufs: list[torch.Tensor] = []
+        for run in ops.runs(params):
+            buf = slots["momentum_buffer"][run] if self.momentum else ()
+            p, b = self._run(ops, (params[run], grads[run], buf, steps[run]), donate, lr)
+            new_params += p
+            bufs += b
+        return new_params, {"momentum_buffer": bufs} if self.momentum else {}
+
+    def _run(
+        self,
+        ops: Ops,
+        lists: tuple[Lists, Lists, Lists, Lists],
+        donate: bool,
+        lr: float | torch.Tensor,
+    ) -> tuple[Lists, Lists]:
+        """One run's new parameters and momentum buffers (empty without momentum)."""
+        params, grads, bufs, steps = lists
         if self.weight_decay:
             grads = ops("add", grads, params, alpha=self.weight_decay)
-        new_slots: dict[str, Lists] = {}
         if self.momentum:
             # torch starts the buffer at the first gradient itself; from
             # zeros, "momentum * 0 + c * g" gives it with c = 1 at step 1.
-            bufs = ops.scaled(slots["momentum_buffer"], self.momentum, own=donate, like="foreach_")
+            bufs = ops.scaled(bufs, self.momentum, own=donate, like="foreach_")
             if self.dampening:
                 bufs = self._damped_add(ops, bufs, grads, steps)
             else:
                 bufs = ops("add", bufs, grads, own=True)
-            new_slots["momentum_buffer"] = bufs
             grads = ops("add", grads, bufs, alpha=self.momentum) if self.nesterov else bufs
-        return self._scaled_add(ops, params, grads, -lr, donate), new_slots
+        return self._scaled_add(ops, params, grads, -lr, donate), bufs
 
     def _damped_add(self, ops: Ops, bufs: Lists, grads: Lists, steps: Lists) -> Lists:
         """``bufs + (1 - dampening) * grads``, undamped at a leaf's first step, as torch.
