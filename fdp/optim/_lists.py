@@ -149,7 +149,9 @@ def one_minus(ops: Ops, xs: Lists) -> Lists:
 
 
 # Eagerly on CPU, a rule's temporaries (Adam's denominator) are made for
-# runs of leaves of at most this many bytes, not for a whole tree at once.
+# runs of leaves of at most this many bytes, not for a whole tree at once,
+# and a pure SGD step (and the fused kernel's copies) runs a run at a time,
+# so that what one kernel writes is still in cache when the next reads it.
 # There a foreach kernel is a loop over its tensors anyway; elsewhere one
 # call launches fewer kernels, so other devices keep one run, as torch's
 # foreach optimizers do.
