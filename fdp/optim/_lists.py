@@ -170,7 +170,7 @@ def runs(xs: Lists) -> list[slice]:
     for i, x in enumerate(xs):
         if not x.is_cpu:
             return [slice(None)]
-        nbytes = x.nbytes
+        nbytes = x.numel() * x.element_size()  # .nbytes refuses sparse layouts
         if i > start and size + nbytes > RUN_BYTES:
             runs.append(slice(start, i))
             start, size = i, 0
