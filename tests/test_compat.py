@@ -155,3 +155,29 @@ def test_group_timeout_reads_the_groups_timeout_or_answers_none() -> None:
     for timeout, broken in ranks.world(2).run(_timeouts):
         assert timeout == datetime.timedelta(seconds=ranks.PG_TIMEOUT_S).total_seconds()
         assert broken is None
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_any_requires_grad_equals_a_loop_either_way(
+    available: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not available:
+        monkeypatch.delattr(torch._C, "_any_requires_grad")
+    leaf = torch.ones(2, requires_grad=True)
+    plain = [torch.ones(2), torch.zeros((), dtype=torch.float64), torch.ones(3, dtype=torch.int64)]
+    cases: list[tuple[list[torch.Tensor], ...]] = [
+        (),
+        ([],),
+        (plain,),
+        (plain, [leaf]),
+        ([leaf * 2], plain),
+        ([leaf.detach()], []),
+        (plain, [torch.ones(1, dtype=torch.complex64, requires_grad=True)]),
+    ]
+    for lists in cases:
+        expected = False
+        for xs in lists:
+            for t in xs:
+                expected = expected or t.requires_grad
+        assert _compat.any_requires_grad(*lists) is expected, lists
+        assert _compat.any_requires_grad(*map(tuple, lists)) is expected, lists

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from fdp._compat._autograd import (
     add_grad_hooks,
+    any_requires_grad,
     apply_unbound,
     current_autograd_node,
     early_alias,
@@ -77,6 +78,7 @@ __all__ = [
     "add_grad_hooks",
     "all_gather_single",
     "all_reduce_issue",
+    "any_requires_grad",
     "apply_unbound",
     "compiler_disable",
     "current_autograd_node",

@@ -137,6 +137,24 @@ def apply_unbound(fn: type[torch.autograd.Function], *args: Any) -> Any:
     return base(*unwrap_dead_wrappers(args))
 
 
+def any_requires_grad(*lists: Sequence[torch.Tensor]) -> bool:
+    """Whether a tensor in ``lists`` requires grad; lists of tensors only.
+
+    torch's custom ops ask this in C++ (``torch._library.autograd``): 0.06 us
+    a tensor against 0.14 us for a Python loop. That call skips a list that
+    holds anything but tensors, so callers pass tensors only. Dynamo cannot
+    trace it: a compiled caller, or a torch without it, takes the loop.
+    """
+    fast = getattr(torch._C, "_any_requires_grad", None)
+    if fast is not None and not torch.compiler.is_compiling():
+        return bool(fast(*(xs if type(xs) is list else list(xs) for xs in lists)))
+    for xs in lists:
+        for t in xs:
+            if t.requires_grad:
+                return True
+    return False
+
+
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward on this thread."""
     return int(torch._C._current_graph_task_id()) != -1

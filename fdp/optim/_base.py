@@ -192,7 +192,8 @@ class Optimizer:
         if not live:  # nothing to step (foreach ops refuse empty lists)
             return params, {k: state[k] for k in self._keys()}
         ops: _lists.Ops = _lists.Foreach()
-        carries = differentiable(None, p, g, s)  # the leaves' part, asked once
+        # The leaves' part, asked once.
+        carries = differentiable(None, p, g, s, checked=len(live) == len(p))
         lr = self._rate(s["step"][live[0]], carries or _carries(self.lr))
         if carries or _carries(lr):
             _checks.refuse_derivative(call, donate=donate, fused=self.fused is True)
@@ -364,27 +365,45 @@ class Optimizer:
         return ops("add", params, direction, alpha=scale, own=donate)
 
 
-def differentiable(lr: Any, p: list[Any], g: list[Any], s: dict[str, list[Any]]) -> bool:
+def differentiable(
+    lr: Any, p: list[Any], g: list[Any], s: dict[str, list[Any]], *, checked: bool = False
+) -> bool:
     """Whether a step must carry derivatives: see :meth:`Optimizer._update_lists`.
 
     Parameters that are leaves of the autograd graph do not count: a
     ``loss.backward()`` loop passes them every step and wants new leaves,
-    not a graph that grows with every step.
+    not a graph that grows with every step. ``checked``: every leaf passed
+    :func:`fdp.optim._checks.live`, so ``g`` and ``s`` hold tensors (a step
+    count that is not one fails the step), which torch's C loop can ask.
     """
     if _mode.transform_running():
         return True
-    tensors = [lr, *g, *(t for v in s.values() for t in v)]
-    if _mode.dual(itertools.chain(tensors, p)):
+    if _mode.dual(itertools.chain((lr,), g, *s.values(), p)):
         return True
     if not torch.is_grad_enabled():
         return False
-    # Loops, not any(): this runs over every leaf of every step.
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
+    if isinstance(lr, torch.Tensor) and lr.requires_grad:
+        return True
+    if checked:
+        if _compat.any_requires_grad(g, *s.values()):
             return True
+        if not _compat.any_requires_grad(p):  # a pure loop's parameters
+            return False
+    elif _requires_grad([g, *s.values()]):
+        return True
+    # A loop, not any(): this runs over every leaf of every step.
     for t in p:  # noqa: SIM110
         if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
             return True
+    return False
+
+
+def _requires_grad(lists: list[list[Any]]) -> bool:
+    """Whether a tensor in ``lists``, which may hold anything, requires grad."""
+    for xs in lists:
+        for t in xs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return True
     return False
 
 

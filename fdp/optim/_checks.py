@@ -23,18 +23,35 @@ def live(
     """
     live = []
     slot_lists = [s[k] for k in slots]
+    plain, inexact = torch.Tensor, _INEXACT
     for i, (pi, gi) in enumerate(zip(p, g, strict=True)):
-        if gi is None or not is_param(pi):
+        if gi is None:
             continue
-        if type(gi) is not torch.Tensor or gi.dtype is not pi.dtype or gi.shape != pi.shape:
+        if type(pi) is plain:  # one set lookup, not two method calls
+            dtype = pi.dtype
+            if dtype not in inexact:
+                continue
+        elif is_param(pi):
+            dtype = pi.dtype
+        else:
+            continue
+        if type(gi) is not plain or gi.dtype is not dtype or gi.shape != pi.shape:
             check_grad(call, params, i, pi, gi)  # a subclass passes; others raise
         live.append(i)
         for leaves in slot_lists:
             # A slot of another dtype would be promoted silently (a float64
             # parameter out of a float32 one); other corruption fails in the step.
-            if getattr(leaves[i], "dtype", None) is not pi.dtype:
+            if getattr(leaves[i], "dtype", None) is not dtype:
                 explain_state(call, params, p, s, live)
     return live
+
+
+# The dtypes ``is_param`` takes: floating point and complex.
+_INEXACT = frozenset(
+    d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex)
+)
 
 
 def refuse_derivative(call: str, *, donate: bool, fused: bool) -> None:
