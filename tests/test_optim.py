@@ -249,6 +249,34 @@ def test_a_pure_eager_cpu_sgd_step_runs_run_by_run_and_equals_torch(
             assert len(made.nbytes) >= 4 * STEPS  # b.*; big; w.0-3; w.4 and z
 
 
+def test_runs_cut_where_the_bytes_add_up_to_more_than_a_run() -> None:
+    """``runs`` against a greedy loop over the leaves' bytes; a sparse leaf counts its
+    dense size, a leaf on another device keeps one run."""
+    from fdp.optim._lists import RUN_BYTES, runs
+
+    def greedy(sizes: list[int]) -> list[slice]:
+        cuts, start, size = [], 0, 0
+        for i, n in enumerate(sizes):
+            if i > start and size + n > RUN_BYTES:
+                cuts.append(slice(start, i))
+                start, size = i, 0
+            size += n
+        return [*cuts, slice(start, len(sizes))]
+
+    quarter = RUN_BYTES // 4 // 4  # float32 elements in a quarter of a run
+    for counts in ([1, 2, 3], [quarter] * 9, [5 * quarter, 1, quarter, 3 * quarter, 1], [1]):
+        xs = [torch.zeros(n) for n in counts]
+        got = runs(xs)
+        assert [list(range(len(xs)))[r] for r in got] == [
+            list(range(len(xs)))[r] for r in greedy([4 * n for n in counts])
+        ]
+    sparse = torch.sparse_coo_tensor([[0]], [1.0], (3 * quarter,), check_invariants=True)
+    assert runs([torch.zeros(3 * quarter), sparse]) == [slice(0, 1), slice(1, 2)]
+    assert runs([torch.zeros(3 * quarter), torch.zeros(3 * quarter, device="meta")]) == [
+        slice(None)
+    ]
+
+
 def test_update_is_pure_and_skips_none_grads() -> None:
     opt = fdp.optim.adam(0.1)
     params = {"w": torch.ones(3), "b": torch.zeros(2), "n": None}
