@@ -270,7 +270,8 @@ def test_runs_cut_where_the_bytes_add_up_to_more_than_a_run() -> None:
         assert [list(range(len(xs)))[r] for r in got] == [
             list(range(len(xs)))[r] for r in greedy([4 * n for n in counts])
         ]
-    sparse = torch.sparse_coo_tensor([[0]], [1.0], (3 * quarter,), check_invariants=True)
+    at = torch.tensor([[0]])
+    sparse = torch.sparse_coo_tensor(at, torch.ones(1), (3 * quarter,), check_invariants=True)
     assert runs([torch.zeros(3 * quarter), sparse]) == [slice(0, 1), slice(1, 2)]
     assert runs([torch.zeros(3 * quarter), torch.zeros(3 * quarter, device="meta")]) == [
         slice(None)
