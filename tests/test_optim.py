@@ -401,7 +401,8 @@ def test_donated_update_writes_into_the_inputs_and_returns_them() -> None:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_donated_step_steps_a_tied_tensor_once(name: str) -> None:
-    # One tensor at two leaves (and overlapping slices of one): written in
+    # One tensor at two leaves (and overlapping slices of one, a strided one
+    # and an empty one among them): written in
     # place it was stepped twice. Reference: torch's optimizer on separate
     # copies, each with its leaf's gradient, as the pure step computes.
     make, torch_cls, hyper = CONFIGS[name]
@@ -409,7 +410,7 @@ def test_a_donated_step_steps_a_tied_tensor_once(name: str) -> None:
     results = []
     for donate in (False, True):
         w = base.clone()
-        tree = {"a": w, "b": w, "head": w[:4], "tail": w[2:]}
+        tree = {"a": w, "b": w, "head": w[:4], "tail": w[2:], "odd": w[1::2], "none": w[6:]}
         opt = make(**hyper)
         state = opt.init(tree)
         for step in range(3):
@@ -419,14 +420,15 @@ def test_a_donated_step_steps_a_tied_tensor_once(name: str) -> None:
             tree, state = opt.update(grads, state, tree, donate=donate)
         results.append(tree)
     separate = [base.clone().requires_grad_(), base.clone().requires_grad_(),
-                base[:4].clone().requires_grad_(), base[2:].clone().requires_grad_()]  # fmt: skip
+                base[:4].clone().requires_grad_(), base[2:].clone().requires_grad_(),
+                base[1::2].clone().requires_grad_(), base[6:].clone().requires_grad_()]  # fmt: skip
     ref = torch_cls(separate, **hyper)
     for step in range(3):
         for j, t in enumerate(separate):
             t.grad = torch.cos(t.detach() * (step + 1 + j))
         ref.step()
     for got in results:
-        for key, expected in zip(("a", "b", "head", "tail"), separate, strict=True):
+        for key, expected in zip(("a", "b", "head", "tail", "odd", "none"), separate, strict=True):
             torch.testing.assert_close(got[key], expected.detach(), rtol=1e-6, atol=1e-7)
 
 

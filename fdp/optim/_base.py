@@ -228,11 +228,9 @@ class Optimizer:
         p, g, s = leaves
         kernel = self._kernel()
         devices = _compat.fused_optimizer_devices()
-        slot_lists = [s[k] for k in self.slots]
+        by_leaf = list(zip(p, g, *(s[k] for k in self.slots), strict=True))  # one pass, in C
         fused = (
-            [i for i in live if _fused.fusable([p[i], g[i], *(v[i] for v in slot_lists)], devices)]
-            if kernel is not None
-            else []
+            [i for i in live if _fused.fusable(by_leaf[i], devices)] if kernel is not None else []
         )
         if self.fused and len(fused) < len(live):
             i = next(i for i in live if i not in set(fused))

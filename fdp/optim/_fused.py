@@ -19,7 +19,7 @@ take the foreach step in the same call.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ Kernel = Callable[
 ]  # fmt: skip
 
 
-def fusable(tensors: list[torch.Tensor], devices: frozenset[str]) -> bool:
+def fusable(tensors: Sequence[torch.Tensor], devices: frozenset[str]) -> bool:
     """Whether one leaf's parameter, gradient and state tensors can go through a fused kernel.
 
     ``devices``: :func:`fdp._compat.fused_optimizer_devices`, read once per step.
@@ -50,8 +50,8 @@ def fusable(tensors: list[torch.Tensor], devices: frozenset[str]) -> bool:
     device, shape = first.device, first.shape
     if device.type not in devices:
         return False
-    contiguous = True
-    for t in tensors:  # a loop, not all(): this runs for every leaf of every step
+    contiguous = first.is_contiguous()
+    for t in tensors[1:]:  # a loop, not all(): this runs for every leaf of every step
         if t.shape != shape or t.device != device:
             return False
         if contiguous and not t.is_contiguous():
