@@ -250,26 +250,27 @@ def test_a_pure_eager_cpu_sgd_step_runs_run_by_run_and_equals_torch(
 
 
 def test_runs_cut_where_the_bytes_add_up_to_more_than_a_run() -> None:
-    """``runs`` against a greedy loop over the leaves' bytes; a sparse leaf counts its
-    dense size, a leaf on another device keeps one run."""
+    """Consecutive runs that cover every leaf, each at most a run's bytes (or one leaf),
+    each cut where the next leaf would not fit; a sparse leaf counts its dense size, a
+    leaf on another device keeps one run."""
     from fdp.optim._lists import RUN_BYTES, runs
 
-    def greedy(sizes: list[int]) -> list[slice]:
-        cuts, start, size = [], 0, 0
-        for i, n in enumerate(sizes):
-            if i > start and size + n > RUN_BYTES:
-                cuts.append(slice(start, i))
-                start, size = i, 0
-            size += n
-        return [*cuts, slice(start, len(sizes))]
-
     quarter = RUN_BYTES // 4 // 4  # float32 elements in a quarter of a run
-    for counts in ([1, 2, 3], [quarter] * 9, [5 * quarter, 1, quarter, 3 * quarter, 1], [1]):
-        xs = [torch.zeros(n) for n in counts]
-        got = runs(xs)
-        assert [list(range(len(xs)))[r] for r in got] == [
-            list(range(len(xs)))[r] for r in greedy([4 * n for n in counts])
-        ]
+    cases = {  # leaves' element counts: the runs, as leaf indices, worked out by hand
+        (1, 2, 3): [[0, 1, 2]],
+        (quarter,) * 9: [[0, 1, 2, 3], [4, 5, 6, 7], [8]],
+        (5 * quarter, 1, quarter, 3 * quarter, 1): [[0], [1, 2], [3, 4]],
+        (1,): [[0]],
+    }
+    for counts, expected in cases.items():
+        index = list(range(len(counts)))
+        got = [index[r] for r in runs([torch.zeros(n) for n in counts])]
+        assert got == expected
+        assert [i for run in got for i in run] == index  # consecutive, every leaf once
+        nbytes = [4 * sum(counts[i] for i in run) for run in got]
+        assert all(n <= RUN_BYTES or len(r) == 1 for n, r in zip(nbytes, got, strict=True))
+        for n, following in zip(nbytes, got[1:], strict=False):
+            assert n + 4 * counts[following[0]] > RUN_BYTES  # the next leaf would not fit
     at = torch.tensor([[0]])
     sparse = torch.sparse_coo_tensor(at, torch.ones(1), (3 * quarter,), check_invariants=True)
     assert runs([torch.zeros(3 * quarter), sparse]) == [slice(0, 1), slice(1, 2)]
