@@ -279,6 +279,37 @@ def test_runs_cut_where_the_bytes_add_up_to_more_than_a_run() -> None:
     ]
 
 
+def test_sparse_gradients_step_as_torchs_sgd_or_are_refused_by_name() -> None:
+    """SGD's ops take a sparse gradient, as torch's SGD does; other rules name the leaf,
+    and ``init`` names a sparse parameter, instead of failing inside a kernel."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(4, 3, generator=g)
+    rows = torch.tensor([[0, 2]])
+    grads = [
+        torch.sparse_coo_tensor(rows, torch.randn(2, 3, generator=g), (4, 3), check_invariants=True)
+        for _ in "abc"
+    ]
+    opt = fdp.optim.sgd(0.1, momentum=0.9)
+    params = {"w": w.clone()}
+    state = opt.init(params)
+    for grad in grads:
+        params, state = opt.update({"w": grad}, state, params)
+    reference = torch.nn.Parameter(w.clone())
+    torch_opt = torch.optim.SGD([reference], lr=0.1, momentum=0.9)
+    for grad in grads:
+        reference.grad = grad.clone()
+        torch_opt.step()
+    torch.testing.assert_close(params["w"], reference.detach(), rtol=0, atol=0)
+    for adam in (fdp.optim.adamw(0.1), fdp.optim.adamw(0.1, fused=False)):
+        for donate in (False, True):
+            with pytest.raises(ValueError, match=r"`grads` leaf grads\['w'\].*sparse_coo"):
+                adam.update({"w": grads[0]}, adam.init({"w": w.clone()}), {"w": w.clone()},
+                            donate=donate)  # fmt: skip
+    sparse = {"b": torch.ones(2), "w": grads[0]}
+    with pytest.raises(ValueError, match=r"sgd.init: `params` leaf params\['w'\].*sparse_coo"):
+        opt.init(sparse)
+
+
 def test_update_is_pure_and_skips_none_grads() -> None:
     opt = fdp.optim.adam(0.1)
     params = {"w": torch.ones(3), "b": torch.zeros(2), "n": None}

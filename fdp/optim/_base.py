@@ -152,6 +152,8 @@ class Optimizer:
     def init(self, params: Any) -> dict[str, Any]:
         """The state before the first step: zero steps and zero slots."""
         leaves, spec = _tree.flatten(params)
+        live = [i for i, t in enumerate(leaves) if is_param(t)]
+        _checks.explain_layout(f"fdp.optim.{self.name}.init", params, leaves, leaves, live)
         counts = iter(_lists.counts_of([t for t in leaves if is_param(t)]))
         state: dict[str, Any] = {
             "step": _tree.unflatten(spec, [next(counts) if is_param(t) else None for t in leaves])
@@ -252,6 +254,7 @@ class Optimizer:
                 new_p, new_slots = _fused.run(kernel, real, list(steps), donate, lr)
         except (RuntimeError, TypeError):
             _checks.explain_state(call, params, p, s, fused)
+            _checks.explain_layout(call, params, p, g, fused)
             raise
         p, s = _placed(
             (p, s), fused, (steps, new_p, new_slots), cplx=cplx, donate=donate, leaf=True
@@ -309,7 +312,8 @@ class Optimizer:
                     ops, _picked(p, live, cplx), live_g, slots, steps, donate, lr
                 )
         except (RuntimeError, TypeError):
-            _checks.explain_state(call, params, p, s, live)  # a corrupt state, named; else torch's
+            _checks.explain_state(call, params, p, s, live)  # a corrupt state, named
+            _checks.explain_layout(call, params, p, g, live)  # a sparse leaf, named; else torch's
             raise
         news = (steps, new_p, new_slots)
         out_p, out = _placed((p, s), live, news, cplx=cplx, donate=donate, leaf=foreach)

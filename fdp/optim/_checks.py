@@ -91,6 +91,22 @@ def explain_state(
                 )
 
 
+def explain_layout(call: str, params: Any, p: list[Any], g: list[Any], live: list[int]) -> None:
+    """Raises a ValueError naming the first parameter or gradient that is not dense.
+
+    Checked only after the step failed: most rules' ops (``lerp``, ``sqrt``)
+    have no sparse kernels; SGD's do, and step a sparse gradient as torch's SGD.
+    """
+    for i in live:
+        for arg, t in (("params", p[i]), ("grads", g[i])):
+            if t.layout is not torch.strided:
+                raise ValueError(
+                    f"{call}: `{arg}` leaf {_tree.path(params, i, arg)} expected a strided "
+                    f"(dense) tensor; got {_tree.describe(t)}, layout {t.layout} (no sparse "
+                    "form here: pass `.to_dense()`)"
+                )
+
+
 def is_param(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
