@@ -173,19 +173,36 @@ def assert_bitwise_equal(got: Any, expected: Any, path: str = "") -> None:
         assert got == expected, path
 
 
+class _Uninterrupted:
+    """The examples' final states from runs that nothing interrupted (one agent).
+
+    Each run is made at its first use, so a test's timeout covers its own
+    run, not every example's (six runs took over 300 s on a loaded machine).
+    """
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp, self.states = tmp, dict[str, dict[str, Any]]()
+        self.runs = {
+            "zero": ZERO_ARGS,
+            "lm": LM_ARGS,
+            "lm_muon": LM_MUON_ARGS,
+            "ported": PORTED_ARGS,
+        }
+        if HAS_TRANSFORMERS:
+            self.runs |= {"hf_fsdp": HF_FSDP_ARGS, "hf_ddp": HF_DDP_ARGS}
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        if name not in self.states:
+            log = torchrun(self.tmp / name, self.runs[name])
+            assert f"--resume: no complete checkpoint in {self.tmp / name}; starting fresh" in log
+            self.states[name] = final_state(self.tmp / name, self.tmp)
+        return self.states[name]
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """The examples' final states from runs that nothing interrupted (one agent)."""
-    tmp = tmp_path_factory.mktemp("whole")
-    states = {}
-    runs = {"zero": ZERO_ARGS, "lm": LM_ARGS, "lm_muon": LM_MUON_ARGS, "ported": PORTED_ARGS}
-    if HAS_TRANSFORMERS:
-        runs |= {"hf_fsdp": HF_FSDP_ARGS, "hf_ddp": HF_DDP_ARGS}
-    for name, args in runs.items():
-        log = torchrun(tmp / name, args)
-        assert f"--resume: no complete checkpoint in {tmp / name}; starting fresh" in log
-        states[name] = final_state(tmp / name, tmp)
-    return states
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> _Uninterrupted:
+    """The examples' uninterrupted final states, one run per example at most."""
+    return _Uninterrupted(tmp_path_factory.mktemp("whole"))
 
 
 @pytest.mark.parametrize(
@@ -200,7 +217,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
     ],
 )
 def test_a_killed_rank_restarts_and_ends_where_an_uninterrupted_run_does(
-    tmp_path: Path, uninterrupted: dict[str, dict[str, Any]], name: str
+    tmp_path: Path, uninterrupted: _Uninterrupted, name: str
 ) -> None:
     # "ported": a torch DDP script's features, the learning rate saved with the state.
     args, first = {
@@ -219,7 +236,7 @@ def test_a_killed_rank_restarts_and_ends_where_an_uninterrupted_run_does(
 
 @pytest.mark.parametrize("rendezvous", ["c10d", "static"])
 def test_two_agents_as_two_nodes_with_a_restart_equal_one_node(
-    tmp_path: Path, uninterrupted: dict[str, dict[str, Any]], rendezvous: str
+    tmp_path: Path, uninterrupted: _Uninterrupted, rendezvous: str
 ) -> None:
     # Each agent counts its own restarts (TORCHELASTIC_RESTART_COUNT), so the
     # fresh key space cannot come from that count.
