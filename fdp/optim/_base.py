@@ -154,7 +154,7 @@ class Optimizer:
         leaves, spec = _tree.flatten(params)
         live = [i for i, t in enumerate(leaves) if is_param(t)]
         _checks.explain_layout(f"fdp.optim.{self.name}.init", params, leaves, leaves, live)
-        counts = iter(_lists.counts_of([t for t in leaves if is_param(t)]))
+        counts = iter(_lists.counts_of([leaves[i] for i in live]))
         state: dict[str, Any] = {
             "step": _tree.unflatten(spec, [next(counts) if is_param(t) else None for t in leaves])
         }
