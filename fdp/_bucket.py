@@ -425,6 +425,7 @@ class Layout:
         }
         self.order = tuple(self.where)  # the bucketed leaves, bucket by bucket
         self._buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._views: list[list[torch.Tensor] | None] = [None] * len(self.buckets)
         self._lock = threading.Lock()
 
     def buffer(self, k: int, *, tail: int = 0) -> torch.Tensor:
@@ -433,13 +434,36 @@ class Layout:
         Atomic across threads: the view handed out counts as a user, so a
         second caller (another thread, another step) gets a new buffer.
         """
-        size = self.buckets[k].numel + tail
         with self._lock:
-            buf = self._buffers[k]
-            # A result still alive, or too short: a new one (a longer one serves both).
-            if buf is None or buf.numel() < size or _compat.storage_users(buf) > 1:
-                buf = self._buffers[k] = self.buckets[k].empty(tail)
-            return buf.view(-1)[:size]
+            return self._take(k, tail)[0]
+
+    def buffer_views(self, k: int, *, tail: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`buffer`, and its bucket's views of it (``Bucket.views``), made once per buffer.
+
+        Made anew each step they cost a view per leaf (52 for a GPT-2, about
+        0.1 ms, more inside a backward). The views stay with the buffer and
+        count among its users; they are the caller's own: what it hands out
+        (``.grad``, returned gradients) is a ``detach()`` of one, so a user's
+        ``set_`` or ``.data =`` on that cannot reach them.
+        """
+        with self._lock:
+            flat, buf = self._take(k, tail)
+            views = self._views[k]
+            if views is None:
+                bucket = self.buckets[k]
+                views = self._views[k] = bucket.views(buf.view(-1)[: bucket.numel])
+            return flat, views
+
+    def _take(self, k: int, tail: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the flat buffer handed out, the kept buffer it is a view of), under the lock."""
+        size = self.buckets[k].numel + tail
+        buf, views = self._buffers[k], self._views[k]
+        kept = 1 + (0 if views is None else len(views))  # the buffer and its kept views
+        # A result still alive, or too short: a new one (a longer one serves both).
+        if buf is None or buf.numel() < size or _compat.storage_users(buf) > kept:
+            buf = self._buffers[k] = self.buckets[k].empty(tail)
+            self._views[k] = None
+        return buf.view(-1)[:size], buf
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Leaf ``i``'s view of its bucket's flat buffer ``flat``."""
@@ -450,3 +474,4 @@ class Layout:
         """Drops the kept buffers (they are freed once no result views them)."""
         with self._lock:
             self._buffers = [None] * len(self.buckets)
+            self._views = [None] * len(self.buckets)

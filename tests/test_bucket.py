@@ -229,3 +229,37 @@ def test_layout_buffers_are_reused_until_a_result_views_them() -> None:
     assert again.numel() == layout.buckets[0].numel + 4
     del plain, again
     assert layout.buffer(0, tail=4).numel() == layout.buckets[0].numel + 4
+
+
+def test_layout_buffer_views_are_made_once_per_buffer_and_count_as_its_own() -> None:
+    tensors = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 3).t()]  # the last strided
+    layout = _bucket.Layout(tensors, cap_bytes=1 << 20)
+    bucket = layout.buckets[0]
+    flat, views = layout.buffer_views(0, tail=4)
+    ptr = flat.data_ptr()
+    # The views are the bucket's views of that buffer: shapes, strides, memory.
+    assert _described(views) == _described(bucket.views(flat[: bucket.numel]))
+    del flat
+    # Kept with the buffer, they do not count as results still alive: both come back.
+    again, kept = layout.buffer_views(0)
+    assert again.data_ptr() == ptr
+    assert kept is views
+    del again
+    # A gradient handed out (a detach() of a view) keeps the buffer: new buffer, new views.
+    handed = views[1].detach()
+    fresh, new_views = layout.buffer_views(0, tail=4)
+    assert fresh.data_ptr() != ptr
+    assert new_views is not views
+    assert handed.data_ptr() == views[1].data_ptr()
+    assert [v.data_ptr() - fresh.data_ptr() for v in new_views] == [
+        v.data_ptr() - ptr for v in views
+    ]
+    del fresh, handed
+    # buffer() sees the kept views too: the buffer is free, not held by them.
+    assert layout.buffer(0, tail=4).data_ptr() == new_views[0].data_ptr()
+    layout.release()
+    assert layout.buffer_views(0)[1] is not new_views
+
+
+def _described(views: list[torch.Tensor]) -> list[tuple[Any, ...]]:
+    return [(v.shape, v.stride(), v.data_ptr()) for v in views]

@@ -142,6 +142,42 @@ def test_reduce_scatter_and_all_gather_under_either_name() -> None:
         assert results == [expected, expected]
 
 
+def _all_reduce_sum_both_ways(rank: int, size: int) -> list[list[Any]]:
+    out = []
+    group = dist.new_group(list(range(size)))
+    for direct in (True, False):
+        options = dist.AllreduceOptions
+        if not direct:  # without the options class: the public call
+            delattr(dist, "AllreduceOptions")
+        try:
+            got = []
+            for t, g in (
+                (torch.arange(3.0) + rank, None),
+                (torch.arange(3.0, dtype=torch.float64) * (rank + 1), group),
+                (torch.tensor([1 + 2j, 3 - 1j]) * (rank + 1), None),  # complex: the public call
+            ):
+                _compat.all_reduce_sum(t, g).wait()
+                got.append(t.tolist())
+            out.append(got)
+        finally:
+            setattr(dist, "AllreduceOptions", options)  # noqa: B010
+    return out
+
+
+def test_all_reduce_sum_sums_in_place_either_way() -> None:
+    size = 2
+    ranks_ = range(size)
+    expected = [
+        torch.stack([torch.arange(3.0) + r for r in ranks_]).sum(0).tolist(),
+        torch.stack([torch.arange(3.0, dtype=torch.float64) * (r + 1) for r in ranks_])
+        .sum(0)
+        .tolist(),
+        torch.stack([torch.tensor([1 + 2j, 3 - 1j]) * (r + 1) for r in ranks_]).sum(0).tolist(),
+    ]
+    for results in ranks.world(size).run(_all_reduce_sum_both_ways):
+        assert results == [expected, expected]
+
+
 def _timeouts(rank: int, size: int) -> tuple[float | None, float | None]:
     timeout = _compat.group_timeout(None)
     broken = _compat.group_timeout(types.SimpleNamespace(_device_types=["cpu"]))

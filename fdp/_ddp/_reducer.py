@@ -195,6 +195,10 @@ class _Call:
         step = self.reducer.open  # the lock only to open one: once a backward
         if step is None:
             step = self.reducer.step(self)
+        elif step.batched and self.sparse_ok and not torch.is_grad_enabled():
+            # Step.on_grad's common case without its call (a hook per leaf, in
+            # backward): the node packs the gradient with its run (Step.on_run).
+            return grad
         return step.on_grad(i, grad, node=self.sparse_ok)
 
 

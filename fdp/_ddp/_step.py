@@ -100,12 +100,10 @@ class Step:
     def _flat(self, k: int) -> torch.Tensor:
         state = self.buckets[k]
         if state.flat is None:
-            bucket = self.reduction.layout.buckets[k]
             tail = self.reduction.usage_tail if self.rides and k == len(self.buckets) - 1 else 0
-            state.flat = self.reduction.layout.buffer(k, tail=tail)
-            # Made once per step and bucket, not per hook call (twice per leaf:
-            # pack, hand-out); docs/performance.md has the cost.
-            state.views = bucket.views(state.flat[: bucket.numel] if tail else state.flat)
+            # The views are made once per buffer (Layout.buffer_views): this step's own
+            # to write through; what leaves the step is a detach() of one.
+            state.flat, state.views = self.reduction.layout.buffer_views(k, tail=tail)
         return state.flat
 
     def view(self, i: int) -> torch.Tensor:
@@ -216,8 +214,8 @@ class Step:
                 sources.append(grad)
                 state.filled.add(i)
                 self.used.add(i)
-                # into_bucket's alias (.grad is None already), or the view returned
-                out[pos] = view if returned else view.detach()
+                # into_bucket's alias (.grad is None already), or the gradient returned
+                out[pos] = view.detach()
             if views:
                 _pack_run(views, sources, self.prescale)
                 self._launch_complete()
@@ -249,7 +247,7 @@ class Step:
         else:  # fold what earlier backwards (under no_sync) accumulated
             torch.add(_compat.unwrap_functorch(grad), old, out=view).mul_(self.prescale)
         self._filled(i, k)
-        return view if self.returned else self.into_bucket(leaf, view)
+        return view.detach() if self.returned else self.into_bucket(leaf, view)
 
     def _filled(self, i: int, k: int) -> None:
         """Leaf ``i``'s slot of bucket ``k`` is final: launches the buckets now complete."""
@@ -337,7 +335,7 @@ class Step:
                 flat,
                 index=k,
                 is_last=k == len(self.buckets) - 1,
-                gradients=self.buckets[k].views,
+                gradients=[view.detach() for view in self.buckets[k].views],
                 parameters=[self.leaves[i] for i in bucket.indices],
             )
             future = _comm_hooks.direct(self.reduction.hook)(self.reduction.state, grad_bucket)
@@ -375,7 +373,7 @@ class Step:
                 if self.returned and _grad.asked():  # fdp.grad: see returning_unused
                     for i in self.hooked:
                         if i not in self.used:
-                            _grad.hand_unused(self.leaves[i], self.view(i))
+                            _grad.hand_unused(self.leaves[i], self.view(i).detach())
                 counts = _usage.summed(self, usage)
                 if counts is not None and not self.returned:  # else for join's mirrors only
                     self._hand_out(*counts)
@@ -415,6 +413,7 @@ class Step:
 
     def _hand_out(self, used: list[float], late: float) -> None:
         """``.grad`` becomes the reduced view; it stays ``None`` where no rank had one."""
+        strided = torch.strided
         if late > 0:
             _late.reduce(self)
         sparse_count = dist.get_world_size(self.reduction.group) + 1
@@ -429,7 +428,11 @@ class Step:
                     leaf, self.sparse.get(i), self.prescale, r.group, hook=r.hook, bucket=bucket
                 )
             elif count > 0:
-                self.leaves[i].grad = self.view(i)
+                leaf, view = self.leaves[i], self.view(i)
+                grad = leaf.grad
+                # Most already hold the alias into_bucket gave the engine: kept.
+                if grad is None or grad.layout is not strided or grad.data_ptr() != view.data_ptr():
+                    leaf.grad = view.detach()
 
 
 def _pack_run(views: list[torch.Tensor], grads: list[torch.Tensor], scale: float) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fdp import _compat
 from fdp._ddp._reduction import StepState
 
 
@@ -44,7 +45,7 @@ def launch(step: StepState) -> tuple[torch.Tensor, Any]:
     """The counts in an all-reduce of their own: the tensor and its work."""
     device = step.reduction.layout.buckets[0].device
     summed = torch.tensor(counts(step), device=device)
-    return summed, dist.all_reduce(summed, group=step.reduction.group, async_op=True)
+    return summed, _compat.all_reduce_sum(summed, step.reduction.group)
 
 
 def write(step: StepState, tail: torch.Tensor) -> None:
