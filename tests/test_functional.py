@@ -327,6 +327,41 @@ def test_a_replica_that_raises_leaves_the_module_unchanged() -> None:
     assert (net.flag, net.calls) == (True, 0)  # as DataParallel: nothing of a failed call lands
 
 
+class Renaming(nn.Module):
+    """Moves a value from one attribute to a new one: same value, same place, new name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.first: object = ("a", "value")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "first"):
+            value = self.first
+            del self.first
+            self.second = value
+        return cast(torch.Tensor, self.lin(x))
+
+
+@pytest.mark.parametrize("where", ["direct", "dp2"])
+def test_a_renamed_attribute_reaches_the_module(where: str) -> None:
+    # The shell's dict keeps its length and its values in order: only the key tells.
+    torch.manual_seed(0)
+    net = Renaming()
+    ref = copy.deepcopy(net)
+    fn, state = fdp.make_functional(net)
+    x = torch.randn(4, 3)
+    if where == "direct":
+        out = fn(state, x)
+    else:
+        out = fdp.data_parallel(fn, state, x, devices=["cpu", "cpu"])
+    torch.testing.assert_close(out, ref(x))
+    assert not hasattr(net, "first")
+    assert not hasattr(ref, "first")
+    assert net.second == ref.second == ("a", "value")
+    assert list(vars(net)) == list(vars(ref))
+
+
 class Checkpointed(nn.Module):
     """Non-reentrant activation checkpointing inside the module's forward."""
 
