@@ -12,7 +12,10 @@ disturb one another or the module.
 What the forward changes of the module's Python state (plain attributes,
 buffers it registers) is written back to the module when the call ends, as a
 module call would leave it; under ``parallel_apply`` only replica 0's, once
-every replica has finished (see :mod:`fdp._replica`).
+every replica has finished (see :mod:`fdp._replica`). Hooks the forward
+registers go straight to the module outside a replica, as in a module call
+(the shells share the module's hook dicts); a replica's go to copies, and
+replica 0's copies become the module's.
 """
 
 from __future__ import annotations
@@ -67,13 +70,17 @@ class _Walk:
     its shell's dict, key, and the module's tensor.
     """
 
-    __slots__ = ("group", "pairs", "shells", "slots", "sync_batch_norm")
+    __slots__ = ("copied", "group", "kept", "pairs", "shells", "slots", "sync_batch_norm")
 
-    def __init__(self, *, sync_batch_norm: bool, group: Any) -> None:
+    def __init__(self, *, sync_batch_norm: bool, group: Any, copied: bool) -> None:
         self.pairs: list[tuple[nn.Module, nn.Module]] = []
         self.shells: dict[int, nn.Module] = {}
         self.slots: dict[str, _Slot] = {}
+        self.kept: list[int] = []  # indices of pairs whose shell holds a _KeepAlive
         self.sync_batch_norm, self.group = sync_batch_norm, group
+        # Copies of the hook dicts (_CONTAINERS): a replica's own. Outside one the
+        # shells share the module's, as a module call registers on the module.
+        self.copied = copied
 
     def visit(self, m: nn.Module, prefix: str) -> nn.Module:
         """``m``'s shell (made at its first visit), its subtree's and its names' slots."""
@@ -106,22 +113,24 @@ class _Walk:
             from fdp._comm import _sync_batch_norm
 
             _sync_batch_norm.synced(shell, self.group)
-        for key in _CONTAINERS:  # hooks a forward registers stay in its shell
-            container = attrs.get(key)
-            if container is not None:
-                attrs[key] = container.copy()
+        if self.copied:  # hooks a replica's forward registers stay in its shell
+            for key in _CONTAINERS:
+                container = attrs.get(key)
+                if container is not None:
+                    attrs[key] = container.copy()
         attrs["_parameters"] = dict(m._parameters)
         attrs["_buffers"] = dict(m._buffers)
         if m._backward_hooks and m._is_full_backward_hook is False:
             attrs["_backward_hooks"] = {
                 key: _KeepAlive(hook, shell) for key, hook in m._backward_hooks.items()
             }
+            self.kept.append(len(self.pairs))  # the index visit gives this shell
         return shell
 
 
-def _shells(module: nn.Module, *, sync_batch_norm: bool, group: Any) -> _Walk:
+def _shells(module: nn.Module, *, sync_batch_norm: bool, group: Any, copied: bool) -> _Walk:
     """The call's shells of every module of the tree, and the slots of every tensor name."""
-    walk = _Walk(sync_batch_norm=sync_batch_norm, group=group)
+    walk = _Walk(sync_batch_norm=sync_batch_norm, group=group, copied=copied)
     walk.visit(module, "")
     return walk
 
@@ -130,9 +139,11 @@ def _shells(module: nn.Module, *, sync_batch_norm: bool, group: Any) -> _Walk:
 _OWN = frozenset(("_parameters", "_buffers", "_modules"))
 # Every other dict and set torch gives a module (hooks, non-persistent buffer
 # names), read off a new module once. A forward may add to them in place (a
-# Hugging Face model installs output-recording hooks on its first call):
-# each shell adds to its own copy, and replica 0's is written back when the
-# call succeeds, as one direct call would leave the module.
+# Hugging Face model installs output-recording hooks on its first call): a
+# replica's shell adds to its own copy, and replica 0's is written back when
+# the call succeeds, as one direct call would leave the module. Outside a
+# replica the shells share the module's: the forward adds to them as a
+# module call does (copying a dozen per module cost a third of the shells).
 _CONTAINERS = tuple(
     k
     for k, v in nn.Module().__dict__.items()
@@ -182,18 +193,24 @@ def _changed(before: dict[str, Any], now: dict[str, Any]) -> bool:
 
 
 def _writer(
-    pairs: list[tuple[nn.Module, nn.Module]], before: list[dict[str, Any]], handles: int | None
+    pairs: list[tuple[nn.Module, nn.Module]],
+    before: list[dict[str, Any]],
+    handles: int | None,
+    *,
+    copied: bool,
 ) -> Callable[[], None]:
     """What writes the forward's changes to Python state back to the modules.
 
     ``handles``: :func:`fdp._compat.hook_handles_made` before the shells
     were made. Where no handle was made since, no hook was registered, and
     of the containers only the non-persistent buffer names can have changed.
+    ``copied``: whether the shells have copies of the containers (a
+    replica's); else they are the module's own, changed in place already.
     """
 
     def write() -> None:
         hooked = handles is None or _compat.hook_handles_made() != handles
-        containers = _CONTAINERS if hooked else _UNHOOKED_CONTAINERS
+        containers = () if not copied else _CONTAINERS if hooked else _UNHOOKED_CONTAINERS
         for (m, shell), old in zip(pairs, before, strict=True):
             now = shell.__dict__
             for key in containers:
@@ -247,21 +264,34 @@ def _call(
     prepare: Callable[[list[tuple[nn.Module, nn.Module]]], None] | None = None,
 ) -> Any:
     handles = _compat.hook_handles_made()
-    walk = _shells(module, sync_batch_norm=sync_batch_norm, group=group)
+    copied = _replica.running()
+    walk = _shells(module, sync_batch_norm=sync_batch_norm, group=group, copied=copied)
     pairs = walk.pairs
     _install(walk.slots, state)
     if prepare is not None:  # a fully sharded call installs its units per block
         prepare(pairs)
     before = [dict(shell.__dict__) for _, shell in pairs]
+    write = _writer(pairs, before, handles, copied=copied)
     try:
         out = pairs[0][1](*args, **kwargs)
-    finally:
-        for (m, shell), old in zip(pairs, before, strict=True):
-            if m._backward_hooks and m._is_full_backward_hook is False:
-                # A _KeepAlive refers to its shell; the shell must not refer back (no cycle).
-                shell.__dict__["_backward_hooks"] = old["_backward_hooks"] = m._backward_hooks
-    _replica.defer(_writer(pairs, before, handles))
+    except BaseException:
+        _unkeep(walk, before)
+        if not copied:  # as after a failed module(x): what the forward changed stays
+            write()  # (a replica's failed call changes nothing: DataParallel's rule)
+        raise
+    _unkeep(walk, before)
+    _replica.defer(write)
     return out
+
+
+def _unkeep(walk: _Walk, before: list[dict[str, Any]]) -> None:
+    """Gives the shells that hold a ``_KeepAlive`` the module's hooks back, once called.
+
+    A _KeepAlive refers to its shell; the shell must not refer back (no cycle).
+    """
+    for index in walk.kept:
+        m, shell = walk.pairs[index]
+        shell.__dict__["_backward_hooks"] = before[index]["_backward_hooks"] = m._backward_hooks
 
 
 def _refuse_lazy(state: Mapping[str, torch.Tensor], module: nn.Module) -> None:
@@ -298,9 +328,12 @@ def make_functional(
     (BatchNorm statistics) land on the module directly. Under
     :func:`fdp.data_parallel` or :func:`fdp.parallel_apply` only replica 0's
     changes are kept, once every replica has finished, so one call on N
-    replicas changes the module as one call on the whole batch does. Hooks
+    replicas changes the module as one call on the whole batch does, and a
+    call that raises changes nothing; a direct call that raises leaves what
+    its forward changed before the error, as ``module(x)`` does. Hooks
     registered on the module run, with the call's shell as their ``module``
-    argument.
+    argument; a hook the forward registers lands on the module (replica
+    0's, under ``data_parallel``).
 
     With ``sync_batch_norm=True`` the module's ``BatchNorm1d/2d/3d`` layers
     normalise with :func:`fdp.sync_batch_norm` over the batches of every rank

@@ -19,7 +19,7 @@ import contextvars
 from collections.abc import Callable
 from typing import TypeAlias
 
-__all__ = ["Deferred", "defer", "enter", "leave", "run"]
+__all__ = ["Deferred", "defer", "enter", "leave", "run", "running"]
 
 
 Deferred: TypeAlias = "list[Callable[[], None]]"
@@ -42,6 +42,11 @@ _current: contextvars.ContextVar[tuple[int, Deferred] | None] = contextvars.Cont
 # function around them costs as much as the rest of a tiny replica's bookkeeping.
 enter = _current.set
 leave = _current.reset
+
+
+def running() -> bool:
+    """Whether a replica of a ``parallel_apply`` call is running in this context."""
+    return _current.get() is not None
 
 
 def defer(action: Callable[[], None]) -> None:

@@ -509,15 +509,23 @@ class Recording(nn.Module):
         return (out, *recorded)
 
 
-def test_data_parallel_changes_a_module_as_one_direct_call_does() -> None:
+@pytest.mark.parametrize("where", ["direct", "dp2", "apply"])
+def test_a_call_changes_a_module_as_one_direct_call_does(where: str) -> None:
     # Before: the replicas shared the module's hook dicts, so each installed the
     # hook ("replicas returned different structures") and the module kept two.
+    # A direct call shares them (the hook lands on the module at once).
     torch.manual_seed(0)
     net = Recording()
     reference = copy.deepcopy(net)
     fn, state = fdp.make_functional(net)
     x = torch.randn(6, 4)
-    out = fdp.data_parallel(fn, state, x, devices=["cpu", "cpu"])
+    if where == "direct":
+        out = fn(state, x)
+    elif where == "apply":
+        halves = fdp.parallel_apply(fn, [state, state], [(x[:3],), (x[3:],)])
+        out = tuple(torch.cat(parts) for parts in zip(*halves, strict=True))
+    else:
+        out = fdp.data_parallel(fn, state, x, devices=["cpu", "cpu"])
     want = reference(x)
     assert len(out) == len(want) == 2
     for got, expected in zip(out, want, strict=True):
@@ -525,6 +533,24 @@ def test_data_parallel_changes_a_module_as_one_direct_call_does() -> None:
     assert len(net.a._forward_hooks) == 1
     assert net.installed
     for got, expected in zip(net(x), reference(x), strict=True):  # later direct calls agree
+        torch.testing.assert_close(got, expected)
+
+
+def test_a_direct_call_that_raises_leaves_what_a_module_call_leaves() -> None:
+    # The hook and the flag set before the failure stay, as after a failed module(x).
+    torch.manual_seed(0)
+    net = Recording(fail_above=0.0)
+    reference = copy.deepcopy(net)
+    fn, state = fdp.make_functional(net)
+    x = torch.full((3, 4), 1.0)
+    with pytest.raises(ValueError, match="this chunk fails"):
+        fn(state, x)
+    with pytest.raises(ValueError, match="this chunk fails"):
+        reference(x)
+    assert len(net.a._forward_hooks) == len(reference.a._forward_hooks) == 1
+    assert net.installed is reference.installed is True  # so the next call installs none
+    y = torch.full((3, 4), -1.0)
+    for got, expected in zip(fn(state, y), reference(y), strict=True):
         torch.testing.assert_close(got, expected)
 
 
