@@ -346,9 +346,11 @@ def sparse_loss(p: dict[str, torch.Tensor], rank: int, step: int, how: str) -> t
     return (torch.tanh(rows @ p["w"]) ** 2).mean()
 
 
-def _sparse(rank: int, size: int, how: str) -> dict[str, torch.Tensor]:
+def _sparse(rank: int, size: int, how: str, caps: str = "tiny") -> dict[str, torch.Tensor]:
     params = sparse_params()
-    ddp = fdp.DistributedDataParallel(params, **TINY)
+    # "one": both leaves in one bucket and one alias node, which packs the run
+    # at once only where every gradient is dense (fdp/_ddp/_runs.py).
+    ddp = fdp.DistributedDataParallel(params, **(TINY if caps == "tiny" else {}))
     if how == "no_sync":  # a local sparse gradient first, folded into the reduction
         with ddp.no_sync():
             torch.autograd.backward(sparse_loss(ddp(params), rank, 1, how))
@@ -366,8 +368,18 @@ def _sparse(rank: int, size: int, how: str) -> dict[str, torch.Tensor]:
     return {"embed": embed.to_dense(), "w": params["w"].grad}  # type: ignore[dict-item]
 
 
-@pytest.mark.parametrize("how", ["both_ranks", "one_rank", "no_sync", "join"])
-def test_sparse_gradients_are_reduced(how: str) -> None:
+@pytest.mark.parametrize(
+    ("how", "caps"),
+    [
+        ("both_ranks", "tiny"),
+        ("one_rank", "tiny"),
+        ("no_sync", "tiny"),
+        ("join", "tiny"),
+        ("both_ranks", "one"),
+        ("no_sync", "one"),
+    ],
+)
+def test_sparse_gradients_are_reduced(how: str, caps: str) -> None:
     # nn.Embedding(sparse=True): torch's DDP reduces sparse gradients (before: refused).
     size = 2
     params = sparse_params()
@@ -376,7 +388,7 @@ def test_sparse_gradients_are_reduced(how: str) -> None:
     if how == "no_sync":
         losses += [sparse_loss(params, r, 1, how) for r in range(size)]
     torch.autograd.backward(torch.stack(losses).sum() / size)
-    for got in ranks.world(size).run(_sparse, how)[: len(active)]:
+    for got in ranks.world(size).run(_sparse, how, caps)[: len(active)]:
         for name, p in params.items():
             assert p.grad is not None
             expected = p.grad.to_dense() if p.grad.is_sparse else p.grad
@@ -716,3 +728,54 @@ def test_a_repointed_gradient_leaves_the_next_steps_buckets_alone(how: str, caps
             torch.autograd.backward(torch.stack(losses).mean())
             for key, p in params.items():
                 torch.testing.assert_close(grads_[key], p.grad, **TOL, msg=f"step {step} {key}")
+
+
+def _runs_packed(rank: int, size: int, how: str) -> tuple[dict[str, torch.Tensor], list[int]]:
+    from fdp._ddp import _step
+
+    at_once: list[int] = []
+    real = _step.Step._run_at_once
+
+    def counted(self: Any, slots: Any, *args: Any) -> Any:
+        at_once.append(len(slots.indices))
+        return real(self, slots, *args)
+
+    _step.Step._run_at_once = counted  # type: ignore[method-assign,assignment]
+    try:
+        params = run_params()
+        ddp = fdp.DistributedDataParallel(params)  # one bucket, one run of three leaves
+
+        def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+            return run_loss(ddp(p), rank)
+
+        if how == "backward":
+            torch.autograd.backward(loss(params))
+            grads = {k: v.grad for k, v in params.items()}
+        else:
+            grads = fdp.grad(loss)(params)
+    finally:
+        _step.Step._run_at_once = real  # type: ignore[method-assign]
+    return grads, at_once  # type: ignore[return-value]
+
+
+def run_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    shapes = {"a": (4, 5), "b": (5,), "c": (5, 2)}
+    return {k: torch.randn(*s, generator=g).requires_grad_() for k, s in shapes.items()}
+
+
+def run_loss(p: dict[str, torch.Tensor], rank: int) -> torch.Tensor:
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    return (torch.tanh(x @ p["a"] + p["b"]) @ p["c"]).square().mean()
+
+
+@pytest.mark.parametrize("how", ["backward", "fdp.grad"])
+def test_a_run_of_plain_leaves_is_packed_at_once(how: str) -> None:
+    # The common case skips the per-leaf loop (fdp/_ddp/_runs.py); same gradients.
+    size = 2
+    params = run_params()
+    torch.autograd.backward(sum(run_loss(params, r) for r in range(size)) / size)  # type: ignore[arg-type]
+    for grads, at_once in ranks.world(size).run(_runs_packed, how):
+        assert at_once == [3]
+        for name, p in params.items():
+            torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)

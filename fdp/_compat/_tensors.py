@@ -5,7 +5,7 @@ Part of :mod:`fdp._compat` (its docstring says how each function degrades).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ def storage_users(t: torch.Tensor) -> int:
     return int(use_count(t.untyped_storage()._cdata)) - 1
 
 
-def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for all i in one call (one kernel per group on CUDA).
 
     ``torch._foreach_copy_`` is private (torch >= 2.1). If it disappears, the
@@ -34,7 +34,7 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         foreach(dst, src)
 
 
-def foreach_mul_(tensors: list[torch.Tensor], scale: float) -> None:
+def foreach_mul_(tensors: Sequence[torch.Tensor], scale: float) -> None:
     """``t.mul_(scale)`` for every t in one call.
 
     ``torch._foreach_mul_`` is private; the loop below is the exact fallback.

@@ -33,6 +33,7 @@ from fdp import _bucket, _compat, _mode
 from fdp._bucket import Layout
 from fdp._ddp import _reuse
 from fdp._ddp._reduction import Reduction
+from fdp._ddp._runs import RunSlots
 from fdp._ddp._step import Step
 
 
@@ -69,6 +70,9 @@ def alias_runs(layout: Layout) -> dict[int, int]:
     return runs
 
 
+_UNSEEN: Any = object()  # a run the reducer has not made slots for yet
+
+
 class Reducer:
     """Arms ``ddp(params)`` calls; each backward through an armed output is reduced once.
 
@@ -82,6 +86,7 @@ class Reducer:
         self.open: Step | None = None
         self.lock = threading.Lock()
         self.runs = alias_runs(reduction.layout)
+        self.slots: dict[tuple[int, ...], RunSlots | None] = {}  # made at a run's first arm
         # Per device, a leaf that every alias node takes: see fdp/_ddp/_delivery.py.
         self.probes = {
             b.device: torch.empty(0, device=b.device, requires_grad=True)
@@ -152,7 +157,11 @@ class Reducer:
             while end < len(hooked) and runs[hooked[end]] == run:
                 end += 1
             device = layout.buckets[layout.where[hooked[start]][0]].device
-            part = _Run(call, tuple(hooked[start:end]))
+            indices = tuple(hooked[start:end])
+            slots = self.slots.get(indices, _UNSEEN)
+            if slots is _UNSEEN:
+                slots = self.slots[indices] = RunSlots.of(layout, indices)
+            part = _Run(call, indices, slots)
             made = _APPLY_ALIASES(part, self.probes[device], *[leaves[i] for i in part.indices])
             _compat.run_early(made[0])
             aliases.extend(made)
@@ -208,9 +217,10 @@ class _Run:
 
     call: _Call
     indices: tuple[int, ...]
+    slots: RunSlots | None  # where the run sits, for a run packed at once
 
     def on_run(self, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
-        return self.call.reducer.step(self.call).on_run(self.indices, grads)
+        return self.call.reducer.step(self.call).on_run(self.indices, grads, self.slots)
 
 
 class _Aliases(torch.autograd.Function):

@@ -42,7 +42,10 @@ from fdp._comm._comm_hooks import GradBucket
 from fdp._ddp import _delivery, _graphed, _late, _usage
 from fdp._ddp._delivery import Delivery
 from fdp._ddp._reduction import InFlight, Reduction
+from fdp._ddp._runs import RunSlots, pack_run
 from fdp._ddp._sparse import empty_sparse, reduce_sparse
+
+_DETACH = torch.Tensor.detach
 
 
 class Step:
@@ -174,7 +177,10 @@ class Step:
         return self._first(i, k, grad)
 
     def on_run(
-        self, indices: tuple[int, ...], grads: tuple[torch.Tensor | None, ...]
+        self,
+        indices: tuple[int, ...],
+        grads: tuple[torch.Tensor | None, ...],
+        slots: RunSlots | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
         """A run's node: packs its leaves' gradients in one copy, where the hooks left them.
 
@@ -182,13 +188,18 @@ class Step:
         ``batched``) the hooks pass the gradients on and the node packs them
         here: one multi-tensor copy for the run instead of a Python call and
         a copy per leaf. The plain case (a first, dense gradient, no
-        ``.grad`` to fold) is batched; any other leaf takes :meth:`_one`.
-        Otherwise the hooks packed already, and the gradients pass on as
-        they are.
+        ``.grad`` to fold) is batched, for a whole run at once where every
+        leaf is plain (``slots``: ``fdp/_ddp/_runs.py``); any other leaf
+        takes :meth:`_one`. Otherwise the hooks packed already, and the
+        gradients pass on as they are.
         """
         if not self.batched or torch.is_grad_enabled():
             return grads
         with self.lock, _compat.functorch_disabled():
+            if slots is not None:
+                state = self.buckets[slots.bucket]
+                if slots.plain(state, grads, self.leaves, returned=self.returned):
+                    return self._run_at_once(slots, state, grads)  # type: ignore[arg-type]
             out = list(grads)
             views: list[torch.Tensor] = []
             sources: list[torch.Tensor] = []
@@ -217,9 +228,23 @@ class Step:
                 # into_bucket's alias (.grad is None already), or the gradient returned
                 out[pos] = view.detach()
             if views:
-                _pack_run(views, sources, self.prescale)
+                pack_run(views, sources, self.prescale)
                 self._launch_complete()
             return tuple(out)
+
+    def _run_at_once(
+        self, slots: RunSlots, state: InFlight, grads: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        """:meth:`on_run`'s loop for a run of plain leaves (``slots.plain``), in C calls."""
+        if state.flat is None:
+            self._flat(slots.bucket)
+        views = slots.views(state.views)
+        state.filled.update(slots.indices)
+        self.used.update(slots.indices)
+        pack_run(views, grads, self.prescale)
+        self._launch_complete()
+        # into_bucket's aliases (.grad is None already), or the gradients returned
+        return tuple(map(_DETACH, views))
 
     def decide(self, i: int) -> bool:
         """At the backward's first hook: whether it returns the gradients (else accumulates)."""
@@ -433,22 +458,6 @@ class Step:
                 # Most already hold the alias into_bucket gave the engine: kept.
                 if grad is None or grad.layout is not strided or grad.data_ptr() != view.data_ptr():
                     leaf.grad = view.detach()
-
-
-def _pack_run(views: list[torch.Tensor], grads: list[torch.Tensor], scale: float) -> None:
-    """``views[i] = grads[i] * scale``, in as few calls as memory traffic allows.
-
-    A run of several leaves is at most 1 MiB (Note [one node a run]): a
-    multi-tensor copy, then a multi-tensor scale while it is in cache. A
-    larger leaf is a run of its own: one multiply, one pass over memory
-    (``_foreach_mul``'s ``out=`` form computes into a temporary: two).
-    """
-    if len(views) == 1:
-        torch.mul(grads[0], scale, out=views[0])
-        return
-    _compat.foreach_copy_(views, grads)
-    if scale != 1.0:
-        _compat.foreach_mul_(views, scale)
 
 
 def _pack_old(view: torch.Tensor, old: torch.Tensor | None, scale: float) -> None:
