@@ -342,8 +342,9 @@ class Step:
         flat = self._flat(k)
         bucket = self.reduction.layout.buckets[k]
         bucket.zero_pads(flat)
-        for j, i in enumerate(bucket.indices):
-            if i in self.buckets[k].filled:
+        filled = self.buckets[k].filled  # of bucket.indices: all of them, as a rule
+        for j, i in enumerate(bucket.indices if len(filled) < len(bucket.indices) else ()):
+            if i in filled:
                 continue
             leaf = self.leaves[i]
             old = None if self.returned or not leaf.requires_grad else leaf.grad
