@@ -730,7 +730,9 @@ def test_a_repointed_gradient_leaves_the_next_steps_buckets_alone(how: str, caps
                 torch.testing.assert_close(grads_[key], p.grad, **TOL, msg=f"step {step} {key}")
 
 
-def _runs_packed(rank: int, size: int, how: str) -> tuple[dict[str, torch.Tensor], list[int]]:
+def _runs_packed(
+    rank: int, size: int, how: str
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]:
     from fdp._ddp import _step
 
     at_once: list[int] = []
@@ -749,13 +751,14 @@ def _runs_packed(rank: int, size: int, how: str) -> tuple[dict[str, torch.Tensor
             return run_loss(ddp(p), rank)
 
         if how == "backward":
-            torch.autograd.backward(loss(params))
+            value = loss(params)
+            torch.autograd.backward(value)
             grads = {k: v.grad for k, v in params.items()}
         else:
-            grads = fdp.grad(loss)(params)
+            grads, value = fdp.grad_and_value(loss)(params)
     finally:
         _step.Step._run_at_once = real  # type: ignore[method-assign]
-    return grads, at_once  # type: ignore[return-value]
+    return grads, value.detach(), at_once  # type: ignore[return-value]
 
 
 def run_params() -> dict[str, torch.Tensor]:
@@ -774,8 +777,10 @@ def test_a_run_of_plain_leaves_is_packed_at_once(how: str) -> None:
     # The common case skips the per-leaf loop (fdp/_ddp/_runs.py); same gradients.
     size = 2
     params = run_params()
-    torch.autograd.backward(sum(run_loss(params, r) for r in range(size)) / size)  # type: ignore[arg-type]
-    for grads, at_once in ranks.world(size).run(_runs_packed, how):
+    losses = [run_loss(params, r) for r in range(size)]
+    torch.autograd.backward(torch.stack(losses).sum() / size)
+    for rank, (grads, value, at_once) in enumerate(ranks.world(size).run(_runs_packed, how)):
         assert at_once == [3]
+        torch.testing.assert_close(value, losses[rank].detach(), **TOL)
         for name, p in params.items():
             torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)

@@ -7,7 +7,8 @@ import gc
 import inspect
 import threading
 import weakref
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import pytest
 import torch
@@ -327,6 +328,42 @@ def test_a_replica_that_raises_leaves_the_module_unchanged() -> None:
     assert (net.flag, net.calls) == (True, 0)  # as DataParallel: nothing of a failed call lands
 
 
+M = TypeVar("M", bound=nn.Module)
+
+
+def with_reference(make: Callable[[], M]) -> tuple[M, M, Any, dict[str, torch.Tensor]]:
+    """A seeded module, a deep copy of it to call directly, and the module's function and state."""
+    torch.manual_seed(0)
+    net = make()
+    reference = copy.deepcopy(net)
+    fn, state = fdp.make_functional(net)
+    return net, reference, fn, state
+
+
+def call_where(where: str, fn: Any, state: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
+    """``fn(state, x)``: directly, over two CPU replicas ("dp2"), or on halves ("apply")."""
+    if where == "direct":
+        return fn(state, x)
+    if where == "dp2":
+        return fdp.data_parallel(fn, state, x, devices=["cpu", "cpu"])
+    half = x.shape[0] // 2
+    outs = fdp.parallel_apply(fn, [state, state], [(x[:half],), (x[half:],)])
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs)
+    return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
+
+
+def assert_same_grads(
+    net: nn.Module, reference: nn.Module, loss: torch.Tensor, reference_loss: torch.Tensor
+) -> None:
+    """Both losses' gradients, on ``net``'s and ``reference``'s parameters, agree."""
+    torch.autograd.backward(loss)
+    torch.autograd.backward(reference_loss)
+    for (name, p), q in zip(net.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 class Renaming(nn.Module):
     """Moves a value from one attribute to a new one: same value, same place, new name."""
 
@@ -346,16 +383,9 @@ class Renaming(nn.Module):
 @pytest.mark.parametrize("where", ["direct", "dp2"])
 def test_a_renamed_attribute_reaches_the_module(where: str) -> None:
     # The shell's dict keeps its length and its values in order: only the key tells.
-    torch.manual_seed(0)
-    net = Renaming()
-    ref = copy.deepcopy(net)
-    fn, state = fdp.make_functional(net)
+    net, ref, fn, state = with_reference(Renaming)
     x = torch.randn(4, 3)
-    if where == "direct":
-        out = fn(state, x)
-    else:
-        out = fdp.data_parallel(fn, state, x, devices=["cpu", "cpu"])
-    torch.testing.assert_close(out, ref(x))
+    torch.testing.assert_close(call_where(where, fn, state, x), ref(x))
     assert not hasattr(net, "first")
     assert not hasattr(ref, "first")
     assert net.second == ref.second == ("a", "value")
@@ -514,22 +544,14 @@ def test_a_call_changes_a_module_as_one_direct_call_does(where: str) -> None:
     # Before: the replicas shared the module's hook dicts, so each installed the
     # hook ("replicas returned different structures") and the module kept two.
     # A direct call shares them (the hook lands on the module at once).
-    torch.manual_seed(0)
-    net = Recording()
-    reference = copy.deepcopy(net)
-    fn, state = fdp.make_functional(net)
+    net, reference, fn, state = with_reference(Recording)
     x = torch.randn(6, 4)
-    if where == "direct":
-        out = fn(state, x)
-    elif where == "apply":
-        halves = fdp.parallel_apply(fn, [state, state], [(x[:3],), (x[3:],)])
-        out = tuple(torch.cat(parts) for parts in zip(*halves, strict=True))
-    else:
-        out = fdp.data_parallel(fn, state, x, devices=["cpu", "cpu"])
+    out = call_where(where, fn, state, x)
     want = reference(x)
     assert len(out) == len(want) == 2
     for got, expected in zip(out, want, strict=True):
         torch.testing.assert_close(got, expected)
+    assert_same_grads(net, reference, sum(o.sum() for o in out), sum(o.sum() for o in want))
     assert len(net.a._forward_hooks) == 1
     assert net.installed
     for got, expected in zip(net(x), reference(x), strict=True):  # later direct calls agree
@@ -550,8 +572,11 @@ def test_a_direct_call_that_raises_leaves_what_a_module_call_leaves() -> None:
     assert len(net.a._forward_hooks) == len(reference.a._forward_hooks) == 1
     assert net.installed is reference.installed is True  # so the next call installs none
     y = torch.full((3, 4), -1.0)
-    for got, expected in zip(fn(state, y), reference(y), strict=True):
+    out, want = fn(state, y), reference(y)
+    assert len(out) == len(want) == 2  # the one hook recorded once
+    for got, expected in zip(out, want, strict=True):
         torch.testing.assert_close(got, expected)
+    assert_same_grads(net, reference, sum(o.sum() for o in out), sum(o.sum() for o in want))
 
 
 def test_a_data_parallel_call_that_raises_changes_nothing() -> None:

@@ -70,9 +70,6 @@ def alias_runs(layout: Layout) -> dict[int, int]:
     return runs
 
 
-_UNSEEN: Any = object()  # a run the reducer has not made slots for yet
-
-
 class Reducer:
     """Arms ``ddp(params)`` calls; each backward through an armed output is reduced once.
 
@@ -158,10 +155,9 @@ class Reducer:
                 end += 1
             device = layout.buckets[layout.where[hooked[start]][0]].device
             indices = tuple(hooked[start:end])
-            slots = self.slots.get(indices, _UNSEEN)
-            if slots is _UNSEEN:
-                slots = self.slots[indices] = RunSlots.of(layout, indices)
-            part = _Run(call, indices, slots)
+            if indices not in self.slots:
+                self.slots[indices] = RunSlots.of(layout, indices)
+            part = _Run(call, indices, self.slots[indices])
             made = _APPLY_ALIASES(part, self.probes[device], *[leaves[i] for i in part.indices])
             _compat.run_early(made[0])
             aliases.extend(made)
