@@ -2,7 +2,9 @@
 
 Each eager call runs on a *shell*: a copy of the module tree, made at the
 call from each module's current ``__dict__``, that shares every tensor but
-owns its ``_parameters``, ``_buffers`` and ``_modules`` dicts. The call's
+owns its ``_parameters``, ``_buffers`` and ``_modules`` dicts. Outside a
+replica, a subtree without parameters or buffers (dropout, an activation)
+runs as itself: no tensor of the call goes there. The call's
 tensors are installed in the shell and stay there: autograd saved-tensor
 recomputation (non-reentrant activation checkpointing) that runs the shell's
 layers again during backward finds the same tensors the forward used, not
@@ -64,8 +66,8 @@ _Slot = tuple[dict[str, Any], str, Any]
 class _Walk:
     """One call's shells and slots, made in one walk of the module tree.
 
-    ``pairs``: ``(module, shell)`` for every module, the root first (each
-    module once); ``slots``: every name of a parameter or buffer, tied and
+    ``pairs``: ``(module, shell)`` for every module with a shell, the root
+    first (each module once); ``slots``: every name of a parameter or buffer, tied and
     shared ones included (``named_modules(remove_duplicate=False)``), with
     its shell's dict, key, and the module's tensor.
     """
@@ -82,27 +84,49 @@ class _Walk:
         # shells share the module's, as a module call registers on the module.
         self.copied = copied
 
-    def visit(self, m: nn.Module, prefix: str) -> nn.Module:
-        """``m``'s shell (made at its first visit), its subtree's and its names' slots."""
+    def visit(self, m: nn.Module, prefix: str, *, root: bool = False) -> nn.Module:
+        """``m``'s shell (made at its first visit), its subtree's and its names' slots.
+
+        Outside a replica a subtree without parameters or buffers (dropout,
+        activations) gets no shell: it runs as itself, as in a module call,
+        since no tensor of the call is installed there (a third of GPT-2's
+        modules).
+        """
         shell = self.shells.get(id(m))
-        made = shell is None
-        if shell is None:
-            shell = self.shells[id(m)] = self._shell(m)
-            self.pairs.append((m, shell))
-        attrs, slots = shell.__dict__, self.slots
         dot = f"{prefix}." if prefix else ""
-        params, buffers = attrs["_parameters"], attrs["_buffers"]
-        for key, param in m._parameters.items():
-            slots[dot + key] = (params, key, param)
-        for key, buffer in m._buffers.items():
-            slots[dot + key] = (buffers, key, buffer)
         children = {
             name: None if child is None else self.visit(child, dot + name)
             for name, child in m._modules.items()
         }
-        if made:
-            attrs["_modules"] = children
+        if shell is None:
+            if not root and self._bare(m, children):
+                self.shells[id(m)] = m
+                return m
+            shell = self.shells[id(m)] = self._shell(m)
+            shell.__dict__["_modules"] = children
+            self.pairs.append((m, shell))
+        if shell is not m:
+            attrs, slots = shell.__dict__, self.slots
+            params, buffers = attrs["_parameters"], attrs["_buffers"]
+            for key, param in m._parameters.items():
+                slots[dot + key] = (params, key, param)
+            for key, buffer in m._buffers.items():
+                slots[dot + key] = (buffers, key, buffer)
         return shell
+
+    def _bare(self, m: nn.Module, children: dict[str, nn.Module | None]) -> bool:
+        """Whether ``m`` runs as itself: no tensors in its subtree, outside a replica.
+
+        A name registered as None counts as a tensor: a batch norm without
+        statistics or affine weights keeps its shell, which ``sync_batch_norm``
+        swaps the class of.
+        """
+        return (
+            not self.copied
+            and not m._parameters
+            and not m._buffers
+            and all(map(operator.is_, children.values(), m._modules.values()))
+        )
 
     def _shell(self, m: nn.Module) -> nn.Module:
         shell = object.__new__(type(m))
@@ -124,14 +148,17 @@ class _Walk:
             attrs["_backward_hooks"] = {
                 key: _KeepAlive(hook, shell) for key, hook in m._backward_hooks.items()
             }
-            self.kept.append(len(self.pairs))  # the index visit gives this shell
+            self.kept.append(len(self.pairs))  # the index visit gives it (reversed in _shells)
         return shell
 
 
 def _shells(module: nn.Module, *, sync_batch_norm: bool, group: Any, copied: bool) -> _Walk:
     """The call's shells of every module of the tree, and the slots of every tensor name."""
     walk = _Walk(sync_batch_norm=sync_batch_norm, group=group, copied=copied)
-    walk.visit(module, "")
+    walk.visit(module, "", root=True)
+    # Children are shelled before their parent: the root first, as callers read pairs.
+    walk.pairs.reverse()
+    walk.kept = [len(walk.pairs) - 1 - index for index in walk.kept]
     return walk
 
 
@@ -332,8 +359,10 @@ def make_functional(
     call that raises changes nothing; a direct call that raises leaves what
     its forward changed before the error, as ``module(x)`` does. Hooks
     registered on the module run, with the call's shell as their ``module``
-    argument; a hook the forward registers lands on the module (replica
-    0's, under ``data_parallel``).
+    argument (outside ``data_parallel``, a submodule without parameters or
+    buffers in its subtree runs as itself, as in a module call); a hook the
+    forward registers lands on the module (replica 0's, under
+    ``data_parallel``).
 
     With ``sync_batch_norm=True`` the module's ``BatchNorm1d/2d/3d`` layers
     normalise with :func:`fdp.sync_batch_norm` over the batches of every rank

@@ -588,3 +588,46 @@ def test_a_data_parallel_call_that_raises_changes_nothing() -> None:
         fdp.data_parallel(fn, state, x, devices=["cpu", "cpu"])
     assert len(net.a._forward_hooks) == 0
     assert not net.installed
+
+
+class Counted(nn.Module):
+    """No tensors of its own or below: counts its calls (a plain attribute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(x)
+
+
+class WithBare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.act = nn.Sequential(Counted(), nn.Dropout(0.0))  # a subtree without tensors
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.act(self.a(x)))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("where", ["direct", "dp2", "apply"])
+def test_a_subtree_without_tensors_runs_as_itself_outside_a_replica(where: str) -> None:
+    # Directly, the module itself runs there, as in net(x): its hooks see it. A
+    # replica's runs on a shell (as every module with tensors), so that the
+    # module changes once, with replica 0's changes.
+    net, reference, fn, state = with_reference(WithBare)
+    seen: dict[str, list[nn.Module]] = {"a": [], "counted": []}
+    net.a.register_forward_hook(lambda m, i, o: seen["a"].append(m))
+    net.act[0].register_forward_hook(lambda m, i, o: seen["counted"].append(m))
+    x = torch.randn(6, 4)
+    out, want = call_where(where, fn, state, x), reference(x)
+    torch.testing.assert_close(out, want)
+    assert_same_grads(net, reference, out.square().sum(), want.square().sum())
+    assert net.act[0].calls == reference.act[0].calls == 1
+    assert len(seen["counted"]) == len(seen["a"]) == (1 if where == "direct" else 2)
+    assert all(m is not net.a for m in seen["a"])  # shells, whatever the call
+    ran_itself = [m is net.act[0] for m in seen["counted"]]
+    assert ran_itself == ([True] if where == "direct" else [False, False])

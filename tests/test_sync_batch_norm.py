@@ -170,6 +170,9 @@ def conv_net() -> torch.nn.Module:
         torch.nn.Flatten(),
         torch.nn.Linear(6 * 2 * 3, 3),
         torch.nn.BatchNorm1d(3),
+        # Its tensors are None, yet synced: make_functional runs only a
+        # subtree without registered names as itself.
+        torch.nn.Sequential(torch.nn.BatchNorm1d(3, affine=False, track_running_stats=False)),
     )
 
 
