@@ -307,6 +307,7 @@ def bench(session: nox.Session) -> None:
     script("fsdp_memory.py", "--plot", "docs/figures/memory_per_rank.png", compiles=True)
     script("bench_models.py")
     script("bench_models_step.py", compiles=True)
+    script("bench_ddp_phases.py")
     script("bench_compile_time.py")  # caches of its own: cold, then warm
     script("bench_muon.py")
     script("bench_diloco.py")

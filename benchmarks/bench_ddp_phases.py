@@ -1,0 +1,173 @@
+"""Where a DDP step's time goes: forward, backward and optimizer, torch DDP against fdp DDP.
+
+The same Hugging Face models as ``bench_models_step.py`` (GPT-2 and Llama
+from configs, 2 gloo ranks, one intra-op thread each, glibc's allocator at
+its defaults, as there), three ways, each step split into its phases:
+
+- the module alone: ``model(...).loss.backward()``, no communication;
+- torch DDP: ``DistributedDataParallel(model)``;
+- fdp DDP: ``fn(ddp(state))`` (``make_functional``), ``loss.backward()``.
+
+Each takes ``torch.optim.AdamW(foreach=True)``. Every round runs one step
+of each, in rotating order, after a barrier; the figures are medians over
+rounds, and the differences (fdp DDP minus torch DDP, and each DDP minus the
+module alone) are medians of each round's difference. What the backward
+adds over the module alone is the reduction: packing the gradients, the
+all-reduces (gloo on this machine's two cores) and the wait for the last
+bucket, which nothing overlaps.
+
+    python benchmarks/bench_ddp_phases.py [--quick] [--models gpt2,llama]
+
+The last line is one JSON object: ``{"rows": [...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import results
+import torch
+import torch.distributed as dist
+from bench_models_step import batch, build, received
+
+import fdp
+
+SIZE = 2
+PHASES = ("forward", "backward", "optimizer")
+Phased = Callable[[], tuple[float, float, float]]
+
+
+def phased(forward: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> Phased:
+    """A training step that returns the seconds of its forward, backward and optimizer step."""
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    clock = time.perf_counter
+
+    def step() -> tuple[float, float, float]:
+        start = clock()
+        loss = forward()
+        forwarded = clock()
+        torch.autograd.backward(loss)
+        backwarded = clock()
+        opt.step()
+        opt.zero_grad()
+        return forwarded - start, backwarded - forwarded, clock() - backwarded
+
+    return step
+
+
+def methods(name: str, ids: torch.Tensor) -> dict[str, Phased]:
+    alone = build(name)
+    model = build(name)
+    ddp: Any = torch.nn.parallel.DistributedDataParallel(model)
+    fn, state = fdp.make_functional(build(name))
+    fdp_ddp = fdp.DistributedDataParallel(state)
+    trained = [t for t in state.values() if t.requires_grad]
+    return {
+        "module alone": phased(
+            lambda: alone(input_ids=ids, labels=ids).loss, list(alone.parameters())
+        ),
+        "torch DDP": phased(lambda: ddp(input_ids=ids, labels=ids).loss, list(model.parameters())),
+        "fdp DDP": phased(lambda: fn(fdp_ddp(state), input_ids=ids, labels=ids).loss, trained),
+    }
+
+
+def measure(rank: int, name: str, rounds: int) -> dict[str, list[tuple[float, float, float]]]:
+    steps = methods(name, batch(rank))
+    names = list(steps)
+    times: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
+    for r in range(rounds + 3):  # the first three rounds warm up
+        for j in range(len(names)):
+            method = names[(r + j) % len(names)]
+            dist.barrier()
+            phases = steps[method]()
+            if r >= 3:
+                times[method].append(phases)
+    return times
+
+
+def serve(rank: int, size: int, port: int, args: Any, out: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+        timeout=datetime.timedelta(seconds=900),
+    )  # fmt: skip
+    try:
+        for name in args.models:
+            got = measure(rank, name, args.rounds)
+            if rank == 0:
+                out.put((name, got))
+    finally:
+        dist.destroy_process_group()
+
+
+def _median_ms(values: list[float]) -> float:
+    return round(statistics.median(values) * 1e3, 2)
+
+
+def rows_of(name: str, times: dict[str, list[tuple[float, float, float]]]) -> list[dict[str, Any]]:
+    """Each method's phases, then each comparison's per-round differences."""
+    rows = []
+    for method, steps in times.items():
+        row = {"model": name, "ranks": SIZE, "method": method}
+        for p, phase in enumerate(PHASES):
+            row[f"{phase}_ms"] = _median_ms([s[p] for s in steps])
+        row["step_ms"] = _median_ms([sum(s) for s in steps])
+        rows.append(row)
+    for method, reference in (
+        ("fdp DDP", "torch DDP"),
+        ("torch DDP", "module alone"),
+        ("fdp DDP", "module alone"),
+    ):
+        pairs = list(zip(times[method], times[reference], strict=True))
+        row = {"model": name, "ranks": SIZE, "method": f"{method} minus {reference}"}
+        for p, phase in enumerate(PHASES):
+            row[f"{phase}_ms"] = _median_ms([a[p] - b[p] for a, b in pairs])
+        row["step_ms"] = _median_ms([sum(a) - sum(b) for a, b in pairs])
+        rows.append(row)
+    return rows
+
+
+def figures(row: dict[str, Any]) -> dict[str, float]:
+    """One row's figures, as ``gpt2.fdp_ddp_minus_torch_ddp.backward_ms``."""
+    prefix = f"{row['model']}.{results.slug(row['method'])}"
+    keys = [f"{phase}_ms" for phase in PHASES] + ["step_ms"]
+    return {f"{prefix}.{k}": row[k] for k in keys}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--models", default="gpt2,llama", type=lambda s: s.split(","))
+    args, _ = parser.parse_known_args()  # nox -s bench passes every script the same flags
+    args.rounds = 15 if args.quick else 100
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = 29500 + os.getpid() % 1000
+    procs = [ctx.Process(target=serve, args=(r, SIZE, port, args, out)) for r in range(SIZE)]
+    for p in procs:
+        p.start()
+    rows: list[dict[str, Any]] = []
+    for _ in args.models:
+        rows += rows_of(*received(out, procs))
+    for p in procs:
+        p.join(120)
+    for row in rows:
+        sign = "+" if " minus " in row["method"] else ""
+        phases = "  ".join(f"{phase} {row[f'{phase}_ms']:{sign}7.2f}" for phase in PHASES)
+        print(f"{row['model']} {row['method']:>28}: {phases}  step {row['step_ms']:{sign}7.2f} ms",
+              file=sys.stderr)  # fmt: skip
+    print(json.dumps({"rows": rows}))
+    results.record("bench_ddp_phases", {k: v for row in rows for k, v in figures(row).items()})
+
+
+if __name__ == "__main__":
+    main()
