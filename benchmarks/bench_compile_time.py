@@ -26,7 +26,6 @@ The methods, each as ``bench_models_step.py`` compiles it (its functions):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -39,7 +38,7 @@ from typing import Any
 import results
 import torch
 import torch.distributed as dist
-from bench_models_step import batch, build, fdp_ddp_torch_optim, fdp_pure, torch_ddp
+from bench_models_step import batch, build, fdp_ddp_torch_optim, fdp_pure, join_group, torch_ddp
 from timing import run_ranks
 
 import fdp
@@ -82,11 +81,7 @@ MAKERS: dict[str, Callable[[str, torch.Tensor], Callable[[], None]]] = {
 
 def first_step(rank: int, size: int, port: int, name: str, method: str, out: str) -> None:
     """Rank ``rank``'s first step of ``method``: the slower rank's seconds go to ``out``."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-        timeout=datetime.timedelta(seconds=900),
-    )  # fmt: skip
+    join_group(rank, size, port)
     try:
         step = MAKERS[method](name, batch(rank))
         dist.barrier()

@@ -24,10 +24,7 @@ The last line is one JSON object: ``{"rows": [...]}``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
@@ -37,11 +34,10 @@ from typing import Any
 import results
 import torch
 import torch.distributed as dist
-from bench_models_step import batch, build, received
+from bench_models_step import SIZE, batch, build, join_group, over_ranks
 
 import fdp
 
-SIZE = 2
 PHASES = ("forward", "backward", "optimizer")
 Phased = Callable[[], tuple[float, float, float]]
 
@@ -95,11 +91,7 @@ def measure(rank: int, name: str, rounds: int) -> dict[str, list[tuple[float, fl
 
 
 def serve(rank: int, size: int, port: int, args: Any, out: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-        timeout=datetime.timedelta(seconds=900),
-    )  # fmt: skip
+    join_group(rank, size, port)
     try:
         for name in args.models:
             got = measure(rank, name, args.rounds)
@@ -149,17 +141,7 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2,llama", type=lambda s: s.split(","))
     args, _ = parser.parse_known_args()  # nox -s bench passes every script the same flags
     args.rounds = 15 if args.quick else 100
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = 29500 + os.getpid() % 1000
-    procs = [ctx.Process(target=serve, args=(r, SIZE, port, args, out)) for r in range(SIZE)]
-    for p in procs:
-        p.start()
-    rows: list[dict[str, Any]] = []
-    for _ in args.models:
-        rows += rows_of(*received(out, procs))
-    for p in procs:
-        p.join(120)
+    rows = [row for got in over_ranks(serve, args) for row in rows_of(*got)]
     for row in rows:
         sign = "+" if " minus " in row["method"] else ""
         phases = "  ".join(f"{phase} {row[f'{phase}_ms']:{sign}7.2f}" for phase in PHASES)

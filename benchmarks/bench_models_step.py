@@ -213,12 +213,17 @@ def measure(rank: int, name: str, rounds: int) -> dict[str, float]:
     return times | interleaved(parts, rounds=rounds, repeats=3)
 
 
-def serve(rank: int, size: int, port: int, args: Any, out: Any) -> None:
+def join_group(rank: int, size: int, port: int) -> None:
+    """This rank's gloo group on the loopback, one intra-op thread; a hang times out."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=900),
     )  # fmt: skip
+
+
+def serve(rank: int, size: int, port: int, args: Any, out: Any) -> None:
+    join_group(rank, size, port)
     try:
         for name in args.models:
             got = measure(rank, name, args.rounds)
@@ -277,6 +282,21 @@ def figures(row: dict[str, Any]) -> dict[str, float]:
     return {f"{prefix}.{k}": row[k] for k in ("ms", "vs_reference")}
 
 
+def over_ranks(serve: Callable[[int, int, int, Any, Any], None], args: Any) -> list[Any]:
+    """``serve(rank, size, port, args, out)`` on SIZE spawned ranks: what rank 0 puts in
+    ``out``, once for each of ``args.models``."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = 29500 + os.getpid() % 1000
+    procs = [ctx.Process(target=serve, args=(r, SIZE, port, args, out)) for r in range(SIZE)]
+    for p in procs:
+        p.start()
+    got = [received(out, procs) for _ in args.models]
+    for p in procs:
+        p.join(120)
+    return got
+
+
 def received(out: Any, procs: list[Any]) -> Any:
     """The next model's figures from rank 0; exits if a rank died first (no hang)."""
     import queue
@@ -299,17 +319,7 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2,llama", type=lambda s: s.split(","))
     args, _ = parser.parse_known_args()  # nox -s bench passes every script the same flags
     args.rounds = 5 if args.quick else 11
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = 29500 + os.getpid() % 1000
-    procs = [ctx.Process(target=serve, args=(r, SIZE, port, args, out)) for r in range(SIZE)]
-    for p in procs:
-        p.start()
-    rows: list[dict[str, Any]] = []
-    for _ in args.models:
-        rows += rows_of(*received(out, procs))
-    for p in procs:
-        p.join(120)
+    rows = [row for got in over_ranks(serve, args) for row in rows_of(*got)]
     for row in rows:
         print(f"{row['model']} {row['method']:>34}: {row['ms']:8.2f} ms "
               f"({row['vs_reference']:.2f}x)", file=sys.stderr)  # fmt: skip
