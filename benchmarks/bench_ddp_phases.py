@@ -34,7 +34,7 @@ from typing import Any
 import results
 import torch
 import torch.distributed as dist
-from bench_models_step import SIZE, batch, build, join_group, over_ranks
+from bench_models_step import SIZE, batch, build, over_ranks
 
 import fdp
 
@@ -90,17 +90,6 @@ def measure(rank: int, name: str, rounds: int) -> dict[str, list[tuple[float, fl
     return times
 
 
-def serve(rank: int, size: int, port: int, args: Any, out: Any) -> None:
-    join_group(rank, size, port)
-    try:
-        for name in args.models:
-            got = measure(rank, name, args.rounds)
-            if rank == 0:
-                out.put((name, got))
-    finally:
-        dist.destroy_process_group()
-
-
 def _median_ms(values: list[float]) -> float:
     return round(statistics.median(values) * 1e3, 2)
 
@@ -141,7 +130,7 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2,llama", type=lambda s: s.split(","))
     args, _ = parser.parse_known_args()  # nox -s bench passes every script the same flags
     args.rounds = 15 if args.quick else 100
-    rows = [row for got in over_ranks(serve, args) for row in rows_of(*got)]
+    rows = [row for got in over_ranks(measure, args) for row in rows_of(*got)]
     for row in rows:
         sign = "+" if " minus " in row["method"] else ""
         phases = "  ".join(f"{phase} {row[f'{phase}_ms']:{sign}7.2f}" for phase in PHASES)

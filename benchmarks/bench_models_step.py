@@ -213,6 +213,9 @@ def measure(rank: int, name: str, rounds: int) -> dict[str, float]:
     return times | interleaved(parts, rounds=rounds, repeats=3)
 
 
+Measure = Callable[[int, str, int], Any]
+
+
 def join_group(rank: int, size: int, port: int) -> None:
     """This rank's gloo group on the loopback, one intra-op thread; a hang times out."""
     torch.set_num_threads(1)
@@ -222,7 +225,9 @@ def join_group(rank: int, size: int, port: int) -> None:
     )  # fmt: skip
 
 
-def serve(rank: int, size: int, port: int, args: Any, out: Any) -> None:
+def serve(rank: int, size: int, port: int, args: Any, out: Any, measure: Measure) -> None:
+    """One rank: ``measure(rank, model, rounds)`` for each of ``args.models``; rank 0
+    sends each model's figures to ``out``."""
     join_group(rank, size, port)
     try:
         for name in args.models:
@@ -282,13 +287,15 @@ def figures(row: dict[str, Any]) -> dict[str, float]:
     return {f"{prefix}.{k}": row[k] for k in ("ms", "vs_reference")}
 
 
-def over_ranks(serve: Callable[[int, int, int, Any, Any], None], args: Any) -> list[Any]:
-    """``serve(rank, size, port, args, out)`` on SIZE spawned ranks: what rank 0 puts in
-    ``out``, once for each of ``args.models``."""
+def over_ranks(measure: Measure, args: Any) -> list[Any]:
+    """``measure`` on SIZE spawned ranks: rank 0's ``(model, figures)`` for each of
+    ``args.models``."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = 29500 + os.getpid() % 1000
-    procs = [ctx.Process(target=serve, args=(r, SIZE, port, args, out)) for r in range(SIZE)]
+    procs = [
+        ctx.Process(target=serve, args=(r, SIZE, port, args, out, measure)) for r in range(SIZE)
+    ]
     for p in procs:
         p.start()
     got = [received(out, procs) for _ in args.models]
@@ -319,7 +326,7 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2,llama", type=lambda s: s.split(","))
     args, _ = parser.parse_known_args()  # nox -s bench passes every script the same flags
     args.rounds = 5 if args.quick else 11
-    rows = [row for got in over_ranks(serve, args) for row in rows_of(*got)]
+    rows = [row for got in over_ranks(measure, args) for row in rows_of(*got)]
     for row in rows:
         print(f"{row['model']} {row['method']:>34}: {row['ms']:8.2f} ms "
               f"({row['vs_reference']:.2f}x)", file=sys.stderr)  # fmt: skip
