@@ -23,7 +23,6 @@ The last line is one JSON object: ``{"rows": [...]}``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -34,7 +33,7 @@ from typing import Any
 import results
 import torch
 import torch.distributed as dist
-from bench_models_step import SIZE, batch, build, over_ranks
+from bench_models_step import SIZE, batch, build, over_ranks, parsed
 
 import fdp
 
@@ -125,11 +124,7 @@ def figures(row: dict[str, Any]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds")
-    parser.add_argument("--models", default="gpt2,llama", type=lambda s: s.split(","))
-    args, _ = parser.parse_known_args()  # nox -s bench passes every script the same flags
-    args.rounds = 15 if args.quick else 100
+    args = parsed(__doc__, rounds=(15, 100))
     rows = [row for got in over_ranks(measure, args) for row in rows_of(*got)]
     for row in rows:
         sign = "+" if " minus " in row["method"] else ""

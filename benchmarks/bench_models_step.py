@@ -320,12 +320,19 @@ def received(out: Any, procs: list[Any]) -> Any:
     sys.exit(f"a rank failed or timed out: exit codes {[p.exitcode for p in procs]}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parsed(doc: str, *, rounds: tuple[int, int]) -> argparse.Namespace:
+    """The command line every two-rank model benchmark takes; ``rounds`` is
+    (quick, full)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--models", default="gpt2,llama", type=lambda s: s.split(","))
     args, _ = parser.parse_known_args()  # nox -s bench passes every script the same flags
-    args.rounds = 5 if args.quick else 11
+    args.rounds = rounds[0] if args.quick else rounds[1]
+    return args
+
+
+def main() -> None:
+    args = parsed(__doc__, rounds=(5, 11))
     rows = [row for got in over_ranks(measure, args) for row in rows_of(*got)]
     for row in rows:
         print(f"{row['model']} {row['method']:>34}: {row['ms']:8.2f} ms "
