@@ -17,12 +17,18 @@ all-reduces (gloo on this machine's two cores) and the wait for the last
 bucket, which nothing overlaps.
 
     python benchmarks/bench_ddp_phases.py [--quick] [--models gpt2,llama]
+    python benchmarks/bench_ddp_phases.py --bucket-cap-mb 0.5
+
+With ``--bucket-cap-mb``, torch DDP and fdp DDP run again with buckets of
+that many MiB, in the same rotation (each against its default buckets, and
+fdp's against torch's); such a run records nothing.
 
 The last line is one JSON object: ``{"rows": [...]}``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -38,6 +44,7 @@ from bench_models_step import SIZE, batch, build, over_ranks, parsed
 import fdp
 
 PHASES = ("forward", "backward", "optimizer")
+ALONE = "module alone"
 Phased = Callable[[], tuple[float, float, float]]
 
 
@@ -59,24 +66,35 @@ def phased(forward: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> P
     return step
 
 
-def methods(name: str, ids: torch.Tensor) -> dict[str, Phased]:
-    alone = build(name)
+def ddp_pair(name: str, ids: torch.Tensor, **caps: Any) -> tuple[Phased, Phased]:
+    """torch DDP's and fdp DDP's steps, each on a model of its own; ``caps``: bucket sizes."""
     model = build(name)
-    ddp: Any = torch.nn.parallel.DistributedDataParallel(model)
+    ddp: Any = torch.nn.parallel.DistributedDataParallel(model, **caps)
     fn, state = fdp.make_functional(build(name))
-    fdp_ddp = fdp.DistributedDataParallel(state)
+    fdp_ddp = fdp.DistributedDataParallel(state, **caps)
     trained = [t for t in state.values() if t.requires_grad]
-    return {
-        "module alone": phased(
-            lambda: alone(input_ids=ids, labels=ids).loss, list(alone.parameters())
-        ),
-        "torch DDP": phased(lambda: ddp(input_ids=ids, labels=ids).loss, list(model.parameters())),
-        "fdp DDP": phased(lambda: fn(fdp_ddp(state), input_ids=ids, labels=ids).loss, trained),
-    }
+    return (
+        phased(lambda: ddp(input_ids=ids, labels=ids).loss, list(model.parameters())),
+        phased(lambda: fn(fdp_ddp(state), input_ids=ids, labels=ids).loss, trained),
+    )
 
 
-def measure(rank: int, name: str, rounds: int) -> dict[str, list[tuple[float, float, float]]]:
-    steps = methods(name, batch(rank))
+def methods(name: str, ids: torch.Tensor, cap: float | None) -> dict[str, Phased]:
+    """The three steps; with ``cap``, both DDPs again with buckets of ``cap`` MiB."""
+    alone = build(name)
+    steps = {ALONE: phased(
+        lambda: alone(input_ids=ids, labels=ids).loss, list(alone.parameters())
+    )}  # fmt: skip
+    steps["torch DDP"], steps["fdp DDP"] = ddp_pair(name, ids)
+    if cap is not None:
+        capped = ddp_pair(name, ids, bucket_cap_mb=cap)
+        steps[f"torch DDP {cap} MiB"], steps[f"fdp DDP {cap} MiB"] = capped
+    return steps
+
+
+def measure(rank: int, name: str, args: Any) -> dict[str, list[tuple[float, float, float]]]:
+    rounds = args.rounds
+    steps = methods(name, batch(rank), args.bucket_cap_mb)
     names = list(steps)
     times: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
     for r in range(rounds + 3):  # the first three rounds warm up
@@ -102,11 +120,11 @@ def rows_of(name: str, times: dict[str, list[tuple[float, float, float]]]) -> li
             row[f"{phase}_ms"] = _median_ms([s[p] for s in steps])
         row["step_ms"] = _median_ms([sum(s) for s in steps])
         rows.append(row)
-    for method, reference in (
-        ("fdp DDP", "torch DDP"),
-        ("torch DDP", "module alone"),
-        ("fdp DDP", "module alone"),
-    ):
+    compared = [("fdp DDP", "torch DDP"), ("torch DDP", ALONE), ("fdp DDP", ALONE)]
+    capped = [m for m in times if m.endswith(" MiB")]  # torch's, then fdp's
+    if capped:
+        compared += [(capped[0], "torch DDP"), (capped[1], "fdp DDP"), (capped[1], capped[0])]
+    for method, reference in compared:
         pairs = list(zip(times[method], times[reference], strict=True))
         row = {"model": name, "ranks": SIZE, "method": f"{method} minus {reference}"}
         for p, phase in enumerate(PHASES):
@@ -125,13 +143,18 @@ def figures(row: dict[str, Any]) -> dict[str, float]:
 
 def main() -> None:
     args = parsed(__doc__, rounds=(15, 100))
+    extra = argparse.ArgumentParser()
+    extra.add_argument("--bucket-cap-mb", type=float, default=None)
+    args.bucket_cap_mb = extra.parse_known_args()[0].bucket_cap_mb
     rows = [row for got in over_ranks(measure, args) for row in rows_of(*got)]
     for row in rows:
         sign = "+" if " minus " in row["method"] else ""
         phases = "  ".join(f"{phase} {row[f'{phase}_ms']:{sign}7.2f}" for phase in PHASES)
-        print(f"{row['model']} {row['method']:>28}: {phases}  step {row['step_ms']:{sign}7.2f} ms",
+        print(f"{row['model']} {row['method']:>34}: {phases}  step {row['step_ms']:{sign}7.2f} ms",
               file=sys.stderr)  # fmt: skip
     print(json.dumps({"rows": rows}))
+    if args.bucket_cap_mb is not None:  # an experiment: the record is the default run's
+        return
     results.record("bench_ddp_phases", {k: v for row in rows for k, v in figures(row).items()})
 
 

@@ -197,7 +197,8 @@ def local_parts(name: str, ids: torch.Tensor) -> dict[str, Step]:
     }
 
 
-def measure(rank: int, name: str, rounds: int) -> dict[str, float]:
+def measure(rank: int, name: str, args: Any) -> dict[str, float]:
+    rounds = args.rounds
     ids = batch(rank)
     steps: dict[str, Step] = {}
     for method, make in methods(name, ids).items():
@@ -213,7 +214,7 @@ def measure(rank: int, name: str, rounds: int) -> dict[str, float]:
     return times | interleaved(parts, rounds=rounds, repeats=3)
 
 
-Measure = Callable[[int, str, int], Any]
+Measure = Callable[[int, str, Any], Any]  # (rank, model, the parsed command line)
 
 
 def join_group(rank: int, size: int, port: int) -> None:
@@ -226,12 +227,12 @@ def join_group(rank: int, size: int, port: int) -> None:
 
 
 def serve(rank: int, size: int, port: int, args: Any, out: Any, measure: Measure) -> None:
-    """One rank: ``measure(rank, model, rounds)`` for each of ``args.models``; rank 0
+    """One rank: ``measure(rank, model, args)`` for each of ``args.models``; rank 0
     sends each model's figures to ``out``."""
     join_group(rank, size, port)
     try:
         for name in args.models:
-            got = measure(rank, name, args.rounds)
+            got = measure(rank, name, args)
             if rank == 0:
                 out.put((name, got))
     finally:
