@@ -333,6 +333,61 @@ def test_no_sync_accumulates_locally_then_reduces_the_total() -> None:
         tree_allclose(synced, average, **TOL)
 
 
+def _mixed_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    # w first: the last bucket (buckets follow the insertion order backwards);
+    # a and b: one run of the first bucket, which launches before backward ends.
+    shapes = {"w": (64,), "a": (16,), "b": (16,)}
+    return {k: torch.randn(*s, generator=g).requires_grad_() for k, s in shapes.items()}
+
+
+def _mixed_losses(params: Any, x: torch.Tensor, accumulated: str) -> list[torch.Tensor]:
+    w = params["w"].sum()
+    return [
+        (params[accumulated] * x).sum() * w,
+        ((params["a"] * x).sum() ** 2 + (params["b"] * x * 2).sum() ** 2) * w,
+    ]
+
+
+def _snapshot_hook(group: Any, bucket: fdp.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Reads the bucket when it launches: a slot packed later would be missed."""
+    averaged = bucket.buffer() / dist.get_world_size(group)
+    dist.all_reduce(averaged, group=group)
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(averaged)
+    return done
+
+
+def _mixed_run(rank: int, size: int, accumulated: str) -> Any:
+    """One alias run: one leaf carries a ``.grad`` from ``no_sync``, the other none."""
+    params = _mixed_params()
+    ddp = fdp.DistributedDataParallel(params, comm_hook=_snapshot_hook, **SMALL)
+    buckets = [list(b.indices) for b in ddp._layout.buckets]
+    x = torch.arange(1.0, 17.0) * (rank + 1)
+    with ddp.no_sync():
+        torch.autograd.backward(_mixed_losses(ddp(params), x, accumulated)[0])
+    torch.autograd.backward(_mixed_losses(ddp(params), x, accumulated)[1])
+    return buckets, {k: v.grad for k, v in params.items()}
+
+
+@pytest.mark.parametrize("accumulated", ["a", "b"])
+def test_a_run_with_one_leaf_accumulated_under_no_sync(accumulated: str) -> None:
+    """Each leaf of the run is packed before its bucket launches, whichever comes first."""
+    size = 2
+    results = ranks.world(size).run(_mixed_run, accumulated)
+    totals: list[dict[str, torch.Tensor]] = []
+    for rank in range(size):
+        params = _mixed_params()
+        x = torch.arange(1.0, 17.0) * (rank + 1)
+        for loss in _mixed_losses(params, x, accumulated):
+            torch.autograd.backward(loss)
+        totals.append(grad_tree(params))
+    average = {k: (totals[0][k] + totals[1][k]) / size for k in totals[0]}
+    for buckets, grads in results:
+        assert buckets == [[1, 0], [2]]  # [b, a] launches first (optree sorts the keys)
+        tree_allclose(grads, average, **TOL)
+
+
 def _grads_by_backward_of(
     ddp: fdp.DistributedDataParallel, params: dict[str, torch.Tensor], loss: Any
 ) -> dict[str, torch.Tensor | None]:

@@ -32,6 +32,7 @@ import torch
 from fdp import _bucket, _compat, _mode
 from fdp._bucket import Layout
 from fdp._ddp import _reuse
+from fdp._ddp._hooked import Hooked
 from fdp._ddp._reduction import Reduction
 from fdp._ddp._runs import RunSlots
 from fdp._ddp._step import Step
@@ -84,6 +85,7 @@ class Reducer:
         self.lock = threading.Lock()
         self.runs = alias_runs(reduction.layout)
         self.slots: dict[tuple[int, ...], RunSlots | None] = {}  # made at a run's first arm
+        self.hooked: Hooked | None = None  # the last call's: fdp/_ddp/_hooked.py
         # Per device, a leaf that every alias node takes: see fdp/_ddp/_delivery.py.
         self.probes = {
             b.device: torch.empty(0, device=b.device, requires_grad=True)
@@ -117,7 +119,10 @@ class Reducer:
             again = _reuse.reused(last, leaves, options, hooked)
             if again is not None:
                 return again, last
-        call = _Call(self, leaves, hooked, prescale, always_count, sparse_ok)
+        plan = self.hooked
+        if plan is None or plan.indices != hooked:
+            plan = self.hooked = Hooked.of(self.reduction, hooked)
+        call = _Call(self, leaves, plan, prescale, always_count, sparse_ok)
         # Plain leaves, also inside a transform of the inputs (jvp, vmap):
         # their aliases belong to ordinary autograd, as the leaves do.
         with _compat.functorch_disabled():
@@ -190,7 +195,7 @@ class _Call:
 
     reducer: Reducer
     leaves: list[Any]
-    hooked: list[int]
+    hooked: Hooked
     prescale: float | None
     always_count: bool
     sparse_ok: bool  # the aliases pass sparse gradients on
@@ -216,7 +221,10 @@ class _Run:
     slots: RunSlots | None  # where the run sits, for a run packed at once
 
     def on_run(self, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
-        return self.call.reducer.step(self.call).on_run(self.indices, grads, self.slots)
+        step = self.call.reducer.open  # the lock only to open one, as _Call.on_grad
+        if step is None:
+            step = self.call.reducer.step(self.call)
+        return step.on_run(self.indices, grads, self.slots)
 
 
 class _Aliases(torch.autograd.Function):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ from fdp._comm import _comm_hooks
 from fdp._comm._comm_hooks import CommHook
 from fdp._ddp._delivery import Delivery
 from fdp._ddp._replicas import Replicas
+
+if TYPE_CHECKING:
+    from fdp._ddp._hooked import Hooked
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ class StepState(Protocol):
     reduction: Reduction
     leaves: list[Any]
     hooked: list[int]
+    plan: Hooked  # what every step of these hooked leaves reads: fdp/_ddp/_hooked.py
     buckets: list[InFlight]
     used: set[int]
     late: dict[int, torch.Tensor]

@@ -30,7 +30,7 @@ disabled: the c10d ops are differentiable and would otherwise be recorded
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from fdp._comm import _comm_hooks
 from fdp._comm._comm_hooks import GradBucket
 from fdp._ddp import _delivery, _graphed, _late, _usage
 from fdp._ddp._delivery import Delivery
+from fdp._ddp._hooked import Hooked
 from fdp._ddp._reduction import InFlight, Reduction
 from fdp._ddp._runs import RunSlots, pack_run
 from fdp._ddp._sparse import empty_sparse, reduce_sparse
@@ -55,7 +56,7 @@ class Step:
         self,
         reduction: Reduction,
         leaves: list[Any],
-        hooked: list[int],
+        hooked: Hooked,
         *,
         prescale: float | None = None,
         always_count: bool = False,
@@ -74,8 +75,8 @@ class Step:
         # usage all-reduce on every step, which mirroring ranks answer.
         self.prescale = reduction.prescale if prescale is None else prescale
         self.always_count, self.leaves = always_count, leaves
-        self.buckets = [InFlight() for _ in reduction.layout.buckets]
-        self.hooked = hooked
+        self.buckets = [InFlight(expected=n) for n in hooked.expected]
+        self.plan, self.hooked = hooked, hooked.indices
         self.used: set[int] = set()  # leaves that got a gradient on this rank
         self.sparse: dict[int, torch.Tensor | None] = {}  # sparse here: this backward's
         self.late: dict[int, torch.Tensor] = {}  # past their launch: fdp/_ddp/_late.py
@@ -83,8 +84,6 @@ class Step:
         self.batched = False  # alias nodes pack their runs: see on_run
         self.rides = False  # the usage counts ride the last bucket: _start decides
         self.lock = threading.Lock()
-        for i in hooked:
-            self.buckets[reduction.layout.where[i][0]].expected += 1
 
     @property
     def returned(self) -> bool:
@@ -189,8 +188,8 @@ class Step:
         here: one multi-tensor copy for the run instead of a Python call and
         a copy per leaf. The plain case (a first, dense gradient, no
         ``.grad`` to fold) is batched, for a whole run at once where every
-        leaf is plain (``slots``: ``fdp/_ddp/_runs.py``); any other leaf
-        takes :meth:`_one`. Otherwise the hooks packed already, and the
+        leaf is plain (``slots``: ``fdp/_ddp/_runs.py``); else each leaf
+        takes :meth:`_single`. Otherwise the hooks packed already, and the
         gradients pass on as they are.
         """
         if not self.batched or torch.is_grad_enabled():
@@ -200,37 +199,29 @@ class Step:
                 state = self.buckets[slots.bucket]
                 if slots.plain(state, grads, self.leaves, returned=self.returned):
                     return self._run_at_once(slots, state, grads)  # type: ignore[arg-type]
-            out = list(grads)
-            views: list[torch.Tensor] = []
-            sources: list[torch.Tensor] = []
-            where, buckets, leaves, strided = (
-                self.reduction.layout.where, self.buckets, self.leaves, torch.strided
-            )  # fmt: skip
-            returned = self.returned  # no .grad to fold in; the engine returns the view
-            for pos, i in enumerate(indices):
-                grad, (k, j) = grads[pos], where[i]
-                state = buckets[k]
-                if (
-                    grad is None
-                    or grad.layout is not strided
-                    or i in state.filled
-                    or (not returned and leaves[i].grad is not None)
-                ):
-                    out[pos] = self._one(i, grad)
-                    continue
-                if state.flat is None:
-                    self._flat(k)
-                view = state.views[j]
-                views.append(view)
-                sources.append(grad)
-                state.filled.add(i)
-                self.used.add(i)
-                # into_bucket's alias (.grad is None already), or the gradient returned
-                out[pos] = view.detach()
-            if views:
-                pack_run(views, sources, self.prescale)
-                self._launch_complete()
-            return tuple(out)
+            # Leaf by leaf, each packed before its bucket can launch: a leaf that
+            # takes _one may complete the bucket, which launches at once.
+            return tuple(map(self._single, indices, grads))
+
+    def _single(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """One leaf of a run: a plain gradient (``RunSlots.plain``'s test) packed, else ``_one``."""
+        k, j = self.reduction.layout.where[i]
+        state = self.buckets[k]
+        if (
+            grad is None
+            or grad.layout is not torch.strided
+            or i in state.filled
+            or (not self.returned and self.leaves[i].grad is not None)
+        ):
+            return self._one(i, grad)
+        if state.flat is None:
+            self._flat(k)
+        view = state.views[j]
+        state.filled.add(i)
+        self.used.add(i)
+        pack_run((view,), (grad,), self.prescale)
+        self._launch_complete()
+        return view.detach()
 
     def _run_at_once(
         self, slots: RunSlots, state: InFlight, grads: tuple[torch.Tensor, ...]
@@ -268,7 +259,7 @@ class Step:
         old = None if self.returned else leaf.grad
         self.used.add(i)
         if old is None:
-            torch.mul(_compat.unwrap_functorch(grad), self.prescale, out=view)
+            pack_run((view,), (_compat.unwrap_functorch(grad),), self.prescale)
         else:  # fold what earlier backwards (under no_sync) accumulated
             torch.add(_compat.unwrap_functorch(grad), old, out=view).mul_(self.prescale)
         self._filled(i, k)
@@ -421,7 +412,7 @@ class Step:
         backward: a post-hook on the node that ran the nested backward queues
         it again there.
         """
-        if all(i in self.buckets[self.reduction.layout.where[i][0]].filled for i in self.hooked):
+        if all(map(self._complete, range(len(self.buckets)))):
             return False
         outer = _compat.current_autograd_node()
         if outer is None:
@@ -437,12 +428,15 @@ class Step:
         """Counts, over ranks, which hooked leaves had a gradient (one small all-reduce)."""
         return _usage.launch(self)
 
-    def _hand_out(self, used: list[float], late: float) -> None:
+    def _hand_out(self, used: Sequence[float], late: float) -> None:
         """``.grad`` becomes the reduced view; it stays ``None`` where no rank had one."""
         strided = torch.strided
         if late > 0:
             _late.reduce(self)
         sparse_count = dist.get_world_size(self.reduction.group) + 1
+        if used and min(used) > 0 and max(used) < sparse_count:  # every leaf dense, used
+            self.plan.hand_out_all(self.leaves, self.buckets)
+            return
         sparse = [i for i, count in zip(self.hooked, used, strict=True) if count >= sparse_count]
         for i, count in zip(self.hooked, used, strict=True):
             if count >= sparse_count:
@@ -465,4 +459,4 @@ def _pack_old(view: torch.Tensor, old: torch.Tensor | None, scale: float) -> Non
     if old is None:
         view.zero_()  # unused this step (or frozen): counts as zero
     else:
-        torch.mul(old, scale, out=view)
+        pack_run((view,), (old,), scale)

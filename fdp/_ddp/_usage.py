@@ -12,6 +12,7 @@ of their own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -50,6 +51,9 @@ def launch(step: StepState) -> tuple[torch.Tensor, Any]:
 
 def write(step: StepState, tail: torch.Tensor) -> None:
     """The counts in the last bucket's tail: a slot per bucketed leaf, then late ones."""
+    if not step.sparse and len(step.used) == len(step.hooked) and not step.late:
+        tail.copy_(step.plan.all_used(tail))  # the common step: made once, on the device
+        return
     *mine, late = counts(step)
     values = [0.0] * tail.numel()
     slots = step.reduction.slots
@@ -61,7 +65,7 @@ def write(step: StepState, tail: torch.Tensor) -> None:
 
 def summed(
     step: StepState, usage: tuple[torch.Tensor, Any] | None
-) -> tuple[list[float], float] | None:
+) -> tuple[Sequence[float], float] | None:
     """The counts of the hooked leaves and of late gradients over ranks, once reduced.
 
     From the last bucket's tail where they rode it, else from ``usage``
@@ -72,8 +76,7 @@ def summed(
         if last is None:
             raise RuntimeError("fdp internal error: the last bucket was never launched")
         tail = last[step.reduction.layout.buckets[-1].numel :].tolist()
-        slots = step.reduction.slots
-        return [tail[slots[i]] for i in step.hooked], tail[-1]
+        return step.plan.counts(tail), tail[-1]
     if usage is None:
         return None
     reduced, work = usage
