@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fdp import _compat
+from fdp import _compat, _tree
 
 MB = 1024 * 1024
 # Every bucket size fdp picks, in one place. Gradient buckets as torch's DDP
@@ -424,6 +424,8 @@ class Layout:
             i: (k, j) for k, b in enumerate(self.buckets) for j, i in enumerate(b.indices)
         }
         self.order = tuple(self.where)  # the bucketed leaves, bucket by bucket
+        # A tree's bucketed leaves, in that order, picked in one C call.
+        self.bucketed = _tree.picker(self.order)
         self._buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._views: list[list[torch.Tensor] | None] = [None] * len(self.buckets)
         self._lock = threading.Lock()

@@ -11,7 +11,8 @@ unflattening restores each dict's own insertion order.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator, Sequence
+import operator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -145,6 +146,20 @@ def traced_spec(tree: Any) -> tuple[Any, ...] | None:
     eager = optree.tree_leaves(tree, none_is_leaf=NONE_IS_LEAF)
     same = len(traced) == len(eager) and all(a is b for a, b in zip(traced, eager, strict=True))
     return spec if same else None
+
+
+def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``lambda s: tuple(s[p] for p in positions)`` in one C call (``operator.itemgetter``).
+
+    For the per-call checks over a tree's leaves: a C call picks them at a
+    tenth of a Python loop's cost per leaf.
+    """
+    if len(positions) == 1:
+        only = positions[0]
+        return lambda s: (s[only],)
+    if not positions:
+        return lambda s: ()
+    return operator.itemgetter(*positions)
 
 
 def insertion_order(tree: Any) -> list[int]:

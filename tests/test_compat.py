@@ -217,3 +217,19 @@ def test_any_requires_grad_equals_a_loop_either_way(
                 expected = expected or t.requires_grad
         assert _compat.any_requires_grad(*lists) is expected, lists
         assert _compat.any_requires_grad(*map(tuple, lists)) is expected, lists
+
+
+def test_any_transformed_answers_as_is_transformed_of_each() -> None:
+    plain = [torch.ones(2), torch.zeros(3)]
+    seen: list[tuple[bool, bool]] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        both = [*plain, x]
+        seen.append((_compat.any_transformed(both), any(map(_compat.is_transformed, both))))
+        seen.append((_compat.any_transformed(plain), any(map(_compat.is_transformed, plain))))
+        return x.sum()
+
+    torch.func.grad(f)(torch.ones(2))
+    torch.func.vmap(f)(torch.ones(3, 2))
+    assert seen == [(True, True), (False, False)] * 2
+    assert not _compat.any_transformed([])

@@ -116,3 +116,9 @@ def test_insertion_order_of_a_modules_state_is_the_module_order() -> None:
     assert len(leaves) == len(inserted)
     nested = {"b": {"y": 1, "x": [2, {"q": 3, "p": 4}]}, "a": collections.defaultdict(int, k=5)}
     assert _tree.insertion_order(nested) == _insertion_reference(nested)
+
+
+@pytest.mark.parametrize("positions", [(), (2,), (0, 2), (3, 1, 1)])
+def test_picker_picks_the_items_at_the_positions(positions: tuple[int, ...]) -> None:
+    items = ["a", "b", "c", "d"]
+    assert _tree.picker(positions)(items) == tuple(items[p] for p in positions)

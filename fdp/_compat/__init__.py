@@ -45,6 +45,7 @@ from fdp._compat._distributed import (
     wait,
 )
 from fdp._compat._functorch import (
+    any_transformed,
     dual_level_active,
     functorch_active,
     functorch_disabled,
@@ -81,6 +82,7 @@ __all__ = [
     "all_reduce_issue",
     "all_reduce_sum",
     "any_requires_grad",
+    "any_transformed",
     "apply_unbound",
     "compiler_disable",
     "current_autograd_node",

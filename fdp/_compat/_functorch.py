@@ -5,7 +5,7 @@ Part of :mod:`fdp._compat` (its docstring says how each function degrades).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -71,6 +71,11 @@ def is_transformed(t: torch.Tensor) -> bool:
     """
     functorch = torch._C._functorch
     return bool(functorch.is_functorch_wrapped_tensor(t))
+
+
+def any_transformed(tensors: Iterable[torch.Tensor]) -> bool:
+    """:func:`is_transformed` of any of ``tensors`` (tensors only), in C calls."""
+    return any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors))
 
 
 def innermost_is_grad() -> bool:

@@ -409,8 +409,8 @@ class DistributedDataParallel:
         ``jvp`` or ``vmap`` transforms over its inputs, then ``.backward()``
         outside, is an ordinary backward.
         """
-        mine = [leaves[i] for i in self._layout.where]
-        return _mode.wrapped(mine) or _mode.dual(mine)
+        mine = self._layout.bucketed(leaves)
+        return _compat.any_transformed(mine) or _mode.dual(mine)
 
     def _transformed(self, leaves: list[Any]) -> list[Any]:
         """Leaves that carry the psum rule: identity forward, bucketed average backward."""

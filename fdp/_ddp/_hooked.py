@@ -21,24 +21,15 @@ from typing import Any
 import torch
 
 from fdp._ddp._reduction import Reduction
+from fdp._tree import picker
 
-__all__ = ["Hooked", "picker"]
+__all__ = ["Hooked"]
 
 _GRAD = operator.attrgetter("grad")
 _LAYOUT = operator.attrgetter("layout")
 _DATA_PTR = torch.Tensor.data_ptr
 _STRIDED = frozenset((torch.strided,))
 _TENSOR = frozenset((torch.Tensor,))
-
-
-def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
-    """``lambda s: tuple(s[p] for p in positions)`` in one C call (``itemgetter``)."""
-    if len(positions) == 1:
-        only = positions[0]
-        return lambda s: (s[only],)
-    if not positions:
-        return lambda s: ()
-    return operator.itemgetter(*positions)
 
 
 @dataclass(frozen=True)
