@@ -296,6 +296,7 @@ def bench(session: nox.Session) -> None:
     script("bench_distributed.py")
     script("bench_ddp_step.py", "--compiled")
     script("bench_ddp_call.py")
+    script("bench_ddp_host.py")
     script("bench_optim.py", compiles=True)
     script("bench_zero.py")
     script("bench_fault_tolerance.py")
