@@ -14,7 +14,7 @@ wait for):
 Four steps each, forward, backward and ``torch.optim.SGD``, split by phase:
 the module alone, torch DDP, ``make_functional`` alone (``fn(state, x)``)
 and fdp DDP (``fn(ddp(state), x)``). Every round runs one step of each in
-rotating order; the figures are medians over rounds. The headline figures:
+rotating order (three rounds warm up); the figures are medians over rounds. The headline figures:
 fdp DDP's step over torch DDP's, and what each DDP adds to its backward
 (fdp DDP over ``make_functional`` alone, torch DDP over the module alone).
 
@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -37,13 +35,12 @@ from typing import Any
 import results
 import torch
 import torch.distributed as dist
+from bench_ddp_phases import PHASES, Phased, method_rows, phased, rotate
 
 import fdp
 
 MODELS = ("mlp160", "resnet50")
-PHASES = ("forward", "backward", "optimizer")
 METHODS = ("module alone", "torch DDP", "make_functional alone", "fdp DDP")
-Phased = Callable[[], tuple[float, float, float]]
 
 
 def build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -67,22 +64,8 @@ def _scalar(out: Any) -> torch.Tensor:
     return logits.float().sum()  # type: ignore[no-any-return]
 
 
-def phased(forward: Callable[[], Any], params: list[torch.Tensor]) -> Phased:
-    """A training step that returns the seconds of its forward, backward and optimizer step."""
-    opt = torch.optim.SGD(params, lr=1e-4)
-    clock = time.perf_counter
-
-    def step() -> tuple[float, float, float]:
-        start = clock()
-        loss = _scalar(forward())
-        forwarded = clock()
-        torch.autograd.backward(loss)
-        backwarded = clock()
-        opt.step()
-        opt.zero_grad()
-        return forwarded - start, backwarded - forwarded, clock() - backwarded
-
-    return step
+def _sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-4)
 
 
 def methods(name: str) -> dict[str, Phased]:
@@ -97,39 +80,20 @@ def methods(name: str) -> dict[str, Phased]:
     def trained(tree: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         return [t for t in tree.values() if t.requires_grad]
 
+    forwards: list[tuple[Callable[[], Any], list[torch.Tensor]]] = [
+        (lambda: alone(x), list(alone.parameters())),
+        (lambda: torch_ddp(x), list(wrapped.parameters())),
+        (lambda: fn(state, x), trained(state)),
+        (lambda: fn_ddp(ddp(ddp_state), x), trained(ddp_state)),
+    ]
     return {
-        METHODS[0]: phased(lambda: alone(x), list(alone.parameters())),
-        METHODS[1]: phased(lambda: torch_ddp(x), list(wrapped.parameters())),
-        METHODS[2]: phased(lambda: fn(state, x), trained(state)),
-        METHODS[3]: phased(lambda: fn_ddp(ddp(ddp_state), x), trained(ddp_state)),
+        method: phased(_losses(forward), params, optimizer=_sgd)
+        for method, (forward, params) in zip(METHODS, forwards, strict=True)
     }
 
 
-def measure(name: str, rounds: int) -> dict[str, list[tuple[float, float, float]]]:
-    steps = methods(name)
-    times: dict[str, list[tuple[float, float, float]]] = {m: [] for m in METHODS}
-    for r in range(rounds + 5):  # the first five rounds warm up
-        for j in range(len(METHODS)):
-            method = METHODS[(r + j) % len(METHODS)]
-            phases = steps[method]()
-            if r >= 5:
-                times[method].append(phases)
-    return times
-
-
-def _ms(values: list[float]) -> float:
-    return round(statistics.median(values) * 1e3, 3)
-
-
-def rows_of(name: str, times: dict[str, list[tuple[float, float, float]]]) -> list[dict[str, Any]]:
-    rows = []
-    for method, steps in times.items():
-        row: dict[str, Any] = {"model": name, "method": method}
-        for p, phase in enumerate(PHASES):
-            row[f"{phase}_ms"] = _ms([s[p] for s in steps])
-        row["step_ms"] = _ms([sum(s) for s in steps])
-        rows.append(row)
-    return rows
+def _losses(forward: Callable[[], Any]) -> Callable[[], torch.Tensor]:
+    return lambda: _scalar(forward())
 
 
 def figures(name: str, rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -161,7 +125,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, 1 gloo rank, 1 thread; ms a step (median)")
     for name in args.models.split(","):
         rounds = {"mlp160": 300, "resnet50": 60}[name] // (5 if args.quick else 1)
-        rows += rows_of(name, measure(name, rounds))
+        rows += method_rows(rotate(methods(name), rounds), model=name)
         for row in rows[-len(METHODS) :]:
             cells = "  ".join(f"{p} {row[f'{p}_ms']:8.3f}" for p in (*PHASES, "step"))
             print(f"  {name:9s} {row['method']:22s} {cells}")

@@ -48,9 +48,17 @@ ALONE = "module alone"
 Phased = Callable[[], tuple[float, float, float]]
 
 
-def phased(forward: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> Phased:
-    """A training step that returns the seconds of its forward, backward and optimizer step."""
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+def phased(
+    forward: Callable[[], torch.Tensor],
+    params: list[torch.Tensor],
+    *,
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+) -> Phased:
+    """A training step that returns the seconds of its forward, backward and optimizer step.
+
+    ``optimizer(params)`` makes the optimizer; by default AdamW (foreach).
+    """
+    opt = (optimizer or _adamw)(params)
     clock = time.perf_counter
 
     def step() -> tuple[float, float, float]:
@@ -64,6 +72,10 @@ def phased(forward: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> P
         return forwarded - start, backwarded - forwarded, clock() - backwarded
 
     return step
+
+
+def _adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
 
 def ddp_pair(name: str, ids: torch.Tensor, **caps: Any) -> tuple[Phased, Phased]:
@@ -92,34 +104,48 @@ def methods(name: str, ids: torch.Tensor, cap: float | None) -> dict[str, Phased
     return steps
 
 
-def measure(rank: int, name: str, args: Any) -> dict[str, list[tuple[float, float, float]]]:
-    rounds = args.rounds
-    steps = methods(name, batch(rank), args.bucket_cap_mb)
+def rotate(
+    steps: dict[str, Phased], rounds: int, *, before: Callable[[], object] = lambda: None
+) -> dict[str, list[tuple[float, float, float]]]:
+    """One step of each per round, in rotating order, ``before`` each; three rounds warm up."""
     names = list(steps)
     times: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
-    for r in range(rounds + 3):  # the first three rounds warm up
+    for r in range(rounds + 3):
         for j in range(len(names)):
             method = names[(r + j) % len(names)]
-            dist.barrier()
+            before()
             phases = steps[method]()
             if r >= 3:
                 times[method].append(phases)
     return times
 
 
+def measure(rank: int, name: str, args: Any) -> dict[str, list[tuple[float, float, float]]]:
+    steps = methods(name, batch(rank), args.bucket_cap_mb)
+    return rotate(steps, args.rounds, before=dist.barrier)
+
+
 def _median_ms(values: list[float]) -> float:
     return round(statistics.median(values) * 1e3, 2)
 
 
-def rows_of(name: str, times: dict[str, list[tuple[float, float, float]]]) -> list[dict[str, Any]]:
-    """Each method's phases, then each comparison's per-round differences."""
+def method_rows(
+    times: dict[str, list[tuple[float, float, float]]], **fields: Any
+) -> list[dict[str, Any]]:
+    """Each method's median phases and step, in a row with ``fields``."""
     rows = []
     for method, steps in times.items():
-        row = {"model": name, "ranks": SIZE, "method": method}
+        row = {**fields, "method": method}
         for p, phase in enumerate(PHASES):
             row[f"{phase}_ms"] = _median_ms([s[p] for s in steps])
         row["step_ms"] = _median_ms([sum(s) for s in steps])
         rows.append(row)
+    return rows
+
+
+def rows_of(name: str, times: dict[str, list[tuple[float, float, float]]]) -> list[dict[str, Any]]:
+    """Each method's phases, then each comparison's per-round differences."""
+    rows = method_rows(times, model=name, ranks=SIZE)
     compared = [("fdp DDP", "torch DDP"), ("torch DDP", ALONE), ("fdp DDP", ALONE)]
     capped = [m for m in times if m.endswith(" MiB")]  # torch's, then fdp's
     if capped:
