@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fdp import _compat, _tree
+from fdp import _compat, _mode, _tree
 
 MB = 1024 * 1024
 # Every bucket size fdp picks, in one place. Gradient buckets as torch's DDP
@@ -143,8 +143,10 @@ class Bucket:
             contiguous = contiguous and t is not None and t.is_contiguous()
         fused = out is not None and views is not None and scale != 1.0
         if fused and contiguous and not any(self.complex_):
+            # Eagerly on CPU the scale as a 0-d tensor: 1.7 us less a leaf.
+            by = scale if _mode.traced() else _compat.number_as_tensor(tensors, scale)  # type: ignore[arg-type]
             for view, t in zip(views, tensors, strict=True):  # type: ignore[arg-type]
-                torch.mul(t, scale, out=view)  # type: ignore[arg-type]
+                torch.mul(t, by, out=view)  # type: ignore[arg-type]
             return out  # type: ignore[return-value]
         if contiguous and not any(self.complex_):
             flat_leaves = [t.reshape(-1) for t in tensors if t is not None]

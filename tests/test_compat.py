@@ -233,3 +233,67 @@ def test_any_transformed_answers_as_is_transformed_of_each() -> None:
     torch.func.vmap(f)(torch.ones(3, 2))
     assert seen == [(True, True), (False, False)] * 2
     assert not _compat.any_transformed([])
+
+
+NUMBERS = (0.9, 1e-3, 0.999, 1 / 3, 1e-8, 7, -2.5e-5, 1.0 - 0.9**3, 3.4e38, 1e-45)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ["mul", "add", "div"])
+def test_number_as_tensor_gives_the_numbers_results_to_the_bit(
+    dtype: torch.dtype, name: str
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(), (7,), (33, 17), (128, 65)]
+    xs = [
+        torch.randn(s, generator=g, dtype=dtype) * 10.0 ** (4 * i - 6) for i, s in enumerate(shapes)
+    ]
+    for number in NUMBERS:
+        by = _compat.number_as_tensor(xs, number)
+        assert isinstance(by, torch.Tensor)
+        assert (by.dtype, by.dim()) == (dtype, 0)
+        for x in xs:  # the reference: the op given the Python number
+            want = getattr(torch, name)(x, number)
+            assert torch.equal(getattr(torch, name)(x, by), want), (name, number)
+            own = x.clone()
+            getattr(own, f"{name}_")(by)
+            assert torch.equal(own, want), (name, number)
+        foreach = getattr(torch, f"_foreach_{name}")(xs, by)
+        for f, x in zip(foreach, xs, strict=True):
+            assert torch.equal(f, getattr(torch, name)(x, number)), (name, number)
+
+
+def test_number_as_tensor_keeps_the_number_where_a_tensor_would_differ() -> None:
+    wide = torch.ones(3)
+    kept: dict[str, list[Any]] = {
+        "half precision": [torch.ones(3, dtype=torch.bfloat16)],
+        "mixed dtypes": [wide, torch.ones(3, dtype=torch.float64)],
+        "another device": [torch.ones(3, device="meta")],
+        "a sparse tensor": [wide, torch.ones(3).to_sparse()],
+        "a subclass": [wide, torch.ones(3).as_subclass(_Labelled)],
+        "no tensors": [],
+        "not a tensor": [None, wide],  # a corrupt optimizer state: torch's error, named later
+    }
+    for why, xs in kept.items():
+        assert _compat.number_as_tensor(xs, 0.5) == 0.5, why
+    param = torch.nn.Parameter(torch.ones(3))
+    assert isinstance(_compat.number_as_tensor([wide, param], 0.5), torch.Tensor)
+    # The half-precision case the kept number protects: a bf16 0-d tensor rounds it.
+    h = torch.full((4,), 3.0, dtype=torch.bfloat16)
+    assert not torch.equal(h * torch.tensor(0.3, dtype=torch.bfloat16), h * 0.3)
+
+
+class _Labelled(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_foreach_mul_equals_mul_either_way(
+    monkeypatch: pytest.MonkeyPatch, available: bool
+) -> None:
+    if not available:
+        monkeypatch.delattr(torch, "_foreach_mul_")
+    xs = [torch.randn(5), torch.randn(2, 3)]
+    want = [x * (1 / 3) for x in xs]
+    _compat.foreach_mul_(xs, 1 / 3)
+    assert all(torch.equal(x, w) for x, w in zip(xs, want, strict=True))

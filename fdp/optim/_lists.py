@@ -22,7 +22,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from fdp import _mode
+from fdp import _compat, _mode
 
 Lists = tuple[torch.Tensor, ...] | list[torch.Tensor]
 
@@ -52,6 +52,8 @@ class Foreach:
         self, name: OpName, xs: Lists, *args: Any, own: bool = False, **kwargs: Any
     ) -> Lists:
         _check(name)
+        if name in _TENSOR_OTHER and len(args) == 1 and type(args[0]) in (float, int):
+            args = (_number(xs, args[0]),)
         if own:
             getattr(torch, f"_foreach_{name}_")(xs, *args, **kwargs)
             return xs
@@ -186,6 +188,9 @@ def runs(xs: Lists) -> list[slice]:
 
 
 _HALF = (torch.float16, torch.bfloat16)
+# The ops whose foreach kernels also take a 0-d tensor for a number (the
+# ``Tensor`` overload; see _compat.number_as_tensor).
+_TENSOR_OTHER = frozenset({"add", "div", "mul"})
 
 
 def _any_half(xs: Lists) -> bool:
@@ -193,6 +198,17 @@ def _any_half(xs: Lists) -> bool:
         if x.dtype in _HALF:
             return True
     return False
+
+
+def _number_traced(xs: Lists, number: float) -> float | torch.Tensor:
+    """The number as it is: the compiler makes one kernel of either."""
+    return number
+
+
+@_mode.traced_as(_number_traced)
+def _number(xs: Lists, number: float) -> float | torch.Tensor:
+    """Eagerly, the number as the faster kernel's 0-d tensor where that is exact."""
+    return _compat.number_as_tensor(xs, number)
 
 
 def _new_counts_traced(steps: Lists) -> Lists:
