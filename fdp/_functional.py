@@ -58,6 +58,7 @@ class _KeepAlive:
 
 
 _BUFFER = "_fdp_module_buffer"
+_SET_ATTR = object.__setattr__  # past nn.Module.__setattr__, which would file "__dict__"
 
 # A tensor name's place in a call's shells: the shell's dict, the key, the module's tensor.
 _Slot = tuple[dict[str, Any], str, Any]
@@ -130,8 +131,10 @@ class _Walk:
 
     def _shell(self, m: nn.Module) -> nn.Module:
         shell = object.__new__(type(m))
+        # A copy set as the whole __dict__: a dict's own copy clones its table
+        # (0.3 against 0.5 us for GPT-2's 37 keys, updated in one by one).
+        _SET_ATTR(shell, "__dict__", m.__dict__.copy())
         attrs = shell.__dict__
-        attrs.update(m.__dict__)
         if self.sync_batch_norm and isinstance(m, _BATCH_NORMS):
             # Imported here: the single-process core imports nothing distributed.
             from fdp._comm import _sync_batch_norm
@@ -297,7 +300,7 @@ def _call(
     _install(walk.slots, state)
     if prepare is not None:  # a fully sharded call installs its units per block
         prepare(pairs)
-    before = [dict(shell.__dict__) for _, shell in pairs]
+    before = [shell.__dict__.copy() for _, shell in pairs]
     write = _writer(pairs, before, handles, copied=copied)
     try:
         out = pairs[0][1](*args, **kwargs)

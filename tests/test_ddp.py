@@ -538,19 +538,24 @@ def test_comm_hooks(name: str, tol: float) -> None:
 # --------------------------------------------------------------------------- collectives
 
 
-def _broadcast(rank: int, size: int, src: int) -> Any:
+def _broadcast(rank: int, size: int, src: int) -> tuple[Any, list[bool]]:
     trees = params_corpus(seed=rank)  # every rank starts from different values
+    before = [t._version for t in leaves(trees) if t is not None]
     out = fdp.broadcast_params(trees, src=src)
     assert out is trees
-    return detached(trees)
+    after = [t._version for t in leaves(trees) if t is not None]
+    return detached(trees), [a != b for a, b in zip(after, before, strict=True)]
 
 
-@pytest.mark.parametrize("src", [0, 1])
-def test_broadcast_params_gives_every_rank_the_source_values(src: int) -> None:
-    results = ranks.world(3).run(_broadcast, src)
+@pytest.mark.parametrize(("size", "src"), [(3, 0), (3, 1), (1, 0)])
+def test_broadcast_params_gives_every_rank_the_source_values(size: int, src: int) -> None:
+    results = ranks.world(size).run(_broadcast, src)
     expected = detached(params_corpus(seed=src))
-    for result in results:
+    for result, written in results:
         tree_allclose(result, expected, rtol=0, atol=0)
+        # Every rank's leaves count as written, rank src's too (its values are
+        # not copied back): autograd's in-place checks agree across ranks.
+        assert written == [True] * len(written), written
 
 
 def _all_reduce(rank: int, size: int, cap: float, average: bool) -> Any:

@@ -216,6 +216,33 @@ def test_one_rank_may_evaluate_alone() -> None:
         torch.testing.assert_close(out[-1], torch.ones_like(out[-1]))
 
 
+def _two_forwards(rank: int, size: int) -> str:
+    """Two training calls, then one backward: the second call's broadcast wrote ``scale``."""
+    tree = functional_tree(rank)
+    ddp = fdp.DistributedDataParallel(tree)
+    x, y = batch(4)
+    losses = [functional_loss(ddp(tree), x, y) for _ in range(2)]  # the first saved scale
+    try:
+        torch.autograd.backward(losses[0] + losses[1])
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    return "no error"
+
+
+def test_a_saved_buffer_the_broadcast_wrote_fails_backward_on_every_rank() -> None:
+    # Rank 0 (the source) copies nothing back, but its buffers count as
+    # written: if only the receiving ranks failed, rank 0 would wait in the
+    # gradients' all-reduce. The reference: the same write, one process.
+    tree = functional_tree(0)
+    loss = functional_loss(tree, *batch(4))
+    tree["buffers"]["scale"].copy_(functional_tree(0)["buffers"]["scale"])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.backward(loss)
+    messages = ranks.world(2).run(_two_forwards)
+    assert len(set(messages)) == 1, messages
+    assert "modified by an inplace operation" in messages[0], messages
+
+
 # --------------------------------------------------------------- where ranks start
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.autograd.graph import increment_version
 from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _compat, _mode
@@ -179,7 +180,9 @@ def broadcast_coalesced(
     One broadcast per bucket (``buckets`` index ``targets``, as
     :func:`fdp._bucket.plan` made them), asynchronous eagerly; ``None``
     targets are skipped. Outside autograd; under ``torch.func`` the tensors
-    underneath the wrappers are written.
+    underneath the wrappers are written. Eagerly rank ``src`` copies nothing
+    back (its targets hold the values) and a group of one rank communicates
+    nothing; their targets' versions are bumped all the same.
     """
     if _mode.traced():  # copy_ into the leaves: an input mutation of the graph
         with torch.no_grad():
@@ -190,14 +193,25 @@ def broadcast_coalesced(
                     if targets[i] is not None:
                         targets[i].copy_(view)  # type: ignore[union-attr]
         return
+    root = global_rank(group, src)
     with torch.no_grad(), _compat.functorch_disabled():
         # Under torch.func the tensor underneath the wrappers receives the values.
         targets = [None if t is None else _compat.unwrap_functorch(t) for t in targets]
-        flats = [b.pack([targets[i] for i in b.indices]) for b in buckets]
-        root = global_rank(group, src)
+        # Rank src keeps its values: it packs what it sends, the others
+        # receive into new buffers (what they would pack is overwritten).
+        sends = dist.get_rank() == root
+        if sends:
+            # Its tensors count as written, as every other rank's are: a tensor
+            # autograd saved fails its in-place check alike on every rank.
+            increment_version([t for t in targets if t is not None])
+            if dist.get_world_size(group) == 1:
+                return
+        flats = [b.pack([targets[i] for i in b.indices]) if sends else b.empty() for b in buckets]
         works = [dist.broadcast(f, src=root, group=group, async_op=True) for f in flats]
         for bucket, flat, work in zip(buckets, flats, works, strict=True):
             work.wait()
+            if sends:
+                continue
             pairs = [
                 (t, view)
                 for t, view in zip(
