@@ -75,11 +75,14 @@ def check(got: list[torch.Tensor | None], expected: list[torch.Tensor | None]) -
         torch.testing.assert_close(g, torch.zeros(5) if e is None else e, **TOL)
 
 
-def _fullgraph_step(rank: int, size: int, backend: str, skip: bool) -> tuple[Any, int]:
+def _fullgraph_step(
+    rank: int, size: int, backend: str, skip: bool, overlap: bool = True
+) -> tuple[Any, int]:
     torch._dynamo.reset()
     counter = CompileCounterWithBackend(backend)
     params = make_params()
-    ddp = fdp.DistributedDataParallel(params, **TINY)  # a bucket per leaf
+    # A bucket per leaf
+    ddp = fdp.DistributedDataParallel(params, **TINY, compiled_overlap=overlap)
     s = skipped_layer(rank, skip)
 
     @torch.compile(backend=counter, fullgraph=True)
@@ -99,10 +102,11 @@ def test_fullgraph_ddp_matches_the_full_batch_gradients(backend: str) -> None:
 
 
 @pytest.mark.parametrize("size", [3, 4])
-def test_fullgraph_ddp_with_whole_buckets_unused_on_some_ranks(size: int) -> None:
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no overlap"])
+def test_fullgraph_ddp_with_whole_buckets_unused_on_some_ranks(size: int, overlap: bool) -> None:
     # Rank r leaves layer 1 or 2 out: its buckets get no gradient there, while
     # the other ranks reduce them; nothing may hang, and .grad is the average.
-    for got, _ in ranks.world(size).run(_fullgraph_step, "aot_eager", True):
+    for got, _ in ranks.world(size).run(_fullgraph_step, "aot_eager", True, overlap):
         check(got, reference(size, skip=True))
 
 
@@ -122,10 +126,11 @@ def test_fullgraph_ddp_without_ordered_effects_ties_buckets_to_all_gradients() -
         check(got, reference(3, skip=True))
 
 
-def test_fullgraph_ddp_with_inductor() -> None:
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no overlap"])
+def test_fullgraph_ddp_with_inductor(overlap: bool) -> None:
     # inductor's partitioner and joint-graph passes are where unused buckets
     # once moved their all-reduce into the forward graph.
-    for got, frames in ranks.world(2).run(_fullgraph_step, "inductor", True):
+    for got, frames in ranks.world(2).run(_fullgraph_step, "inductor", True, overlap):
         check(got, reference(2, skip=True))
         assert frames == 1
 
@@ -335,8 +340,10 @@ def test_complex_channels_last_and_tied_leaves_inside_the_compiled_loss() -> Non
         check(got, expected)
 
 
-def _backward_collectives(rank: int, size: int, caps: dict[str, Any]) -> tuple[int, int]:
-    """(all-reduces in the compiled backward graph, buckets) for one bucket-cap setting."""
+def _backward_graph(
+    rank: int, size: int, ddp: fdp.DistributedDataParallel, params: Any
+) -> tuple[torch.fx.GraphModule, list[torch.Tensor | None]]:
+    """The compiled backward graph of ``ddp_loss`` (AOTAutograd, no compiler), and the grads."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
@@ -347,13 +354,19 @@ def _backward_collectives(rank: int, size: int, caps: dict[str, Any]) -> tuple[i
         graphs.append(gm)
         return boxed_nop(gm, example_inputs)
 
-    params = make_params()
-    ddp = fdp.DistributedDataParallel(params, **caps)
     backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=keep)
     loss = torch.compile(partial(ddp_loss, ddp), backend=backend, fullgraph=True)
     x, y = batch(size * PER_RANK)
     torch.autograd.backward(loss(params, shard(x, rank), shard(y, rank)))
     (backward,) = graphs
+    return backward, grads(params)
+
+
+def _backward_collectives(rank: int, size: int, caps: dict[str, Any]) -> tuple[int, int]:
+    """(all-reduces in the compiled backward graph, buckets) for one bucket-cap setting."""
+    params = make_params()
+    ddp = fdp.DistributedDataParallel(params, **caps)
+    backward, _ = _backward_graph(rank, size, ddp, params)
     reduces = [
         n for n in backward.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default
     ]
@@ -373,6 +386,29 @@ def test_the_compiled_backward_has_one_all_reduce_per_bucket(caps: dict[str, Any
     for reduces, buckets in ranks.world(2).run(_backward_collectives, caps):
         assert reduces == buckets
         assert (buckets > 1) == (caps != {})
+
+
+def _effects(rank: int, size: int, overlap: bool) -> tuple[int, list[torch.Tensor | None]]:
+    """The ``with_effects`` nodes of the compiled backward, and the gradients."""
+    params = make_params()
+    ddp = fdp.DistributedDataParallel(params, **TINY, compiled_overlap=overlap)
+    backward, got = _backward_graph(rank, size, ddp, params)
+    effects = [n for n in backward.graph.nodes if n.target is torch.ops.higher_order.with_effects]
+    return len(effects), got
+
+
+def test_compiled_overlap_false_leaves_no_effect_in_the_backward() -> None:
+    # An effect token is what torch 2.13's FX graph cache refuses to keep:
+    # without one, a restarted job reuses the compiled backward.
+    for overlap in (True, False):
+        for effects, got in ranks.world(2).run(_effects, overlap):
+            check(got, reference(2, skip=False))
+            assert (effects > 0) == overlap
+
+
+def test_compiled_overlap_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match=r"`compiled_overlap` expected a bool; got 'no'"):
+        fdp.DistributedDataParallel(make_params(), compiled_overlap="no")  # type: ignore[arg-type]
 
 
 WIDE, LAYERS = 64, 4
@@ -397,7 +433,7 @@ def wide_loss(params: list[dict[str, torch.Tensor]], x: torch.Tensor, skip: int 
     return x.square().mean()
 
 
-def _overlapped(rank: int, size: int) -> tuple[list[Any], list[str], int]:
+def _overlapped(rank: int, size: int, overlap: bool) -> tuple[list[Any], list[str], int]:
     """Gradients, the backward's extern mm / all-reduce / wait calls in generated order, buckets."""
     import re
 
@@ -406,7 +442,9 @@ def _overlapped(rank: int, size: int) -> tuple[list[Any], list[str], int]:
     torch._dynamo.reset()
     params = wide_params()
     # Three buckets; rank 1 leaves layer 2 out (unused leaves in a bucket there).
-    ddp = fdp.DistributedDataParallel(params, bucket_cap_mb=0.02, first_bucket_cap_mb=0.02)
+    ddp = fdp.DistributedDataParallel(
+        params, bucket_cap_mb=0.02, first_bucket_cap_mb=0.02, compiled_overlap=overlap
+    )
     skip = 2 if rank == 1 else None
     loss = torch.compile(
         lambda p, x: wide_loss(ddp(p), x, skip), fullgraph=True, options=fdp.overlap_options()
@@ -420,20 +458,22 @@ def _overlapped(rank: int, size: int) -> tuple[list[Any], list[str], int]:
     return [t.grad for layer in params for t in layer.values()], calls, len(ddp.buckets)
 
 
-def test_overlap_options_issue_each_all_reduce_before_backward_ends() -> None:
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no overlap"])
+def test_overlap_options_issue_each_all_reduce_before_backward_ends(overlap: bool) -> None:
     size = 2
     params = wide_params()
     x = torch.randn(size * 8, WIDE, generator=torch.Generator().manual_seed(1))
     for r in range(size):
         torch.autograd.backward(wide_loss(params, shard(x, r), 2 if r == 1 else None) / size)
     expected = [t.grad for layer in params for t in layer.values()]
-    for got, calls, buckets in ranks.world(size).run(_overlapped):
+    for got, calls, buckets in ranks.world(size).run(_overlapped, overlap):
         check(got, expected)
         issues = [i for i, c in enumerate(calls) if c.startswith("all_reduce")]
         waits = [i for i, c in enumerate(calls) if c.startswith("wait")]
         last_mm = max(i for i, c in enumerate(calls) if c.endswith("mm"))
         assert len(issues) == len(waits) == buckets > 1, calls
         # The first bucket (the last layer) is in flight while backward
-        # still multiplies; every wait comes after its issue.
-        assert issues[0] < last_mm, calls
+        # still multiplies; every wait comes after its issue. Without the
+        # ordered effect every bucket waits for every gradient.
+        assert (issues[0] < last_mm) == overlap, calls
         assert all(i < w for i, w in zip(issues, waits, strict=True)), calls

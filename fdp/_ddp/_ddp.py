@@ -153,6 +153,15 @@ class DistributedDataParallel:
             gradients. ``0``: never (not inside ``join``, nor under a
             ``torch.func`` transform or ``torch.compile``, which reduce
             without the backward hooks).
+        compiled_overlap: inside ``torch.compile``, whether each bucket's
+            all-reduce may be issued as soon as its own gradients exist
+            (what :func:`overlap_options` has inductor do), through an op
+            with an ordered effect. torch 2.13's on-disk cache does not keep
+            a graph with an effect, so every new process compiles the
+            backward again. ``False``: every all-reduce after the last
+            gradient (where inductor issues them anyway without
+            :func:`overlap_options`), and a restarted job reuses the
+            compiled backward (docs/compile.md). Eager DDP is unaffected.
 
     Example::
 
@@ -175,12 +184,15 @@ class DistributedDataParallel:
         broadcast_buffers: bool = True,
         init_sync: bool = True,
         check_replicas_every: int = 100,
+        compiled_overlap: bool = True,
     ) -> None:
         call = "fdp.DistributedDataParallel"
         cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
         first_cap = _agreement.check_cap(first_bucket_cap_mb, "first_bucket_cap_mb", call=call)
         if comm_hook is not None:
             _comm_hooks.check_hook(comm_hook, call=call, arg="comm_hook")
+        if not isinstance(compiled_overlap, bool):
+            raise TypeError(f"{call}: `compiled_overlap` expected a bool; got {compiled_overlap!r}")
         leaves, spec, tensors, order = _checked_params(call, params, group)
         self._spec = spec
         self._planned = _tree.Planned(params, owner="this DistributedDataParallel")
@@ -209,6 +221,7 @@ class DistributedDataParallel:
         """The leaf paths of each bucket, in reduction order."""
         self._traced_spec = _tree.traced_spec(params)
         self._traced_hook = _traced.traced_hook(comm_hook, group, group)
+        self._compiled_overlap = compiled_overlap
         self._ties = _tree.ties(leaves, sorted(self._layout.where))
         self._sync = True
         self._due = True  # the first training call broadcasts, as torch's first forward
@@ -358,7 +371,12 @@ class DistributedDataParallel:
         self._reduces = True
         group = self._reducer.reduction.group
         synced = _traced.average(
-            leaves, self._layout, hook=self._traced_hook, group=group, ties=self._ties
+            leaves,
+            self._layout,
+            hook=self._traced_hook,
+            group=group,
+            ties=self._ties,
+            overlap=self._compiled_overlap,
         )
         return cast(T, _tree.unflatten(self._traced_spec or (), synced))
 

@@ -105,19 +105,33 @@ def _zero_after(deps: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     forward graph: issued in forward here and in backward elsewhere, the
     collectives pair up wrongly (measured: zero gradients, or a hang).
 
-    The op has an ordered effect (:func:`_compat.order_effects`), so its
-    token, a backward input, keeps it in backward whatever ``deps`` are; its
-    ``deps`` are then only the bucket's own gradients, and a compiler that
-    reorders for overlap can issue each bucket's all-reduce as soon as they
-    exist. Where torch cannot order effects, ``deps`` are all the gradients
-    (every collective after the last gradient). An opaque op, because
-    inductor's joint-graph constant folding saw through every arithmetic
-    zero tried; it reads nothing, so it is NaN-safe.
+    This op has no effect, so its ``deps`` are all the gradients: every
+    collective comes after the last gradient (backward runs only where some
+    gradient is real), and inductor's on-disk cache keeps the backward
+    graph. :func:`_zero_after_ordered` is the one whose ``deps`` may be a
+    bucket's own gradients. An opaque op, because inductor's joint-graph
+    constant folding saw through every arithmetic zero tried; it reads
+    nothing, so it is NaN-safe.
     """
     return torch.zeros((), device=device)
 
 
-_ORDERED = _compat.order_effects(_zero_after)
+@torch.library.custom_op("fdp::zero_after_ordered", mutates_args=())
+def _zero_after_ordered(deps: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """:func:`_zero_after` with an ordered effect (:func:`_compat.order_effects`).
+
+    Its token, a backward input, keeps it in backward whatever ``deps``
+    are; its ``deps`` are then only the bucket's own gradients, and a
+    compiler that reorders for overlap can issue each bucket's all-reduce
+    as soon as they exist. torch 2.13's FX graph cache does not keep a
+    graph with an effect token (``with_effects``): the backward is compiled
+    anew in every process (docs/compile.md).
+    """
+    return torch.zeros((), device=device)
+
+
+# Whether this torch can order effects; else every bucket waits for every gradient.
+_ORDERED = _compat.order_effects(_zero_after_ordered)
 
 
 @_zero_after.register_fake
@@ -125,11 +139,22 @@ def _(deps: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.empty((), device=device)
 
 
+@_zero_after_ordered.register_fake
+def _(deps: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.empty((), device=device)
+
+
+# What _Average's backward reduces with: the world size, the dtype buckets
+# travel in (None: their own), the group, and whether each bucket's
+# all-reduce may go as soon as its own gradients exist (an ordered effect).
+How = tuple[int, torch.dtype | None, ProcessGroup, bool]
+
+
 def _pack(
     bucket: _bucket.Bucket,
     grads: Sequence[torch.Tensor | None],
     anchor: torch.Tensor,
-    how: tuple[int, torch.dtype | None, ProcessGroup],
+    how: How,
 ) -> torch.Tensor:
     """The bucket's flat buffer, scaled for the average, functionally: one ``cat``.
 
@@ -140,7 +165,7 @@ def _pack(
     ``anchor`` (see :func:`_zero_after`) is added to the first piece,
     fused the same way.
     """
-    world, dtype, _ = how
+    world, dtype = how[0], how[1]
     dtype = bucket.dtype if dtype is None else dtype
     pieces = bucket.pieces(grads, dtype=dtype, scale=1.0 / world)
     pieces[0] = pieces[0] + anchor.to(dtype)
@@ -159,7 +184,7 @@ class _Average(torch.autograd.Function):
     def forward(
         buckets: tuple[_bucket.Bucket, ...],
         folded: tuple[int, ...],
-        how: tuple[int, torch.dtype | None, ProcessGroup],
+        how: How,
         n: int,
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
@@ -177,10 +202,12 @@ class _Average(torch.autograd.Function):
         old = dict(zip(ctx.folded, ctx.saved_tensors, strict=True))
         totals = [g + old[s] if s in old else g for s, g in enumerate(grads)]
         issued: list[tuple[_bucket.Bucket, torch.Tensor]] = []
+        ordered = ctx.how[3] and _ORDERED
+        zero_after = _zero_after_ordered if ordered else _zero_after
         for bucket in ctx.buckets:
             if all(s < 0 for s in bucket.indices):
                 continue  # no leaf here needs a gradient, on any rank (it is agreed on)
-            own = [grads[s] for s in bucket.indices if s >= 0] if _ORDERED else list(grads)
+            own = [grads[s] for s in bucket.indices if s >= 0] if ordered else list(grads)
             # Issued after the previous bucket was issued, not after it ended:
             # compilers keep data order, not the order collectives were
             # traced in (measured: inductor's overlap passes issued the last
@@ -188,7 +215,7 @@ class _Average(torch.autograd.Function):
             # stream on every bucket. All waits follow all issues, so that a
             # compiler is free to place each wait as late as it likes.
             before = [issued[-1][1]] if issued else []
-            anchor = _zero_after(own + before, bucket.device)
+            anchor = zero_after(own + before, bucket.device)
             # A slot of -1 is a leaf that needs no gradient: it reduces zeros.
             flat = _pack(
                 bucket, [totals[s] if s >= 0 else None for s in bucket.indices], anchor, ctx.how
@@ -241,11 +268,15 @@ def average(
     hook: TracedReduction,
     group: ProcessGroup | None,
     ties: dict[int, int],
+    overlap: bool,
 ) -> list[Any]:
     """``leaves`` with the bucketed cross-rank average in their backward (while compiling).
 
     ``hook`` is :func:`traced_hook`'s answer for the DDP's comm hook;
-    ``ties`` maps a leaf to the first leaf holding the same tensor.
+    ``ties`` maps a leaf to the first leaf holding the same tensor;
+    ``overlap``: each bucket's all-reduce may go as soon as its own
+    gradients exist (:func:`_zero_after_ordered`), else after the last
+    gradient, in a backward graph inductor's cache keeps (:func:`_zero_after`).
     """
     if hook.refusal is not None:
         raise NotImplementedError(hook.refusal)
@@ -271,7 +302,7 @@ def average(
     )
     folded = [s for s, t in enumerate(tensors) if t.grad is not None]
     pg = _groups.resolve(group)
-    how = (dist.get_world_size(group), dtype, pg)
+    how: How = (dist.get_world_size(group), dtype, pg, overlap)
     olds = [tensors[s].grad for s in folded]
     outputs = _Average.apply(buckets, tuple(folded), how, len(tensors), *tensors, *olds)  # type: ignore[no-untyped-call]
     result = list(leaves)
