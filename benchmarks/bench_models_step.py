@@ -111,9 +111,11 @@ def torch_ddp(name: str, ids: torch.Tensor, *, compiled: bool) -> Step:
     return step
 
 
-def fdp_ddp_torch_optim(name: str, ids: torch.Tensor, *, compiled: bool = False) -> Step:
+def fdp_ddp_torch_optim(
+    name: str, ids: torch.Tensor, *, compiled: bool = False, compiled_overlap: bool = True
+) -> Step:
     fn, state = fdp.make_functional(build(name))
-    ddp = fdp.DistributedDataParallel(state)
+    ddp = fdp.DistributedDataParallel(state, compiled_overlap=compiled_overlap)
     opt = torch.optim.AdamW([t for t in state.values() if t.requires_grad], lr=1e-4, foreach=True)
 
     def loss(s: dict[str, Any]) -> torch.Tensor:
@@ -130,9 +132,16 @@ def fdp_ddp_torch_optim(name: str, ids: torch.Tensor, *, compiled: bool = False)
     return step
 
 
-def fdp_pure(name: str, ids: torch.Tensor, *, grad: Any, compiled: bool = False) -> Step:
+def fdp_pure(
+    name: str,
+    ids: torch.Tensor,
+    *,
+    grad: Any,
+    compiled: bool = False,
+    compiled_overlap: bool = True,
+) -> Step:
     fn, state = fdp.make_functional(build(name))
-    ddp = fdp.DistributedDataParallel(state)
+    ddp = fdp.DistributedDataParallel(state, compiled_overlap=compiled_overlap)
     params, buffers = split(state)
 
     def loss(p: dict[str, Any], b: dict[str, Any]) -> torch.Tensor:
