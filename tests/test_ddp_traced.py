@@ -126,13 +126,38 @@ def test_fullgraph_ddp_without_ordered_effects_ties_buckets_to_all_gradients() -
         check(got, reference(3, skip=True))
 
 
+def _compiled_twice(rank: int, size: int, overlap: bool) -> list[tuple[Any, int, dict[str, int]]]:
+    """The inductor step, then again after ``dynamo.reset()``: each one's FX graph cache counts."""
+    from torch._dynamo.utils import counters
+
+    out = []
+    for _ in range(2):
+        before = dict(counters["inductor"])
+        got, frames = _fullgraph_step(rank, size, "inductor", True, overlap)
+        cache = {
+            k: counters["inductor"][k] - before.get(k, 0)
+            for k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+        }
+        out.append((got, frames, cache))
+    return out
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no overlap"])
 def test_fullgraph_ddp_with_inductor(overlap: bool) -> None:
     # inductor's partitioner and joint-graph passes are where unused buckets
-    # once moved their all-reduce into the forward graph.
-    for got, frames in ranks.world(2).run(_fullgraph_step, "inductor", True, overlap):
-        check(got, reference(2, skip=True))
-        assert frames == 1
+    # once moved their all-reduce into the forward graph. The second compile
+    # is a restarted job's: without the effect token (compiled_overlap=False)
+    # both graphs come from the on-disk cache, and still reduce correctly.
+    for runs in ranks.world(2).run(_compiled_twice, overlap):
+        for got, frames, _ in runs:
+            check(got, reference(2, skip=True))
+            assert frames == 1
+        cache = runs[1][2]
+        if overlap:
+            assert cache["fxgraph_cache_bypass"] >= 1, cache  # the backward, with its token
+        else:
+            expected = {"fxgraph_cache_hit": 2, "fxgraph_cache_miss": 0, "fxgraph_cache_bypass": 0}
+            assert cache == expected
 
 
 def _backward_inputs(rank: int, size: int) -> list[torch.Tensor | None]:
