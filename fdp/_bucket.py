@@ -58,6 +58,11 @@ class Bucket:
     _split_sizes: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
     # Per leaf, its shape as plain ints, or None where the split piece has it already.
     _view_shapes: tuple[tuple[int, ...] | None, ...] = field(default=(), compare=False, repr=False)
+    # Per leaf, its dims in memory order, and whether it is real with them in
+    # logical order (flattened by a reshape alone). Worked out here, once,
+    # because dynamo runs this Python again at every trace, leaf by leaf.
+    _orders: tuple[tuple[int, ...], ...] = field(default=(), compare=False, repr=False)
+    _plain: tuple[bool, ...] = field(default=(), compare=False, repr=False)
 
     def width(self, j: int) -> int:
         """How many real elements leaf ``j`` takes in the flat buffer."""
@@ -65,7 +70,7 @@ class Bucket:
 
     def order(self, j: int) -> tuple[int, ...]:
         """Leaf ``j``'s dims (a complex leaf's real/imaginary one last) in memory order."""
-        return _order(self.strides[j], complex_=self.complex_[j])
+        return self._orders[j]
 
     def empty(self, tail: int = 0) -> torch.Tensor:
         """An uninitialised flat buffer: the bucket's elements, then ``tail`` more."""
@@ -118,6 +123,14 @@ class Bucket:
         object.__setattr__(self, "_split_sizes", tuple(sizes) if tiled else None)
         view_shapes = tuple(None if len(sh) == 1 else tuple(sh) for sh in self.shapes)
         object.__setattr__(self, "_view_shapes", view_shapes)
+        orders = tuple(
+            _order(st, complex_=c) for st, c in zip(self.strides, self.complex_, strict=True)
+        )
+        object.__setattr__(self, "_orders", orders)
+        plain = tuple(
+            not c and o == tuple(range(len(o))) for o, c in zip(orders, self.complex_, strict=True)
+        )
+        object.__setattr__(self, "_plain", plain)
 
     def pack(
         self,
@@ -183,7 +196,8 @@ class Bucket:
             if t is None:
                 out.append(torch.zeros(n, dtype=dtype, device=self.device))
             else:
-                flat = memory_flat(t, self.order(j)).to(dtype)
+                flat = t.reshape(-1) if self._plain[j] else memory_flat(t, self._orders[j])
+                flat = flat if flat.dtype == dtype else flat.to(dtype)
                 out.append(flat if scale == 1.0 else flat * scale)
             pos = start + n
         if numel is not None and numel > pos:
