@@ -310,6 +310,7 @@ def bench(session: nox.Session) -> None:
     script("bench_models_step.py", compiles=True)
     script("bench_ddp_phases.py")
     script("bench_compile_time.py")  # caches of its own: cold, then warm
+    script("bench_trace_time.py")  # dynamo alone: no cache involved
     script("bench_muon.py")
     script("bench_diloco.py")
     script("bench_pack_order.py", compiles=True)
