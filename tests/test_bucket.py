@@ -118,6 +118,26 @@ def test_complex_and_strided_leaves_round_trip() -> None:
     assert bucket._split_sizes is None  # padded, complex and strided: a view per leaf
 
 
+def test_pieces_pack_in_packs_order_and_unpack_gives_each_leaf_back() -> None:
+    """The functional pieces (what traced and batched code packs) equal the in-place pack,
+    for real leaves in logical order (one reshape each) and the others alike, also
+    converted to another dtype; unpack gives each leaf back with its own strides."""
+    tensors = mixed_leaves()
+    (bucket,) = _bucket.plan(list(tensors), cap_bytes=1 << 20)
+    ordered = [tensors[i] for i in bucket.indices]
+    assert bucket._plain == tuple(  # the vector only: the others are complex or strided
+        not t.is_complex() and t.is_contiguous() for t in ordered
+    )
+    flat = torch.cat(bucket.pieces(ordered, scale=0.5))
+    torch.testing.assert_close(flat, bucket.pack(ordered, scale=0.5), rtol=0, atol=0)
+    wide = torch.cat(bucket.pieces(ordered, dtype=torch.float64))
+    assert wide.dtype == torch.float64
+    torch.testing.assert_close(wide, bucket.pack(ordered).double(), rtol=0, atol=0)
+    for view, t in zip(bucket.unpack(flat), ordered, strict=True):
+        assert view.stride() == t.stride()
+        torch.testing.assert_close(view, t * 0.5, rtol=0, atol=0)
+
+
 def test_split_views_as_unpack_and_assembles_the_gradient_in_one_buffer() -> None:
     """Bucket.split: unpack's views (padding and a tail after numel included) through one
     split_with_sizes; its gradient equals slicing's, also under vmap and jvp."""
