@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import fdp
 
@@ -164,12 +165,12 @@ def main() -> None:
     ledger.write("done\n")
     ledger.close()
     ft.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _ddp_grads(ft: fdp.FaultTolerance) -> Any:
     """fdp's DDP in a replica group of one process, its buckets averaged through the manager."""
-    import torch.distributed as dist
-
     store: Any = dist.HashStore()  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     ddp = fdp.DistributedDataParallel(init_params(), bucket_cap_mb=1e-4)  # several buckets
@@ -202,8 +203,6 @@ def _flaky(base: Any) -> Any:
 
 def _replica_group(args: argparse.Namespace) -> fdp.FullyShardedDataParallel:
     """This replica group's process group (its own store, torchrun's way) and FSDP inside it."""
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.group_port))
     os.environ.update(RANK=str(args.group_rank), WORLD_SIZE=str(args.group_size))
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))

@@ -79,7 +79,9 @@ class Drill:
             command = [sys.executable, "-m", "tests.ft_replica", "--lighthouse", self.lighthouse]
             command += ["--replica", str(replica), "--dir", str(self.where), *self.args, *extra]
             command += ["--group-rank", str(k), "--group-port", str(port)]
+            # faulthandler: a crash (an abort at exit included) logs every thread's stack.
             env = {**os.environ, "PYTHONPATH": str(ROOT), "RUST_LOG": "warn"}
+            env["PYTHONFAULTHANDLER"] = "1"
             env.pop("MASTER_ADDR", None)
             name = f"log-{replica}.{k}-{self.starts[replica]}"
             # One process group per replica group: a kill takes the whole group at once, as
@@ -415,3 +417,54 @@ def test_an_unreachable_lighthouse_is_named() -> None:
 def test_a_malformed_lighthouse_address_is_refused() -> None:
     with pytest.raises(ValueError, match=r"`lighthouse` expected an address like"):
         fdp.FaultTolerance.connect("127.0.0.1:9", replica_id="r0")
+
+
+EXIT_SCRIPT = """
+import datetime, json, os, sys, time
+import torch
+import fdp
+from torchft._torchft import LighthouseServer
+
+os.environ.pop("MASTER_ADDR", None)
+server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
+address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+landed = []
+
+def slow(fut):
+    time.sleep(0.5)  # still running on a gloo thread when the process exits, unless waited for
+    landed.append(fut.value().tolist())
+    return fut.value()
+
+def step(state):
+    bucket = fdp.GradBucket(
+        torch.arange(4.0), index=0, is_last=True, gradients=[], parameters=[]
+    )
+    fdp.FaultTolerance.comm_hook(ft, bucket).then(slow)  # never waited for here
+    return state + 1
+
+timeout = datetime.timedelta(seconds=30)
+with fdp.FaultTolerance.connect(address, replica_id="r0", timeout=timeout) as ft:
+    state = ft.step(step, torch.zeros(()))
+ft.shutdown()  # a second call does nothing
+server.shutdown()
+print(json.dumps({"state": state.item(), "landed": landed}))
+"""
+
+
+def test_shutdown_waits_for_callbacks_in_flight_and_the_process_exits_cleanly() -> None:
+    # Without the wait, the callback never lands (the process exits under it) or, when its
+    # gloo thread is in Python as the interpreter finalizes, the process aborts (-6,
+    # "terminate called without an active exception"), as a drill's replica once did.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RUST_LOG": "warn", "PYTHONFAULTHANDLER": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=JOIN_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # One replica group: the mean over the quorum is the bucket itself.
+    assert result == {"state": 1.0, "landed": [[0.0, 1.0, 2.0, 3.0]]}

@@ -108,6 +108,7 @@ class FaultTolerance:
         self._heal = _healing.Healing()
         self._in_step = False
         self._store: Any = None  # the TCP store connect() started, kept alive with the manager
+        self._closed = False
         manager.register_state_dict_fn("fdp", self._heal.load, self._heal.save)
 
     @classmethod
@@ -161,8 +162,24 @@ class FaultTolerance:
         return ft
 
     def shutdown(self) -> None:
-        """Stops the manager's servers (this replica group leaves the job)."""
-        self.manager.shutdown(wait=False)
+        """This replica group leaves the job: stops the manager's servers and threads and
+        shuts its process group down, waiting for collectives and callbacks in flight.
+
+        Call it (or use the object in a ``with`` block) before the process
+        exits: a gradient callback still running on a gloo thread at exit
+        aborts the process. A second call does nothing.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        _torchft.shutdown(self.manager)
+        self._store = None
+
+    def __enter__(self) -> FaultTolerance:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def current_step(self) -> int:
         """How many steps the live replica groups have committed (a healed one included)."""

@@ -10,7 +10,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_sync", "make_manager", "mean_future", "quorum_id", "sum_async", "wait"]
+__all__ = [
+    "init_sync",
+    "make_manager",
+    "mean_future",
+    "quorum_id",
+    "shutdown",
+    "sum_async",
+    "wait",
+]
 
 _INSTALL = "pip install 'fdp[ft]' (or pip install torchft)"
 
@@ -78,6 +86,22 @@ def _store(group_world_size: int, call: str) -> tuple[Any, str, int]:
     tcp_store: Any = dist.TCPStore  # type: ignore[attr-defined]
     store = tcp_store("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     return store, "127.0.0.1", store.port
+
+
+def shutdown(manager: Any) -> None:
+    """Stops the manager's servers and threads, then shuts its process group down.
+
+    ``wait=True``: torchft's ``wait=False`` leaves its quorum thread and HTTP
+    server running. The process group goes too, because its destructor waits
+    for the gloo worker threads: a Python callback still running on one of
+    them when the interpreter finalizes (a :func:`mean_future` nobody waited
+    for) ends the thread through C++ code that may not throw, and the process
+    aborts ("terminate called without an active exception") after training.
+    """
+    manager.shutdown(wait=True)
+    close = getattr(getattr(manager, "_pg", None), "shutdown", None)
+    if callable(close):
+        close()
 
 
 def init_sync(manager: Any) -> bool:
