@@ -101,6 +101,38 @@ def test_fullgraph_ddp_matches_the_full_batch_gradients(backend: str) -> None:
         assert frames == 1
 
 
+def _graph_calls(rank: int, size: int) -> tuple[Any, list[str]]:
+    """The eager-backend step's gradients and the names of the functions its graph calls."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    params = make_params()
+    ddp = fdp.DistributedDataParallel(params, **TINY)
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def loss(p: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> Any:
+        return loss_fn(ddp(p), x, y, None)
+
+    x, y = batch(size * PER_RANK)
+    torch.autograd.backward(loss(params, shard(x, rank), shard(y, rank)))
+    calls = [
+        getattr(node.target, "__qualname__", str(node.target))
+        for graph in counter.graphs
+        for node in graph.graph.nodes
+        if node.op == "call_function"
+    ]
+    return grads(params), calls
+
+
+def test_the_reduction_is_one_untraced_call_in_dynamos_graph() -> None:
+    # Dynamo writes the reduction into the graph as one call, which AOTAutograd
+    # traces later: traced by dynamo, its autograd.Function costs time quadratic
+    # in the leaves (docs/compile.md). The other calls are the loss's own ops.
+    for got, calls in ranks.world(2).run(_graph_calls):
+        check(got, reference(2, skip=False))
+        assert calls.count("_reduce") == 1, calls
+        assert not any("autograd_function_apply" in c for c in calls), calls
+
+
 @pytest.mark.parametrize("size", [3, 4])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no overlap"])
 def test_fullgraph_ddp_with_whole_buckets_unused_on_some_ranks(size: int, overlap: bool) -> None:

@@ -30,6 +30,7 @@ from fdp._compat._autograd import (
 )
 from fdp._compat._compile import (
     compiler_disable,
+    graph_call,
     inductor_overlap_passes,
     is_compiled_module,
     order_effects,
@@ -96,6 +97,7 @@ __all__ = [
     "functorch_disabled",
     "fused_optimizer_devices",
     "fused_optimizer_kernel",
+    "graph_call",
     "group_timeout",
     "has_tangent",
     "hook_handles_made",

@@ -220,9 +220,13 @@ class DistributedDataParallel:
         ]
         """The leaf paths of each bucket, in reduction order."""
         self._traced_spec = _tree.traced_spec(params)
-        self._traced_hook = _traced.traced_hook(comm_hook, group, group)
-        self._compiled_overlap = compiled_overlap
-        self._ties = _tree.ties(leaves, sorted(self._layout.where))
+        self._plan = _traced.Plan(
+            self._layout,
+            ties=_tree.ties(leaves, sorted(self._layout.where)),
+            group=group,
+            overlap=compiled_overlap,
+            hook=_traced.traced_hook(comm_hook, group, group),
+        )
         self._sync = True
         self._due = True  # the first training call broadcasts, as torch's first forward
         self._called = False
@@ -284,7 +288,7 @@ class DistributedDataParallel:
         reduction = dataclasses.replace(self._reducer.reduction, hook=hook, state=state)
         self._reducer = Reducer(reduction)
         self._kept = None
-        self._traced_hook = _traced.traced_hook(hook, state, reduction.group)
+        self._plan.hook = _traced.traced_hook(hook, state, reduction.group)
 
     @contextmanager
     def join(self, *, divide_by_initial_world_size: bool = True) -> Iterator[None]:
@@ -369,15 +373,7 @@ class DistributedDataParallel:
         if not synchronised:
             return params
         self._reduces = True
-        group = self._reducer.reduction.group
-        synced = _traced.average(
-            leaves,
-            self._layout,
-            hook=self._traced_hook,
-            group=group,
-            ties=self._ties,
-            overlap=self._compiled_overlap,
-        )
+        synced = _traced.average(leaves, self._plan)
         return cast(T, _tree.unflatten(self._traced_spec or (), synced))
 
     @_mode.traced_as(_call_traced)
@@ -432,7 +428,7 @@ class DistributedDataParallel:
 
     def _transformed(self, leaves: list[Any]) -> list[Any]:
         """Leaves that carry the psum rule: identity forward, bucketed average backward."""
-        if self._traced_hook.refusal is not None:
+        if self._plan.hook.refusal is not None:
             raise NotImplementedError(
                 "fdp.DistributedDataParallel: ddp(params) under a torch.func transform (or on "
                 "forward-mode dual tensors) reduces with the exact average, or in fp16/bf16 with "
@@ -446,7 +442,7 @@ class DistributedDataParallel:
             self._layout.buckets,
             scale=1.0 / dist.get_world_size(group),
             group=group,
-            dtype=self._traced_hook.dtype,
+            dtype=self._plan.hook.dtype,
         )
 
     def _checked_leaves(self, params: Any) -> list[Any]:

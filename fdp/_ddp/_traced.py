@@ -14,7 +14,9 @@ gradient, because autograd runs this node last; inductor's comm/compute
 reordering moves each all-reduce up to where its gradients exist and each
 wait down to where its result is needed, when the user asks for it
 (``torch.compile(..., options=fdp.overlap_options())``; ``tests/test_ddp_traced.py``
-checks the order in the generated code).
+checks the order in the generated code). Dynamo does not trace the Function:
+it writes one call of :func:`_reduce` into its graph (:class:`Plan` says
+why and how), and AOTAutograd traces the Function as plain Python.
 
 Why one Function over every leaf, not one per bucket: a bucket none of whose
 leaves this rank used would not run its backward, while the other ranks issue
@@ -33,6 +35,8 @@ the total (DDP's semantics).
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -261,49 +265,88 @@ def eager_only(leaves: Sequence[Any], *, buffers: bool) -> bool:
     return buffers or not _compat.one_jvp() or _mode.dual(leaves)
 
 
-def average(
-    leaves: Sequence[Any],
-    layout: _bucket.Layout,
-    *,
-    hook: TracedReduction,
-    group: ProcessGroup | None,
-    ties: dict[int, int],
-    overlap: bool,
-) -> list[Any]:
+class Plan:
+    """What one DDP's compiled reduction needs, registered under a number a graph can hold.
+
+    While dynamo traces ``ddp(params)``, the reduction goes into the graph as
+    one call of :func:`_reduce` that dynamo does not trace (``allow_in_graph``):
+    AOTAutograd traces its ``autograd.Function`` later, as plain Python. Dynamo
+    traces an ``autograd.Function`` line by line, with a helper that compares
+    each output with each input, quadratic in the leaves (docs/compile.md).
+    A graph holds constants only, so it names this plan by ``key``; the DDP
+    holds the plan, and the registry holds it weakly.
+    """
+
+    def __init__(
+        self,
+        layout: _bucket.Layout,
+        *,
+        ties: dict[int, int],
+        group: ProcessGroup | None,
+        overlap: bool,
+        hook: TracedReduction,
+    ) -> None:
+        self.layout, self.ties, self.group, self.overlap = layout, ties, group, overlap
+        self.hook = hook  # replaced by register_comm_hook, before the first call
+        self.where = tuple(sorted(layout.where))
+        self.key = next(_KEYS)
+        _PLANS[self.key] = self
+
+    def how(self) -> How:
+        world = dist.get_world_size(self.group)
+        return (world, self.hook.dtype, _groups.resolve(self.group), self.overlap)
+
+
+_KEYS = itertools.count()
+_PLANS: weakref.WeakValueDictionary[int, Plan] = weakref.WeakValueDictionary()
+
+
+def _reduce(key: tuple[int, tuple[int, ...], tuple[int, ...]], *tensors: torch.Tensor) -> Any:
+    """:class:`_Average` of ``tensors`` for the plan ``key[0]``.
+
+    ``key[1]`` gives each leaf its tensor's input slot (-1: none, or a tied
+    leaf's second name); ``key[2]`` the slots whose accumulated ``.grad``
+    follows the tensors.
+    """
+    number, slots, folded = key
+    plan = _PLANS[number]
+    buckets = tuple((b, tuple(slots[i] for i in b.indices)) for b in plan.layout.buckets)
+    n = len(tensors) - len(folded)
+    return _Average.apply(buckets, folded, plan.how(), n, *tensors)  # type: ignore[no-untyped-call]
+
+
+_reduce, _allow_reduce = _compat.graph_call(_reduce)
+
+
+def average(leaves: Sequence[Any], plan: Plan) -> list[Any]:
     """``leaves`` with the bucketed cross-rank average in their backward (while compiling).
 
-    ``hook`` is :func:`traced_hook`'s answer for the DDP's comm hook;
-    ``ties`` maps a leaf to the first leaf holding the same tensor;
-    ``overlap``: each bucket's all-reduce may go as soon as its own
+    ``plan.ties`` maps a leaf to the first leaf holding the same tensor;
+    ``plan.overlap``: each bucket's all-reduce may go as soon as its own
     gradients exist (:func:`_zero_after_ordered`), else after the last
     gradient, in a backward graph inductor's cache keeps (:func:`_zero_after`).
     """
-    if hook.refusal is not None:
-        raise NotImplementedError(hook.refusal)
-    dtype = hook.dtype
+    if plan.hook.refusal is not None:
+        raise NotImplementedError(plan.hook.refusal)
+    _allow_reduce()
     tensors: list[torch.Tensor] = []  # each distinct tensor once (tied weights)
-    first: dict[int, int] = {}  # leaf -> its tensor's input slot, for its first leaf only
+    slots = [-1] * len(leaves)  # leaf -> its tensor's input slot, for its first leaf only
     uses: dict[int, int] = {}  # every synced leaf -> its tensor's input slot
-    for i in sorted(layout.where):
+    for i in plan.where:
         if not leaves[i].requires_grad:
             continue
         # Ties are known from construction (found by id() there: here dynamo
         # would guard on the ids and recompile for new tensors every step).
-        tied_to = ties.get(i)
+        tied_to = plan.ties.get(i)
         if tied_to is not None and tied_to in uses and leaves[i] is leaves[tied_to]:
             uses[i] = uses[tied_to]
         else:
-            uses[i] = first[i] = len(tensors)
+            uses[i] = slots[i] = len(tensors)
             tensors.append(leaves[i])
-    # Each bucket with its leaves' input slots. A tied tensor's other leaves
-    # reduce zeros and get the same gradient, as eagerly. Not a new Bucket:
-    # dynamo would run its __post_init__ again, leaf by leaf, at every trace.
-    buckets = tuple((b, tuple(first.get(i, -1) for i in b.indices)) for b in layout.buckets)
-    folded = [s for s, t in enumerate(tensors) if t.grad is not None]
-    pg = _groups.resolve(group)
-    how: How = (dist.get_world_size(group), dtype, pg, overlap)
-    olds = [tensors[s].grad for s in folded]
-    outputs = _Average.apply(buckets, tuple(folded), how, len(tensors), *tensors, *olds)  # type: ignore[no-untyped-call]
+    # A tied tensor's other leaves reduce zeros and get the same gradient, as eagerly.
+    folded = tuple(s for s, t in enumerate(tensors) if t.grad is not None)
+    olds: list[Any] = [tensors[s].grad for s in folded]  # not None: folded says so
+    outputs = _reduce((plan.key, tuple(slots), folded), *tensors, *olds)
     result = list(leaves)
     for i, s in uses.items():
         result[i] = outputs[s]
