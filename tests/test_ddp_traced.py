@@ -8,6 +8,7 @@ average over ranks of each rank's loss gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -75,20 +76,33 @@ def check(got: list[torch.Tensor | None], expected: list[torch.Tensor | None]) -
         torch.testing.assert_close(g, torch.zeros(5) if e is None else e, **TOL)
 
 
-def _fullgraph_step(
-    rank: int, size: int, backend: str, skip: bool, overlap: bool = True
-) -> tuple[Any, int]:
+Compiled = tuple[
+    dict[str, Any], fdp.DistributedDataParallel, Callable[..., Any], CompileCounterWithBackend
+]
+
+
+def compiled_loss(
+    backend: str, skip: int | None = None, *, buckets: dict[str, Any] = TINY, **options: Any
+) -> Compiled:
+    """New parameters, their DDP (``buckets``: a bucket per leaf), the loss through it
+    compiled with ``fullgraph=True``, and the counter of its graphs."""
     torch._dynamo.reset()
     counter = CompileCounterWithBackend(backend)
     params = make_params()
-    # A bucket per leaf
-    ddp = fdp.DistributedDataParallel(params, **TINY, compiled_overlap=overlap)
-    s = skipped_layer(rank, skip)
+    ddp = fdp.DistributedDataParallel(params, **buckets, **options)
 
     @torch.compile(backend=counter, fullgraph=True)
     def loss(p: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> Any:
-        return loss_fn(ddp(p), x, y, s)
+        return loss_fn(ddp(p), x, y, skip)
 
+    return params, ddp, loss, counter
+
+
+def _fullgraph_step(
+    rank: int, size: int, backend: str, skip: bool, overlap: bool = True
+) -> tuple[Any, int]:
+    skipped = skipped_layer(rank, skip)
+    params, _, loss, counter = compiled_loss(backend, skipped, compiled_overlap=overlap)
     x, y = batch(size * PER_RANK)
     torch.autograd.backward(loss(params, shard(x, rank), shard(y, rank)))
     return grads(params), counter.frame_count
@@ -103,15 +117,7 @@ def test_fullgraph_ddp_matches_the_full_batch_gradients(backend: str) -> None:
 
 def _graph_calls(rank: int, size: int) -> tuple[Any, list[str]]:
     """The eager-backend step's gradients and the names of the functions its graph calls."""
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("eager")
-    params = make_params()
-    ddp = fdp.DistributedDataParallel(params, **TINY)
-
-    @torch.compile(backend=counter, fullgraph=True)
-    def loss(p: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> Any:
-        return loss_fn(ddp(p), x, y, None)
-
+    params, _, loss, counter = compiled_loss("eager")
     x, y = batch(size * PER_RANK)
     torch.autograd.backward(loss(params, shard(x, rank), shard(y, rank)))
     calls = [
@@ -214,15 +220,7 @@ def test_backward_with_inputs_reduces_the_chosen_leaves() -> None:
 
 def _accumulate(rank: int, size: int, cycles: int) -> tuple[list[Any], int]:
     """``cycles`` rounds of two no_sync micro-batches and one synchronised one, then SGD."""
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    params = make_params()
-    ddp = fdp.DistributedDataParallel(params, **TINY)
-
-    @torch.compile(backend=counter, fullgraph=True)
-    def loss(p: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> Any:
-        return loss_fn(ddp(p), x, y, None)
-
+    params, ddp, loss, counter = compiled_loss("aot_eager")
     results = []
     for _ in range(cycles):
         for step in range(3):
@@ -249,15 +247,7 @@ def test_no_sync_accumulation_inside_the_compiled_loss() -> None:
 
 
 def _new_tensors_every_step(rank: int, size: int, steps: int) -> tuple[list[Any], int]:
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    params = make_params()
-    ddp = fdp.DistributedDataParallel(params)
-
-    @torch.compile(backend=counter, fullgraph=True)
-    def loss(p: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> Any:
-        return loss_fn(ddp(p), x, y, None)
-
+    params, _, loss, counter = compiled_loss("aot_eager", buckets={})  # the default buckets
     for step in range(steps):
         x, y = batch(size * PER_RANK, seed=step)
         torch.autograd.backward(loss(params, shard(x, rank), shard(y, rank)))
