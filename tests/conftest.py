@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests import ranks
+
+# torchft's Rust servers read RUST_LOG once, when torchft is imported (while
+# tests are collected): at its default, every quorum logs at info into the output.
+os.environ.setdefault("RUST_LOG", "warn")
 
 
 @pytest.fixture(scope="session", autouse=True)

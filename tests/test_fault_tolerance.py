@@ -40,8 +40,7 @@ def lighthouse(request: pytest.FixtureRequest) -> Iterator[str]:
     """A lighthouse on a free port that forms quorums of at least ``request.param`` groups."""
     from torchft._torchft import LighthouseServer
 
-    # torchft's Rust servers log every quorum at info, on this process's stderr.
-    os.environ.setdefault("RUST_LOG", "warn")
+    # RUST_LOG=warn: tests/conftest.py sets it before torchft is imported.
     server = LighthouseServer(
         bind="127.0.0.1:0",
         min_replicas=request.param,
