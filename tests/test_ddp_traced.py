@@ -115,25 +115,29 @@ def test_fullgraph_ddp_matches_the_full_batch_gradients(backend: str) -> None:
         assert frames == 1
 
 
-def _graph_calls(rank: int, size: int) -> tuple[Any, list[str]]:
-    """The eager-backend step's gradients and the names of the functions its graph calls."""
+def _graph_calls(rank: int, size: int) -> tuple[Any, Any, list[str]]:
+    """The eager-backend step's loss, gradients and the names of the functions its graph calls."""
     params, _, loss, counter = compiled_loss("eager")
     x, y = batch(size * PER_RANK)
-    torch.autograd.backward(loss(params, shard(x, rank), shard(y, rank)))
+    out = loss(params, shard(x, rank), shard(y, rank))
+    torch.autograd.backward(out)
     calls = [
         getattr(node.target, "__qualname__", str(node.target))
         for graph in counter.graphs
         for node in graph.graph.nodes
         if node.op == "call_function"
     ]
-    return grads(params), calls
+    return out.detach(), grads(params), calls
 
 
 def test_the_reduction_is_one_untraced_call_in_dynamos_graph() -> None:
     # Dynamo writes the reduction into the graph as one call, which AOTAutograd
     # traces later: traced by dynamo, its autograd.Function costs time quadratic
     # in the leaves (docs/compile.md). The other calls are the loss's own ops.
-    for got, calls in ranks.world(2).run(_graph_calls):
+    x, y = batch(2 * PER_RANK)
+    for rank, (out, got, calls) in enumerate(ranks.world(2).run(_graph_calls)):
+        expected = loss_fn(make_params(), shard(x, rank), shard(y, rank), None)
+        torch.testing.assert_close(out, expected.detach(), **TOL)
         check(got, reference(2, skip=False))
         assert calls.count("_reduce") == 1, calls
         assert not any("autograd_function_apply" in c for c in calls), calls

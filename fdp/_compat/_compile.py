@@ -62,15 +62,15 @@ def is_compiled_module(obj: object) -> bool:
     return kind is not None and isinstance(obj, kind)
 
 
-def graph_call(fn: F) -> tuple[F, Callable[[], bool]]:
-    """``fn`` for dynamo to write into a graph as one call, untraced, and the call that says so.
+def graph_call(fn: Callable[..., Any]) -> Callable[[], bool]:
+    """The call that makes dynamo write each call of ``fn`` into its graph as one, untraced.
 
     ``torch.compiler.allow_in_graph(fn)`` imports dynamo (seconds), which
-    ``import fdp`` must not, so it is made by the second function returned,
-    to be called from code dynamo traces just before ``fn``: that function
-    carries the mark ``torch.compiler.assume_constant_result`` sets, so
-    dynamo runs it as Python while it traces (dynamo is imported by then)
-    and keeps its answer as a constant. If torch stops reading the mark,
+    ``import fdp`` must not, so it is made by the function returned, to be
+    called from code dynamo traces just before ``fn``: it carries the mark
+    ``torch.compiler.assume_constant_result`` sets, so dynamo runs it as
+    Python while it traces (dynamo is imported by then) and keeps its
+    answer as a constant. If torch stops reading the mark,
     dynamo traces that function instead and stops at the registration in
     it (a graph break, an error under ``fullgraph=True``):
     ``tests/test_ddp_traced.py`` fails, and this should then register
@@ -85,7 +85,7 @@ def graph_call(fn: F) -> tuple[F, Callable[[], bool]]:
         return True
 
     allow._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return fn, allow
+    return allow
 
 
 def order_effects(op: Any) -> bool:

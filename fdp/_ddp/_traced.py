@@ -315,7 +315,7 @@ def _reduce(key: tuple[int, tuple[int, ...], tuple[int, ...]], *tensors: torch.T
     return _Average.apply(buckets, folded, plan.how(), n, *tensors)  # type: ignore[no-untyped-call]
 
 
-_reduce, _allow_reduce = _compat.graph_call(_reduce)
+_allow_reduce = _compat.graph_call(_reduce)
 
 
 def average(leaves: Sequence[Any], plan: Plan) -> list[Any]:
