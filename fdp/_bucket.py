@@ -63,6 +63,13 @@ class Bucket:
     # because dynamo runs this Python again at every trace, leaf by leaf.
     _orders: tuple[tuple[int, ...], ...] = field(default=(), compare=False, repr=False)
     _plain: tuple[bool, ...] = field(default=(), compare=False, repr=False)
+    # For split: the sizes of the gaps and leaves up to the last leaf's end, and per
+    # leaf the shape to reshape its piece to, then the permutation (None: none).
+    _gaps: tuple[int, ...] = field(default=(), compare=False, repr=False)
+    _end: int = field(default=0, compare=False, repr=False)
+    _unflats: tuple[tuple[tuple[int, ...], tuple[int, ...] | None], ...] = field(
+        default=(), compare=False, repr=False
+    )
 
     def width(self, j: int) -> int:
         """How many real elements leaf ``j`` takes in the flat buffer."""
@@ -131,6 +138,21 @@ class Bucket:
             not c and o == tuple(range(len(o))) for o, c in zip(orders, self.complex_, strict=True)
         )
         object.__setattr__(self, "_plain", plain)
+        gaps, pos = [], 0
+        for j in range(len(self.shapes)):
+            gaps += [self.offsets[j] - pos, self.width(j)]
+            pos = self.offsets[j] + self.width(j)
+        object.__setattr__(self, "_gaps", tuple(gaps))
+        object.__setattr__(self, "_end", pos)
+        unflats = []
+        for shape, order, c, p in zip(self.shapes, orders, self.complex_, plain, strict=True):
+            full = (*shape, 2) if c else tuple(shape)
+            unflats.append(
+                (tuple(full), None)
+                if p
+                else (tuple(full[d] for d in order), tuple(_inverse(order)))
+            )
+        object.__setattr__(self, "_unflats", tuple(unflats))
 
     def pack(
         self,
@@ -227,15 +249,15 @@ class Bucket:
         up: one buffer at a time instead of up to three. Multi-output views
         cannot be modified in place, so this is for leaves that are read.
         """
-        sizes, pos = [], 0
-        for j in range(len(self.shapes)):
-            sizes += [self.offsets[j] - pos, self.width(j)]
-            pos = self.offsets[j] + self.width(j)
-        parts = flat.split_with_sizes([*sizes, flat.shape[0] - pos])
-        return [
-            memory_unflat(parts[2 * j + 1], shape, self.order(j), complex_=self.complex_[j])
-            for j, shape in enumerate(self.shapes)
-        ]
+        # Read off __post_init__'s plan: dynamo runs this at every trace, leaf by leaf.
+        parts = flat.split_with_sizes([*self._gaps, flat.shape[0] - self._end])
+        out = []
+        for part, (shape, inverse), c in zip(
+            parts[1::2], self._unflats, self.complex_, strict=True
+        ):
+            view = part.reshape(shape) if inverse is None else part.reshape(shape).permute(inverse)
+            out.append(torch.view_as_complex(view) if c else view)
+        return out
 
     def _fill(
         self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor | None
