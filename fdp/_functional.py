@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from fdp import _compat, _mode, _replica
+from fdp import _compat, _functional_traced, _mode, _replica
 
 __all__ = ["make_functional"]
 
@@ -270,16 +270,17 @@ def _call_traced(
     *,
     sync_batch_norm: bool,
     group: Any,
+    planned: Callable[[tuple[str, ...]], _functional_traced.Plan],
     prepare: Callable[[list[tuple[nn.Module, nn.Module]]], None] | None = None,
 ) -> Any:
-    """Compiled code runs on one thread: dynamo traces the real module."""
+    """Compiled code runs on one thread: the real module (:mod:`fdp._functional_traced`)."""
     if sync_batch_norm:
         raise NotImplementedError(
             f"{_CALL}: `sync_batch_norm=True` does not run inside torch.compile (it swaps "
             "the class of a per-call copy of the module); call fdp.sync_batch_norm in the "
             "compiled function instead"
         )
-    return torch.func.functional_call(module, dict(state), args, kwargs)
+    return _functional_traced.call(module, state, args, kwargs, planned)
 
 
 @_mode.traced_as(_call_traced)
@@ -291,6 +292,7 @@ def _call(
     *,
     sync_batch_norm: bool,
     group: Any,
+    planned: Callable[[tuple[str, ...]], _functional_traced.Plan],
     prepare: Callable[[list[tuple[nn.Module, nn.Module]]], None] | None = None,
 ) -> Any:
     handles = _compat.hook_handles_made()
@@ -408,16 +410,23 @@ def make_functional(
         # save) and fdp.load_checkpoint (loaded in place, into the module).
         setattr(buffer, _BUFFER, True)
 
+    def planned(names: tuple[str, ...]) -> _functional_traced.Plan:
+        return _functional_traced.plan(module, names)
+
+    # Compiled, dynamo runs `planned` as Python (fdp/_functional_traced.py).
+    options = {"sync_batch_norm": sync_batch_norm, "group": group}
+    options["planned"] = _compat.traced_constant(planned)
+
     def fn(state: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         if not isinstance(state, Mapping):
             raise TypeError(
                 f"{_CALL}: `state` expected a mapping of names to tensors (as make_functional "
                 f"returned); got {type(state).__name__}"
             )
-        return _call(module, state, args, kwargs, sync_batch_norm=sync_batch_norm, group=group)
+        return _call(module, state, args, kwargs, **options)
 
     fn._fdp_module = module  # type: ignore[attr-defined]  # read by module_call
-    fn._fdp_options = {"sync_batch_norm": sync_batch_norm, "group": group}  # type: ignore[attr-defined]
+    fn._fdp_options = options  # type: ignore[attr-defined]
     return fn, state
 
 

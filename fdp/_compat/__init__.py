@@ -35,6 +35,7 @@ from fdp._compat._compile import (
     is_compiled_module,
     order_effects,
     plain_checkpoint_recomputes,
+    traced_constant,
 )
 from fdp._compat._distributed import (
     all_gather_single,
@@ -122,6 +123,7 @@ __all__ = [
     "sharded_tensor",
     "storage_free",
     "storage_users",
+    "traced_constant",
     "traced_transform_keeps_backward",
     "uncarried_thread_state",
     "unwrap_all_functorch",

@@ -84,8 +84,20 @@ def graph_call(fn: Callable[..., Any]) -> Callable[[], bool]:
             allowed.append(True)
         return True
 
-    allow._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return allow
+    return traced_constant(allow)
+
+
+def traced_constant(fn: F) -> F:
+    """``fn``, which dynamo then runs as Python while it traces, its answer a constant.
+
+    The mark ``torch.compiler.assume_constant_result`` sets, set here
+    without importing dynamo. ``fn``'s arguments must be constants while
+    traced (strings, tuples of them) and it answers plain data; nothing
+    guards the answer, so it must follow from what the graph's own guards
+    check.
+    """
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 def order_effects(op: Any) -> bool:

@@ -1,0 +1,165 @@
+"""make_functional inside torch.compile against the module itself, run eagerly.
+
+Compiled, ``fn(state)`` puts the state's tensors straight into the module's
+own parameter and buffer dicts while dynamo traces, every tied name
+included, and puts the module's back after: these check outputs,
+gradients, buffers, the module left as it was, and the refusals eager
+calls make.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fdp
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(6, 6)
+        self.norm = nn.BatchNorm1d(6)
+        self.body = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.decoder = nn.Linear(6, 6)
+        self.decoder.weight = self.encoder.weight  # tied
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(self.norm(self.encoder(x)))
+        return self.decoder(h) * self.scale  # type: ignore[no-any-return]
+
+
+class Broken(Net):
+    """A graph break in the middle of the forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.encoder(x))
+        torch._dynamo.graph_break()
+        return self.decoder(self.body(h)) * self.scale  # type: ignore[no-any-return]
+
+
+def tables(net: nn.Module) -> list[tuple[str, str, Any]]:
+    """Every (module, key, tensor) of the module's parameter and buffer dicts, tied ones too."""
+    out = []
+    for prefix, m in net.named_modules(remove_duplicate=False):
+        for key, t in [*m._parameters.items(), *m._buffers.items()]:
+            out.append((prefix, key, t))
+    return out
+
+
+def same_tables(a: list[tuple[str, str, Any]], b: list[tuple[str, str, Any]]) -> bool:
+    return len(a) == len(b) and all(
+        x[:2] == y[:2] and x[2] is y[2] for x, y in zip(a, b, strict=False)
+    )
+
+
+def grads(net: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: p.grad for n, p in net.named_parameters()}
+
+
+def compiled(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="eager", **options)
+
+
+@pytest.mark.filterwarnings(
+    # dynamo reads .grad of the resumed frame's non-leaf input (torch 2.13), a warning
+    "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning"
+)
+@pytest.mark.parametrize("make", [Net, Broken], ids=["one_graph", "graph_break"])
+def test_compiled_call_matches_the_module_and_leaves_it_as_it_was(make: type[Net]) -> None:
+    torch.manual_seed(0)
+    net = make().train()
+    ref = copy.deepcopy(net)
+    fn, state = fdp.make_functional(net)
+    before = tables(net)
+    x = torch.randn(5, 6)
+    run = compiled(lambda s, x: fn(s, x), fullgraph=make is Net)
+    for _ in range(2):  # the second call runs the compiled code alone
+        out = run(state, x)
+        expected = ref(x)
+        torch.testing.assert_close(out, expected)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+    assert same_tables(tables(net), before)
+    for (name, g), r in zip(grads(net).items(), grads(ref).values(), strict=True):
+        assert g is not None, name
+        assert r is not None, name
+        torch.testing.assert_close(g, r, msg=name)
+    # batch statistics updated in place, on the module's own buffers
+    torch.testing.assert_close(net.norm.running_mean, ref.norm.running_mean)
+    assert net.norm.num_batches_tracked is not None
+    assert int(net.norm.num_batches_tracked) == 2
+
+
+def test_compiled_call_with_new_tensors_leaves_the_modules_alone() -> None:
+    torch.manual_seed(0)
+    net = Net().eval()
+    fn, state = fdp.make_functional(net)
+    new = {k: (v.detach() * 0.5).requires_grad_(v.requires_grad) for k, v in state.items()}
+    ref = copy.deepcopy(net)
+    ref.load_state_dict({k: v.detach() for k, v in new.items()}, strict=False)
+    x = torch.randn(5, 6)
+    out = compiled(lambda s, x: fn(s, x), fullgraph=True)(new, x)
+    torch.testing.assert_close(out, ref(x))
+    out.sum().backward()
+    ref(x).sum().backward()
+    assert all(p.grad is None for p in net.parameters())
+    for name, p in ref.named_parameters():
+        g = new[name].grad
+        assert g is not None, name
+        torch.testing.assert_close(g, p.grad, msg=name)
+
+
+def test_compiled_call_with_part_of_the_state_uses_the_modules_for_the_rest() -> None:
+    torch.manual_seed(0)
+    net = Net().eval()
+    fn, _ = fdp.make_functional(net)
+    weight = torch.randn(6, 6)  # the tied encoder/decoder weight, under one name
+    ref = copy.deepcopy(net)
+    with torch.no_grad():
+        ref.encoder.weight.copy_(weight)
+    x = torch.randn(5, 6)
+    out = compiled(lambda w, x: fn({"encoder.weight": w}, x), fullgraph=True)(weight, x)
+    torch.testing.assert_close(out, ref(x))
+    assert net.decoder.weight is net.encoder.weight is not weight
+
+
+def test_compiled_call_takes_a_tied_tensor_under_both_names() -> None:
+    torch.manual_seed(0)
+    net = Net().eval()
+    fn, state = fdp.make_functional(net)
+    x = torch.randn(5, 6)
+    both = {**state, "decoder.weight": state["encoder.weight"]}
+    out = compiled(lambda s, x: fn(s, x), fullgraph=True)(both, x)
+    torch.testing.assert_close(out, net(x))
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (lambda s: {**s, "decoder.weight": torch.zeros(6, 6)}, ValueError, "tied"),
+        (lambda s: {**s, "encoder.nope": torch.zeros(6)}, ValueError, "encoder.nope"),
+        (lambda s: {**s, "encoder.bias": 3}, TypeError, "encoder.bias"),
+    ],
+    ids=["two_tensors_for_a_tied_one", "unknown_name", "not_a_tensor"],
+)
+def test_compiled_call_refuses_as_the_eager_call(
+    change: Callable[[dict[str, Any]], dict[str, Any]], error: type[Exception], match: str
+) -> None:
+    net = Net().eval()
+    fn, state = fdp.make_functional(net)
+    before = tables(net)
+    bad = change(dict(state))
+    x = torch.randn(5, 6)
+    with pytest.raises(error, match=match):
+        fn(bad, x)
+    with pytest.raises(error, match=match):
+        compiled(lambda s, x: fn(s, x))(bad, x)
+    assert same_tables(tables(net), before)
