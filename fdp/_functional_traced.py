@@ -1,6 +1,6 @@
 """``make_functional``'s call inside ``torch.compile``: the state put in the module's own dicts.
 
-Eagerly each call runs on a shell of the module (:mod:`fdp._functional`),
+Eagerly each call runs on shells of the module (:mod:`fdp._shells`),
 which dynamo would trace leaf by leaf, as it would
 ``torch.func.functional_call``'s swap: about 140 traced lines a leaf,
 half of what dynamo read of a Llama's loss (``benchmarks/bench_trace_time.py``).
@@ -11,6 +11,13 @@ tensor included, runs the module, and puts the module's tensors back, as
 by :func:`plan`, which dynamo runs as plain Python while it traces
 (``fdp._compat.traced_constant``): the traced code only reads it, about ten
 lines a leaf.
+
+That holds while dynamo traces the module whole. Where its forward has a
+graph break, dynamo runs the call eagerly on shells instead
+(``fdp._compat.traced_whole``): code that dynamo leaves eager may run the
+module's layers again after the call returned (a checkpointed block's
+recompute in backward), and must find the call's tensors there, not the
+module's own put back.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+
+from fdp import _compat, _shells
 
 _CALL = "fdp.make_functional"
 
@@ -90,9 +99,56 @@ def call(
     state: Mapping[str, Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    *,
     planned: Callable[[tuple[str, ...]], Plan],
+    prepare: Callable[[list[tuple[nn.Module, nn.Module]]], None] | None,
 ) -> Any:
-    """``module(*args, **kwargs)`` with ``state``'s tensors in place of its own, while traced.
+    """``module(*args, **kwargs)`` with ``state``'s tensors in place of its own, compiled.
+
+    Dynamo traces :func:`_swapped` in its place; where it cannot trace
+    the module whole (a graph break in its forward), it runs
+    :func:`_on_shells` at this call instead.
+    """
+    return _whole(module, state, args, kwargs, planned=planned, prepare=prepare)
+
+
+def _on_shells(
+    module: nn.Module,
+    state: Mapping[str, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    planned: Callable[[tuple[str, ...]], Plan],
+    prepare: Callable[[list[tuple[nn.Module, nn.Module]]], None] | None,
+) -> Any:
+    """The call where dynamo met a graph break in the module: on shells, as eagerly.
+
+    After a graph break the module's tensors put back in its own dicts
+    would be what a checkpointed block that dynamo left eager recomputes
+    with in backward; the shells keep the call's. They are made and closed
+    untraced; the forward, called from here, is compiled in pieces, as any
+    graph-broken code.
+    """
+    call = _enter(module, state, sync_batch_norm=False, group=None, prepare=prepare)
+    try:
+        out = call.shell(*args, **kwargs)
+    except BaseException:
+        _leave(call, failed=True)
+        raise
+    _leave(call, failed=False)
+    return out
+
+
+def _swapped(
+    module: nn.Module,
+    state: Mapping[str, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    planned: Callable[[tuple[str, ...]], Plan],
+    prepare: Callable[[list[tuple[nn.Module, nn.Module]]], None] | None,
+) -> Any:
+    """``module(*args, **kwargs)`` with ``state``'s tensors in its own dicts, while traced.
 
     ``planned``: :func:`plan` of the module, marked for dynamo to run as Python.
     """
@@ -134,3 +190,8 @@ def _check(p: Plan, names: tuple[str, ...], values: list[Any]) -> None:
                 f"{_CALL}: `state` leaves {names[i]!r} and {names[j]!r} expected one tensor "
                 "(they are tied: the same tensor in the module); got two different tensors"
             )
+
+
+_enter = _compat.compiler_disable(_shells.enter, reason="fdp.make_functional makes its shells")
+_leave = _compat.compiler_disable(_shells.leave, reason="fdp.make_functional leaves its shells")
+_whole = _compat.traced_whole(_on_shells, _swapped)

@@ -88,6 +88,33 @@ def test_compiler_disable_with_and_without_a_reason(monkeypatch: pytest.MonkeyPa
     torch.testing.assert_close(again(torch.ones(2)), torch.full((2,), 2.0))
 
 
+def _eager_form(x: torch.Tensor, ran: list[str], *, broken: bool) -> torch.Tensor:
+    ran.append("eager")
+    return x + 1
+
+
+def _traced_form(x: torch.Tensor, ran: list[str], *, broken: bool) -> torch.Tensor:
+    # Module-level, as fdp's: dynamo 2.13 drops a substituted closure's cell mutations.
+    ran.append("traced")
+    if broken:
+        torch._dynamo.graph_break()
+    return x + 1
+
+
+def test_traced_whole_traces_its_twin_or_runs_the_eager_form_where_it_breaks() -> None:
+    whole = _compat.traced_whole(_eager_form, _traced_form)
+    x = torch.ones(2)
+    ran: list[str] = []
+    torch.testing.assert_close(whole(x, ran, broken=False), x + 1)
+    assert ran == ["eager"]
+    for broken, form in ((False, "traced"), (True, "eager")):
+        ran.clear()
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, b=broken: whole(x, ran, broken=b) * 2, backend="eager")
+        torch.testing.assert_close(compiled(x), (x + 1) * 2)
+        assert ran == [form], broken
+
+
 def test_is_compiled_module() -> None:
     net = torch.nn.Linear(2, 2)
     assert not _compat.is_compiled_module(net)

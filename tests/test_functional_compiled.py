@@ -4,7 +4,9 @@ Compiled, ``fn(state)`` puts the state's tensors straight into the module's
 own parameter and buffer dicts while dynamo traces, every tied name
 included, and puts the module's back after: these check outputs,
 gradients, buffers, the module left as it was, and the refusals eager
-calls make.
+calls make. Where the forward has a graph break the compiled call runs on
+shells, as eagerly: a checkpointed block that dynamo leaves eager
+recomputes in backward with the call's tensors.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import fdp
 
@@ -162,4 +165,111 @@ def test_compiled_call_refuses_as_the_eager_call(
         fn(bad, x)
     with pytest.raises(error, match=match):
         compiled(lambda s, x: fn(s, x))(bad, x)
+    assert same_tables(tables(net), before)
+
+
+class Breaking(nn.Module):
+    """Two layers with a graph break between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 6)
+        self.outer = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inner(x))
+        torch._dynamo.graph_break()
+        return torch.tanh(self.outer(h))
+
+
+class Checkpointed(nn.Module):
+    """A non-reentrant checkpoint around a block dynamo cannot trace whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Breaking()
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint(self.block, x, use_reentrant=False))  # type: ignore[no-any-return]
+
+
+@pytest.mark.filterwarnings(
+    "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning"
+)
+@pytest.mark.parametrize("make", [Checkpointed, Breaking], ids=["checkpointed", "plain"])
+def test_compiled_call_with_a_graph_break_recomputes_with_the_calls_tensors(
+    make: type[nn.Module],
+) -> None:
+    torch.manual_seed(0)
+    net = make()
+    fn, state = fdp.make_functional(net)
+    # Tensors unlike the module's own: a recompute that read the module's gets other values.
+    new = {k: (v.detach() * 1.5 + 0.1).requires_grad_() for k, v in state.items()}
+    ref = copy.deepcopy(net)
+    ref.load_state_dict({k: v.detach() for k, v in new.items()})
+    before = tables(net)
+    x = torch.randn(5, 6)
+    run = compiled(lambda s, x: fn(s, x))
+    for step in range(3):  # later calls run the compiled pieces alone
+        out = run(new, x)
+        expected = ref(x)
+        torch.testing.assert_close(out, expected)
+        got = torch.autograd.grad(out.pow(2).sum(), list(new.values()))
+        want = torch.autograd.grad(expected.pow(2).sum(), list(ref.parameters()))
+        for name, g, w in zip(new, got, want, strict=True):
+            torch.testing.assert_close(g, w, msg=f"step {step}: {name}")
+    assert same_tables(tables(net), before)
+    assert all(p.grad is None for p in net.parameters())
+
+
+class Counted(Breaking):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+
+@pytest.mark.filterwarnings(
+    "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning"
+)
+def test_compiled_call_with_a_graph_break_writes_back_what_the_forward_changed() -> None:
+    net = Counted()
+    ref = copy.deepcopy(net)
+    fn, state = fdp.make_functional(net)
+    x = torch.randn(5, 6)
+    run = compiled(lambda s, x: fn(s, x))
+    for _ in range(2):
+        torch.testing.assert_close(run(state, x), ref(x))
+    assert net.calls == ref.calls == 2
+
+
+@pytest.mark.filterwarnings(
+    "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning"
+)
+def test_compiled_call_with_a_graph_break_compiles_once() -> None:
+    torch.manual_seed(0)
+    net = Breaking()
+    fn, state = fdp.make_functional(net)
+    x = torch.randn(5, 6)
+    run = compiled(lambda s, x: fn(s, x))
+    counters = torch._dynamo.utils.counters
+    for call in range(4):  # each call makes new shells: no recompile for them
+        fresh = {k: v.detach().clone() for k, v in state.items()}
+        torch.testing.assert_close(run(fresh, x), net(x))
+        if call == 0:
+            graphs = counters["stats"]["unique_graphs"]
+            assert graphs >= 2  # the forward, in pieces: not run eagerly
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_call_with_a_graph_break_refuses_under_fullgraph() -> None:
+    net = Breaking()
+    before = tables(net)
+    fn, state = fdp.make_functional(net)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="graph_break"):
+        compiled(lambda s, x: fn(s, x), fullgraph=True)(state, torch.randn(5, 6))
     assert same_tables(tables(net), before)

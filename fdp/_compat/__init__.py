@@ -36,6 +36,7 @@ from fdp._compat._compile import (
     order_effects,
     plain_checkpoint_recomputes,
     traced_constant,
+    traced_whole,
 )
 from fdp._compat._distributed import (
     all_gather_single,
@@ -125,6 +126,7 @@ __all__ = [
     "storage_users",
     "traced_constant",
     "traced_transform_keeps_backward",
+    "traced_whole",
     "uncarried_thread_state",
     "unwrap_all_functorch",
     "unwrap_functorch",

@@ -1,5 +1,6 @@
-"""Dynamo and inductor: disabling a function, compiled modules, ordered effects, the
-scheduler's overlap passes, checkpointing's recompute tags.
+"""Dynamo and inductor: disabling a function, a function traced whole or run eagerly,
+compiled modules, ordered effects, the scheduler's overlap passes, checkpointing's
+recompute tags.
 
 Part of :mod:`fdp._compat` (its docstring says how each function degrades).
 """
@@ -98,6 +99,42 @@ def traced_constant(fn: F) -> F:
     """
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
+
+
+def traced_whole(eager: F, traced: F) -> F:
+    """A function for traced code to call: dynamo traces ``traced`` in its place, whole.
+
+    Where dynamo cannot trace all of ``traced`` (a graph break somewhere
+    in what it calls), it stops at this call and runs ``eager`` there
+    instead, as Python: ``eager``'s own frame is not compiled, the frames
+    it calls are (``torch.compiler.disable(recursive=False)``). Eagerly the
+    function is ``eager``. Both must take the same arguments.
+
+    ``torch.compiler.substitute_in_graph`` registers ``traced`` the first
+    time dynamo traces a call (dynamo runs the registration as Python, as
+    :func:`graph_call`'s): ``import fdp`` does not import dynamo. If the
+    mark stops working, dynamo traces the registration and stops there
+    (a graph break, an error under ``fullgraph=True``):
+    ``tests/test_functional_compiled.py`` fails.
+    """
+    made: list[Callable[..., Any]] = []
+
+    def register() -> bool:
+        if not made:
+            untraced = torch.compiler.disable(eager, recursive=False)  # type: ignore[no-untyped-call]
+            torch.compiler.substitute_in_graph(untraced)(traced)
+            made.append(untraced)
+        return True
+
+    registered = traced_constant(register)
+
+    @functools.wraps(eager)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and registered():
+            return made[0](*args, **kwargs)
+        return eager(*args, **kwargs)
+
+    return cast(F, call)
 
 
 def order_effects(op: Any) -> bool:
