@@ -182,22 +182,39 @@ class Breaking(nn.Module):
         return torch.tanh(self.outer(h))
 
 
+class Smooth(Breaking):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.outer(torch.tanh(self.inner(x))))
+
+
 class Checkpointed(nn.Module):
     """A non-reentrant checkpoint around a block dynamo cannot trace whole."""
 
+    block_type: type[nn.Module] = Breaking
+
     def __init__(self) -> None:
         super().__init__()
-        self.block = Breaking()
+        self.block = self.block_type()
         self.head = nn.Linear(6, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(checkpoint(self.block, x, use_reentrant=False))  # type: ignore[no-any-return]
 
 
+class CheckpointedSmooth(Checkpointed):
+    """The checkpoint traced whole: dynamo's checkpoint operator, in the graph."""
+
+    block_type = Smooth
+
+
 @pytest.mark.filterwarnings(
     "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning"
 )
-@pytest.mark.parametrize("make", [Checkpointed, Breaking], ids=["checkpointed", "plain"])
+@pytest.mark.parametrize(
+    "make",
+    [Checkpointed, Breaking, CheckpointedSmooth],
+    ids=["checkpointed", "plain", "checkpoint_in_the_graph"],
+)
 def test_compiled_call_with_a_graph_break_recomputes_with_the_calls_tensors(
     make: type[nn.Module],
 ) -> None:
