@@ -94,24 +94,6 @@ def _owner(prefix: str, paths: dict[str, int], owners: list[tuple[int, str]]) ->
     return index
 
 
-def call(
-    module: nn.Module,
-    state: Mapping[str, Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    planned: Callable[[tuple[str, ...]], Plan],
-    prepare: Callable[[list[tuple[nn.Module, nn.Module]]], None] | None,
-) -> Any:
-    """``module(*args, **kwargs)`` with ``state``'s tensors in place of its own, compiled.
-
-    Dynamo traces :func:`_swapped` in its place; where it cannot trace
-    the module whole (a graph break in its forward), it runs
-    :func:`_on_shells` at this call instead.
-    """
-    return _whole(module, state, args, kwargs, planned=planned, prepare=prepare)
-
-
 def _on_shells(
     module: nn.Module,
     state: Mapping[str, Any],
@@ -194,4 +176,7 @@ def _check(p: Plan, names: tuple[str, ...], values: list[Any]) -> None:
 
 _enter = _compat.compiler_disable(_shells.enter, reason="fdp.make_functional makes its shells")
 _leave = _compat.compiler_disable(_shells.leave, reason="fdp.make_functional leaves its shells")
-_whole = _compat.traced_whole(_on_shells, _swapped)
+# ``module(*args, **kwargs)`` with ``state``'s tensors in place of its own,
+# compiled: dynamo traces _swapped in its place; where it cannot trace the
+# module whole (a graph break in its forward), it runs _on_shells there.
+call = _compat.traced_whole(_on_shells, _swapped)
