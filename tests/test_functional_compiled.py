@@ -290,3 +290,22 @@ def test_compiled_call_with_a_graph_break_refuses_under_fullgraph() -> None:
     with pytest.raises(torch._dynamo.exc.Unsupported, match="graph_break"):
         compiled(lambda s, x: fn(s, x), fullgraph=True)(state, torch.randn(5, 6))
     assert same_tables(tables(net), before)
+
+
+def test_non_strict_export_of_a_call_matches_the_module() -> None:
+    torch.manual_seed(0)
+    net = Net().eval()
+    fn, state = fdp.make_functional(net)
+    new = {k: v.detach() * 0.5 for k, v in state.items()}
+    ref = copy.deepcopy(net)
+    ref.load_state_dict(new, strict=False)
+
+    class Call(nn.Module):
+        def forward(self, x: torch.Tensor) -> Any:
+            return fn(new, x)
+
+    x = torch.randn(5, 6)
+    exported = torch.export.export(Call(), (x,), strict=False)
+    torch.testing.assert_close(exported.module()(x), ref(x))
+    x2 = torch.randn(5, 6)
+    torch.testing.assert_close(exported.module()(x2), ref(x2))

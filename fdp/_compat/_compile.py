@@ -130,7 +130,9 @@ def traced_whole(eager: F, traced: F) -> F:
 
     @functools.wraps(eager)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() and registered():
+        # Dynamo's question, not is_compiling(): non-strict torch.export runs
+        # Python as it is, where the untraced form refuses to run.
+        if torch.compiler.is_dynamo_compiling() and registered():
             return made[0](*args, **kwargs)
         return eager(*args, **kwargs)
 
