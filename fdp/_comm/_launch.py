@@ -12,6 +12,7 @@ import atexit
 import datetime
 import math
 import os
+import threading
 import time
 import uuid
 import warnings
@@ -105,7 +106,7 @@ def init_distributed(
 _DRAINING: list[object] = []
 
 
-def _let_gloo_finish() -> None:
+def _let_gloo_finish(*, at_most: float = 1.0) -> None:
     """At exit, lets gloo's worker threads release the last collectives' tensors.
 
     Note [gloo at exit]: a gloo worker thread drops a finished collective
@@ -116,11 +117,41 @@ def _let_gloo_finish() -> None:
     a successful run: 2 in 20 runs of train_lm_fsdp.py under load, and
     docs/porting.md's script). ``destroy_process_group`` does not prevent
     it: DCP and fdp's objects keep the group alive until finalization
-    (torch 2.13; pytorch/pytorch#179291 is torch's abandoned fix). Sleeping
-    here, before finalization, with the GIL released, gives those threads
-    the time to finish. It cannot make a job slower by more than 50 ms.
+    (torch 2.13; pytorch/pytorch#179291 is torch's abandoned fix). So this
+    waits, before finalization and with the GIL released, until no other
+    thread of the process is running or waiting to run, twice in a row (a
+    thread waiting for the GIL sleeps; it runs in the pause between), for
+    ``at_most`` seconds at most. A fixed 50 ms pause, as before, was not
+    enough on a loaded machine (a restarted ``train_lm_fsdp.py`` aborted
+    so, 2026-12-06). Where threads' states cannot be read (not Linux),
+    it pauses 50 ms.
     """
-    time.sleep(0.05)
+    deadline = time.monotonic() + at_most
+    idle = 0
+    while idle < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+        running = _others_running()
+        if running is None:
+            time.sleep(0.05)
+            return
+        idle = 0 if running else idle + 1
+
+
+def _others_running() -> bool | None:
+    """Whether another thread of this process is running or runnable (None: unknown)."""
+    me = str(threading.get_native_id())
+    try:
+        tasks = [t for t in os.listdir("/proc/self/task") if t != me]
+        for task in tasks:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                # The state follows the command name, which may hold spaces and ")".
+                if f.read().rpartition(")")[2].split()[0] == "R":
+                    return True
+    except FileNotFoundError:  # a thread that ended since: check again next time
+        return True
+    except (OSError, IndexError):
+        return None
+    return False
 
 
 def warn_if_restarts_fail(call: str) -> None:
