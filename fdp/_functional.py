@@ -59,8 +59,9 @@ def _call(
     planned: Callable[[tuple[str, ...]], _functional_traced.Plan],
     prepare: Callable[[list[tuple[nn.Module, nn.Module]]], None] | None = None,
 ) -> Any:
-    options = {"sync_batch_norm": sync_batch_norm, "group": group, "prepare": prepare}
-    call = _shells.enter(module, state, **options)
+    call = _shells.enter(
+        module, state, sync_batch_norm=sync_batch_norm, group=group, prepare=prepare
+    )
     try:
         out = call.shell(*args, **kwargs)
     except BaseException:

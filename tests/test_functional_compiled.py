@@ -260,8 +260,13 @@ def test_compiled_call_with_a_graph_break_writes_back_what_the_forward_changed()
     x = torch.randn(5, 6)
     run = compiled(lambda s, x: fn(s, x))
     for _ in range(2):
-        torch.testing.assert_close(run(state, x), ref(x))
+        out, expected = run(state, x), ref(x)
+        torch.testing.assert_close(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
     assert net.calls == ref.calls == 2
+    for (name, g), r in zip(grads(net).items(), grads(ref).values(), strict=True):
+        torch.testing.assert_close(g, r, msg=name)
 
 
 @pytest.mark.filterwarnings(
@@ -275,8 +280,13 @@ def test_compiled_call_with_a_graph_break_compiles_once() -> None:
     run = compiled(lambda s, x: fn(s, x))
     counters = torch._dynamo.utils.counters
     for call in range(4):  # each call makes new shells: no recompile for them
-        fresh = {k: v.detach().clone() for k, v in state.items()}
-        torch.testing.assert_close(run(fresh, x), net(x))
+        fresh = {k: v.detach().clone().requires_grad_() for k, v in state.items()}
+        out, expected = run(fresh, x), net(x)
+        torch.testing.assert_close(out, expected)
+        got = torch.autograd.grad(out.sum(), list(fresh.values()))
+        want = torch.autograd.grad(expected.sum(), list(net.parameters()))
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)
         if call == 0:
             graphs = counters["stats"]["unique_graphs"]
             assert graphs >= 2  # the forward, in pieces: not run eagerly
@@ -307,5 +317,48 @@ def test_non_strict_export_of_a_call_matches_the_module() -> None:
     x = torch.randn(5, 6)
     exported = torch.export.export(Call(), (x,), strict=False)
     torch.testing.assert_close(exported.module()(x), ref(x))
-    x2 = torch.randn(5, 6)
-    torch.testing.assert_close(exported.module()(x2), ref(x2))
+    x2 = torch.randn(5, 6, requires_grad=True)
+    x3 = x2.detach().clone().requires_grad_()
+    out, expected = exported.module()(x2), ref(x3)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(x2.grad, x3.grad)
+
+
+def _transformed(
+    fn: Callable[..., Any], state: dict[str, torch.Tensor], x: torch.Tensor, how: str
+) -> Any:
+    """``how`` of the call: its gradients (torch.func.grad, fdp.grad), a vmap, a jvp's tangent."""
+    loss = lambda s: fn(s, x).square().mean()  # noqa: E731
+    if how == "func_grad":
+        return list(torch.func.grad(loss)(state).values())
+    if how == "fdp_grad":
+        return list(fdp.grad(loss)(state).values())
+    if how == "vmap":
+        return torch.func.vmap(lambda row: fn(state, row))(x)
+    ones = {k: torch.ones_like(v) for k, v in state.items()}
+    return torch.func.jvp(lambda s: fn(s, x), (state,), (ones,))[1]
+
+
+@pytest.mark.filterwarnings(
+    "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning"
+)
+@pytest.mark.parametrize("how", ["func_grad", "fdp_grad", "vmap", "jvp"])
+def test_a_graph_broken_call_inside_compiled_transforms(how: str) -> None:
+    # Dynamo runs a transform around a graph break eagerly: the call takes its eager shells.
+    torch.manual_seed(0)
+    net = Breaking()
+    fn, state = fdp.make_functional(net)
+    new = {k: v.detach() * 1.5 + 0.1 for k, v in state.items()}
+    ref = copy.deepcopy(net)
+    ref.load_state_dict(new)
+    x = torch.randn(5, 6)
+    # aot_eager: dynamo's "eager" backend fails on a graph break under
+    # torch.func.grad (torch 2.13), for torch.func.functional_call alike.
+    torch._dynamo.reset()
+    run = torch.compile(lambda s, x: _transformed(fn, s, x, how), backend="aot_eager")
+    got = run(new, x)
+    # The reference: torch's own functional_call on a copy, eager.
+    expected = _transformed(lambda s, x: torch.func.functional_call(ref, s, (x,)), new, x, how)
+    torch.testing.assert_close(got, expected)
