@@ -17,10 +17,6 @@ The methods, each as ``bench_models_step.py`` compiles it (its functions):
   compiled (``fullgraph=True``);
 - fdp FSDP: ``fsdp.wrap(fn)``'s loss compiled (``fullgraph=True``), every
   unit's gather in the graph, ``fdp.optim.adamw`` eagerly.
-- fdp DDP and fdp pure again with ``compiled_overlap=False``: no effect
-  token in the compiled backward, which inductor's on-disk cache then keeps
-  (every all-reduce after the last gradient, as without
-  ``fdp.overlap_options()`` anyway).
 
     python benchmarks/bench_compile_time.py [--quick] [--models gpt2,llama]
 
@@ -49,8 +45,7 @@ import fdp
 
 SIZE = 2
 SLUGS = {"torch DDP": "torch_ddp", "fdp DDP": "fdp_ddp", "fdp pure": "fdp_pure",
-         "fdp FSDP": "fdp_fsdp", "fdp DDP, no overlap": "fdp_ddp_no_overlap",
-         "fdp pure, no overlap": "fdp_pure_no_overlap"}  # fmt: skip
+         "fdp FSDP": "fdp_fsdp"}  # fmt: skip
 
 
 def fdp_fsdp(name: str, ids: torch.Tensor) -> Callable[[], None]:
@@ -81,12 +76,6 @@ MAKERS: dict[str, Callable[[str, torch.Tensor], Callable[[], None]]] = {
     "fdp DDP": lambda name, ids: fdp_ddp_torch_optim(name, ids, compiled=True),
     "fdp pure": lambda name, ids: fdp_pure(name, ids, grad=fdp.grad, compiled=True),
     "fdp FSDP": fdp_fsdp,
-    "fdp DDP, no overlap": lambda name, ids: fdp_ddp_torch_optim(
-        name, ids, compiled=True, compiled_overlap=False
-    ),
-    "fdp pure, no overlap": lambda name, ids: fdp_pure(
-        name, ids, grad=fdp.grad, compiled=True, compiled_overlap=False
-    ),
 }
 
 

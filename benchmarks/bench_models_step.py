@@ -111,11 +111,9 @@ def torch_ddp(name: str, ids: torch.Tensor, *, compiled: bool) -> Step:
     return step
 
 
-def fdp_ddp_torch_optim(
-    name: str, ids: torch.Tensor, *, compiled: bool = False, compiled_overlap: bool = True
-) -> Step:
+def fdp_ddp_torch_optim(name: str, ids: torch.Tensor, *, compiled: bool = False) -> Step:
     fn, state = fdp.make_functional(build(name))
-    ddp = fdp.DistributedDataParallel(state, compiled_overlap=compiled_overlap)
+    ddp = fdp.DistributedDataParallel(state)
     opt = torch.optim.AdamW([t for t in state.values() if t.requires_grad], lr=1e-4, foreach=True)
 
     def loss(s: dict[str, Any]) -> torch.Tensor:
@@ -138,10 +136,9 @@ def fdp_pure(
     *,
     grad: Any,
     compiled: bool = False,
-    compiled_overlap: bool = True,
 ) -> Step:
     fn, state = fdp.make_functional(build(name))
-    ddp = fdp.DistributedDataParallel(state, compiled_overlap=compiled_overlap)
+    ddp = fdp.DistributedDataParallel(state)
     params, buffers = split(state)
 
     def loss(p: dict[str, Any], b: dict[str, Any]) -> torch.Tensor:

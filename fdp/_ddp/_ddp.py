@@ -155,13 +155,11 @@ class DistributedDataParallel:
             without the backward hooks).
         compiled_overlap: inside ``torch.compile``, whether each bucket's
             all-reduce may be issued as soon as its own gradients exist
-            (what :func:`overlap_options` has inductor do), through an op
-            with an ordered effect. torch 2.13's on-disk cache does not keep
-            a graph with an effect, so every new process compiles the
-            backward again. ``False``: every all-reduce after the last
-            gradient (where inductor issues them anyway without
-            :func:`overlap_options`), and a restarted job reuses the
-            compiled backward (docs/compile.md). Eager DDP is unaffected.
+            (what :func:`overlap_options` has inductor do). ``False``:
+            every all-reduce after the last gradient (where inductor issues
+            them anyway without :func:`overlap_options`). Either way a
+            restarted job reuses the compiled backward from inductor's
+            on-disk cache (docs/compile.md). Eager DDP is unaffected.
 
     Example::
 

@@ -108,13 +108,11 @@ def _zero_after(deps: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     forward graph: issued in forward here and in backward elsewhere, the
     collectives pair up wrongly (measured: zero gradients, or a hang).
 
-    This op has no effect, so its ``deps`` are all the gradients: every
-    collective comes after the last gradient (backward runs only where some
-    gradient is real), and inductor's on-disk cache keeps the backward
-    graph. :func:`_zero_after_ordered` is the one whose ``deps`` may be a
-    bucket's own gradients. An opaque op, because inductor's joint-graph
-    constant folding saw through every arithmetic zero tried; it reads
-    nothing, so it is NaN-safe.
+    This op has no effect: its ``deps`` always hold a real gradient
+    (:func:`_anchors`), which only backward computes, and inductor's
+    on-disk cache keeps a backward graph that holds it. An opaque op,
+    because inductor's joint-graph constant folding saw through every
+    arithmetic zero tried; it reads nothing, so it is NaN-safe.
     """
     return torch.zeros((), device=device)
 
@@ -124,16 +122,15 @@ def _zero_after_ordered(deps: list[torch.Tensor], device: torch.device) -> torch
     """:func:`_zero_after` with an ordered effect (:func:`_compat.order_effects`).
 
     Its token, a backward input, keeps it in backward whatever ``deps``
-    are; its ``deps`` are then only the bucket's own gradients, and a
-    compiler that reorders for overlap can issue each bucket's all-reduce
-    as soon as they exist. torch 2.13's FX graph cache does not keep a
-    graph with an effect token (``with_effects``): the backward is compiled
-    anew in every process (docs/compile.md).
+    are: the fallback where no gradient reaching the reduction is real
+    (every one of them None), so that nothing else can pin the buckets.
+    torch 2.13's FX graph cache does not keep a graph with an effect token
+    (``with_effects``): such a backward is compiled anew in every process.
     """
     return torch.zeros((), device=device)
 
 
-# Whether this torch can order effects; else every bucket waits for every gradient.
+# Whether this torch can order effects (else, with no real gradient, a plain zero).
 _ORDERED = _compat.order_effects(_zero_after_ordered)
 
 
@@ -149,7 +146,7 @@ def _(deps: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 # What _Average's backward reduces with: the world size, the dtype buckets
 # travel in (None: their own), the group, and whether each bucket's
-# all-reduce may go as soon as its own gradients exist (an ordered effect).
+# all-reduce may go as soon as its own gradients exist (else after the last).
 How = tuple[int, torch.dtype | None, ProcessGroup, bool]
 
 
@@ -202,36 +199,69 @@ class _Average(torch.autograd.Function):
         buckets, folded, how, n, *tensors = inputs
         ctx.buckets, ctx.folded, ctx.how, ctx.n = buckets, folded, how, n
         ctx.save_for_backward(*tensors[n:])
+        # None for a leaf that got no gradient: which gradients are real is
+        # what pins each bucket's all-reduce to backward (_anchors).
+        ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         old = dict(zip(ctx.folded, ctx.saved_tensors, strict=True))
-        totals = [g + old[s] if s in old else g for s, g in enumerate(grads)]
-        issued: list[tuple[_bucket.Bucket, tuple[int, ...], torch.Tensor]] = []
-        ordered = ctx.how[3] and _ORDERED
-        zero_after = _zero_after_ordered if ordered else _zero_after
-        for bucket, slots in ctx.buckets:
-            if all(s < 0 for s in slots):
-                continue  # no leaf here needs a gradient, on any rank (it is agreed on)
-            own = [grads[s] for s in slots if s >= 0] if ordered else list(grads)
+        totals = [_plus(g, old.get(s)) for s, g in enumerate(grads)]
+        live = [(b, slots) for b, slots in ctx.buckets if any(s >= 0 for s in slots)]
+        zero_after, waits_for = _anchors(live, grads, ctx.how[3])
+        issued: list[torch.Tensor] = []
+        for (bucket, slots), deps in zip(live, waits_for, strict=True):
             # Issued after the previous bucket was issued, not after it ended:
             # compilers keep data order, not the order collectives were
             # traced in (measured: inductor's overlap passes issued the last
             # bucket first), and waiting here would stall a GPU's compute
             # stream on every bucket. All waits follow all issues, so that a
             # compiler is free to place each wait as late as it likes.
-            before = [issued[-1][2]] if issued else []
-            anchor = zero_after(own + before, bucket.device)
+            anchor = zero_after(deps + issued[-1:], bucket.device)
             # A slot of -1 is a leaf that needs no gradient: it reduces zeros.
             flat = _pack(bucket, [totals[s] if s >= 0 else None for s in slots], anchor, ctx.how)
-            issued.append((bucket, slots, _compat.all_reduce_issue(flat, "sum", ctx.how[2])))
+            issued.append(_compat.all_reduce_issue(flat, "sum", ctx.how[2]))
         out: list[torch.Tensor | None] = [None] * ctx.n
-        for bucket, slots, pending in issued:
+        for (bucket, slots), pending in zip(live, issued, strict=True):
             reduced = _compat.wait(pending).to(bucket.dtype)
             for s, view in zip(slots, bucket.unpack(reduced), strict=True):
                 if s >= 0:
                     out[s] = view - old[s] if s in old else view
         return (None, None, None, None, *out, *(None for _ in ctx.folded))
+
+
+def _plus(grad: torch.Tensor | None, accumulated: torch.Tensor | None) -> torch.Tensor | None:
+    """A leaf's gradient plus the ``.grad`` accumulated under ``no_sync`` (either may be None)."""
+    if grad is None or accumulated is None:
+        return accumulated if grad is None else grad
+    return grad + accumulated
+
+
+def _anchors(
+    live: Sequence[tuple[_bucket.Bucket, tuple[int, ...]]],
+    grads: Sequence[torch.Tensor | None],
+    overlap: bool,
+) -> tuple[Any, list[list[torch.Tensor]]]:
+    """The op that makes each bucket's zero (:func:`_zero_after`), and what each waits for.
+
+    A bucket's all-reduce must stay in backward on every rank, also where
+    this rank gave none of its leaves a gradient (its pieces are then zeros
+    made from nothing, which a partitioner may hoist into the forward
+    graph). A real gradient pins it. With ``overlap`` a bucket waits for its
+    own real gradients and the previous bucket's issue, a chain whose first
+    bucket, if it got no gradient here, waits for the first real ones;
+    without, every bucket waits for every real gradient. Only where no
+    gradient is real does an ordered effect hold the buckets in backward
+    (:func:`_zero_after_ordered`, whose token inductor's cache refuses).
+    """
+    real = [[g for s in slots if s >= 0 and (g := grads[s]) is not None] for _, slots in live]
+    first = next((r for r in real if r), [])
+    if not first:
+        return (_zero_after_ordered if _ORDERED else _zero_after), [[] for _ in live]
+    if not overlap:
+        every = [g for r in real for g in r]
+        return _zero_after, [every for _ in live]
+    return _zero_after, [real[0] or first, *real[1:]]
 
 
 UNDER_TRANSFORM = (
@@ -323,8 +353,7 @@ def average(leaves: Sequence[Any], plan: Plan) -> list[Any]:
 
     ``plan.ties`` maps a leaf to the first leaf holding the same tensor;
     ``plan.overlap``: each bucket's all-reduce may go as soon as its own
-    gradients exist (:func:`_zero_after_ordered`), else after the last
-    gradient, in a backward graph inductor's cache keeps (:func:`_zero_after`).
+    gradients exist, else after the last gradient (:func:`_anchors`).
     """
     if plan.hook.refusal is not None:
         raise NotImplementedError(plan.hook.refusal)
