@@ -145,9 +145,10 @@ def order_effects(op: Any) -> bool:
     AOTAutograd threads an effectful op on a token, and in a backward graph
     that token is a backward input: the partitioner keeps the op, and all
     that depends on it, in backward, in program order, even when its tensor
-    inputs are constants. If ``register_effect`` or ``EffectType`` goes,
-    this returns False and ``_ddp_traced`` ties every bucket to all gradients
-    instead (correct, without overlap).
+    inputs are constants. DDP's compiled reduction needs it only where no
+    gradient reaching it is real (fdp/_ddp/_traced.py); if
+    ``register_effect`` or ``EffectType`` goes, this returns False and that
+    rare case falls back to the op without an effect.
     """
     try:
         from torch._library.effects import EffectType
