@@ -159,6 +159,22 @@ def order_effects(op: Any) -> bool:
     return True
 
 
+def inductor_spmd_check_off() -> dict[str, bool]:
+    """The option that turns off inductor's check that every rank compiled one graph.
+
+    torch 2.12 runs it by default whenever comm/compute reordering is on: an
+    ``all_gather_object`` of a hash of each graph while compiling. Ranks
+    that use different leaves compile different graphs, and there the check
+    hung the ranks (tests/test_ddp_traced.py, the first bucket unused on a
+    rank). Empty where the check is off by default (torch 2.13 on) or absent.
+    """
+    from torch._inductor import config
+
+    if getattr(getattr(config, "aten_distributed_optimizations", None), "spmd_check", False):
+        return {"aten_distributed_optimizations.spmd_check": False}
+    return {}
+
+
 def inductor_overlap_passes() -> list[str]:
     """Inductor's scheduler passes that move collectives early and their waits late.
 

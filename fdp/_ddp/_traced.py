@@ -395,15 +395,18 @@ def overlap_options() -> dict[str, Any]:
     Returns:
         A new dict for ``torch.compile(..., options=...)`` with the
         inductor backend: ``reorder_for_compute_comm_overlap`` and the passes
-        this torch provides.
+        this torch provides; on torch 2.12 also its check that every rank
+        compiled the same graph turned off (ranks that use different leaves
+        compile different graphs, and the check's collective hung them).
 
     Example:
         >>> import fdp, torch
         >>> loss = torch.compile(lambda x: x.sum(), fullgraph=True, options=fdp.overlap_options())
-        >>> sorted(fdp.overlap_options())
-        ['reorder_for_compute_comm_overlap', 'reorder_for_compute_comm_overlap_passes']
+        >>> fdp.overlap_options()["reorder_for_compute_comm_overlap"]
+        True
     """
     return {
         "reorder_for_compute_comm_overlap": True,
         "reorder_for_compute_comm_overlap_passes": _compat.inductor_overlap_passes(),
+        **_compat.inductor_spmd_check_off(),
     }
