@@ -139,25 +139,32 @@ def test_inductor_overlap_passes_fall_back_to_the_older_pair(
     assert all(hasattr(comms, name) for name in fallback)
 
 
-def test_inductor_spmd_check_off_names_a_config_torch_compile_accepts(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_inductor_spmd_check_off_names_a_config_torch_compile_accepts() -> None:
     # torch 2.12 checks by default that every rank compiled one graph (a
     # collective while compiling); ranks that use different leaves do not.
+    # Set through config.patch, which restores it (monkeypatch would delete
+    # a class attribute it did not find in the class's own __dict__).
     from torch._inductor import config
 
     sub = getattr(config, "aten_distributed_optimizations", None)
     if sub is None or not hasattr(sub, "spmd_check"):
         assert _compat.inductor_spmd_check_off() == {}
         return
-    monkeypatch.setattr(sub, "spmd_check", False)
-    assert _compat.inductor_spmd_check_off() == {}
-    monkeypatch.setattr(sub, "spmd_check", True)
-    options = _compat.inductor_spmd_check_off()
-    assert options == {"aten_distributed_optimizations.spmd_check": False}
-    with config.patch(options):  # the name a torch.compile option is patched by
-        assert sub.spmd_check is False
-    assert sub.spmd_check is True
+    name = "aten_distributed_optimizations.spmd_check"
+
+    def on() -> Any:
+        return sub.spmd_check
+
+    before = on()
+    with config.patch({name: False}):
+        assert _compat.inductor_spmd_check_off() == {}
+    with config.patch({name: True}):
+        options = _compat.inductor_spmd_check_off()
+        assert options == {name: False}
+        with config.patch(options):  # the name a torch.compile option is patched by
+            assert on() is False
+        assert on() is True
+    assert on() is before
 
 
 def _collectives_both_names(rank: int, size: int) -> list[list[float]]:
