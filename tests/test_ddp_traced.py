@@ -189,8 +189,8 @@ class _NoGradient(torch.autograd.Function):
         return None
 
 
-def _cut_step(rank: int, size: int, backend: str) -> list[torch.Tensor | None]:
-    """Rank 0's loss reaches every leaf only through :class:`_NoGradient`."""
+def _cut_step(rank: int, size: int, backend: str) -> tuple[Any, list[torch.Tensor | None]]:
+    """Rank 0's loss reaches every leaf only through :class:`_NoGradient`: the loss, the grads."""
     torch._dynamo.reset()
     params = make_params()
     ddp = fdp.DistributedDataParallel(params, **TINY)
@@ -204,8 +204,9 @@ def _cut_step(rank: int, size: int, backend: str) -> list[torch.Tensor | None]:
         return loss_fn(tree_map(cut, ddp(p)), x, y, None)
 
     x, y = batch(size * PER_RANK)
-    torch.autograd.backward(loss(params, shard(x, rank), shard(y, rank)))
-    return grads(params)
+    out = loss(params, shard(x, rank), shard(y, rank))
+    torch.autograd.backward(out)
+    return out.detach(), grads(params)
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -217,7 +218,9 @@ def test_a_rank_whose_gradients_are_all_none_still_reduces(backend: str) -> None
     params = make_params()
     x, y = batch(2 * PER_RANK)
     torch.autograd.backward(loss_fn(params, shard(x, 1), shard(y, 1), None) / 2)
-    for got in ranks.world(2).run(_cut_step, backend):
+    for rank, (out, got) in enumerate(ranks.world(2).run(_cut_step, backend)):
+        expected = loss_fn(make_params(), shard(x, rank), shard(y, rank), None)
+        torch.testing.assert_close(out, expected.detach(), **TOL)
         check(got, grads(params))
 
 
