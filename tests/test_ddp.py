@@ -235,6 +235,49 @@ def test_backward_with_inputs_treats_the_other_leaves_as_unused() -> None:
         assert grads["head"].first is None
 
 
+def _a_rank_without_data_reaches_the_outputs(rank: int, size: int, how: str) -> Any:
+    """Rank 0 has no batch in step 0 and takes a zero-weighted loss; then a step with data.
+
+    docs/guarantees.md (Known limits): a rank whose backward reaches no output
+    of ``ddp(params)`` skips that step's all-reduces; scaling a loss that
+    reaches them by zero keeps the ranks' collectives paired.
+    """
+    params, ddp, x, y = _setup(rank, size, SMALL, detach=how == "fdp.grad")
+    diff = {"layers": params["layers"], "first": params["head"].first, "scale": params["scale"]}
+
+    def full(d: dict[str, Any]) -> dict[str, Any]:
+        head = Pair(first=d["first"], second=None)
+        return {"layers": d["layers"], "head": head, "scale": d["scale"], "steps": params["steps"]}
+
+    steps = []
+    for step in range(2):
+        weight = 0.0 if rank == 0 and step == 0 else 1.0
+        if how == "backward":
+            torch.autograd.backward(weight * loss_fn(ddp(params), x, y))
+            got = grad_tree(params)
+            for t in leaves(params):
+                if isinstance(t, torch.Tensor):
+                    t.grad = None
+        else:
+            got = full(fdp.grad(lambda d, w=weight: w * loss_fn(ddp(full(d)), x, y))(diff))
+        steps.append({k: got[k] for k in ("layers", "head", "scale")})
+    return steps
+
+
+@pytest.mark.parametrize("how", ["backward", "fdp.grad"])
+def test_a_rank_without_data_that_scales_its_loss_by_zero_stays_paired(how: str) -> None:
+    # Step 0: the mean over ranks with rank 0's gradient zero; step 1: the
+    # whole batch's. A rank that skipped ddp's outputs instead would reduce
+    # its step 1 with the other rank's step 0.
+    params = make_params()
+    x, y = data(2)
+    loss_fn(params, shard(x, 1), shard(y, 1)).div(2).backward()
+    only_rank_1 = grad_tree(params)
+    for per_rank in ranks.world(2).run(_a_rank_without_data_reaches_the_outputs, how):
+        for got, expected in zip(per_rank, (only_rank_1, reference_grads(2)), strict=True):
+            tree_allclose(got, {k: expected[k] for k in ("layers", "head", "scale")}, **TOL)
+
+
 def test_bucket_order_and_default_first_bucket() -> None:
     (_, buckets), *_ = ranks.world(2).run(_grads_by_backward, DEFAULT)
     # The reverse of the order the leaves were put in the tree (each dict's
