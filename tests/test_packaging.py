@@ -16,6 +16,7 @@ they gave.
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import re
 import subprocess
@@ -134,6 +135,8 @@ def test_each_declared_python_has_one_pin_per_test_requirement_that_allows_it(py
 def test_each_installed_pin_supports_every_declared_python_its_marker_selects() -> None:
     # Run on each Python of python_range, this covers every pin: transformers
     # 5.24 requires Python 3.11, so an unmarked pin left 3.10 uninstallable.
+    if os.environ.get("FDP_UNPINNED"):
+        pytest.skip("nox -s torch_range installs without constraints.txt, another torch")
     this = f"{sys.version_info.major}.{sys.version_info.minor}"
     declared = _nox_list("PYTHON_RANGE")
     checked = 0
