@@ -134,14 +134,23 @@ def _grads_by_autograd_grad(rank: int, size: int, caps: dict[str, Any]) -> Any:
     return optree.tree_unflatten(spec, out), ddp.buckets
 
 
+def _differentiable(params: dict[str, Any]) -> dict[str, Any]:
+    """``make_params``' float leaves: torch.func.grad refuses None and integer leaves."""
+    return {"layers": params["layers"], "first": params["head"].first, "scale": params["scale"]}
+
+
+def _whole(d: dict[str, Any], steps: torch.Tensor) -> dict[str, Any]:
+    """``make_params``' tree again from :func:`_differentiable`'s and the integer buffer."""
+    head = Pair(first=d["first"], second=None)
+    return {"layers": d["layers"], "head": head, "scale": d["scale"], "steps": steps}
+
+
 def _func_grads(rank: int, size: int, caps: dict[str, Any], *, with_value: bool) -> Any:
     params, ddp, x, y = _setup(rank, size, caps, detach=True)
-    # torch.func.grad refuses None and integer leaves in what it differentiates.
-    diff = {"layers": params["layers"], "first": params["head"].first, "scale": params["scale"]}
+    diff = _differentiable(params)
 
     def full(d: dict[str, Any]) -> dict[str, Any]:
-        head = Pair(first=d["first"], second=None)
-        return {"layers": d["layers"], "head": head, "scale": d["scale"], "steps": params["steps"]}
+        return _whole(d, params["steps"])
 
     def loss(d: dict[str, Any]) -> torch.Tensor:
         return loss_fn(ddp(full(d)), x, y)
@@ -238,29 +247,28 @@ def test_backward_with_inputs_treats_the_other_leaves_as_unused() -> None:
 def _a_rank_without_data_reaches_the_outputs(rank: int, size: int, how: str) -> Any:
     """Rank 0 has no batch in step 0 and takes a zero-weighted loss; then a step with data.
 
-    docs/guarantees.md (Known limits): a rank whose backward reaches no output
-    of ``ddp(params)`` skips that step's all-reduces; scaling a loss that
-    reaches them by zero keeps the ranks' collectives paired.
+    Each step's loss and gradients. docs/guarantees.md (Known limits): a
+    rank whose backward reaches no output of ``ddp(params)`` skips that
+    step's all-reduces; scaling a loss that reaches them by zero keeps the
+    ranks' collectives paired.
     """
     params, ddp, x, y = _setup(rank, size, SMALL, detach=how == "fdp.grad")
-    diff = {"layers": params["layers"], "first": params["head"].first, "scale": params["scale"]}
-
-    def full(d: dict[str, Any]) -> dict[str, Any]:
-        head = Pair(first=d["first"], second=None)
-        return {"layers": d["layers"], "head": head, "scale": d["scale"], "steps": params["steps"]}
-
     steps = []
     for step in range(2):
         weight = 0.0 if rank == 0 and step == 0 else 1.0
         if how == "backward":
-            torch.autograd.backward(weight * loss_fn(ddp(params), x, y))
+            loss = weight * loss_fn(ddp(params), x, y)
+            torch.autograd.backward(loss)
             got = grad_tree(params)
             for t in leaves(params):
                 if isinstance(t, torch.Tensor):
                     t.grad = None
         else:
-            got = full(fdp.grad(lambda d, w=weight: w * loss_fn(ddp(full(d)), x, y))(diff))
-        steps.append({k: got[k] for k in ("layers", "head", "scale")})
+            grads, loss = fdp.grad_and_value(
+                lambda d, w=weight: w * loss_fn(ddp(_whole(d, params["steps"])), x, y)
+            )(_differentiable(params))
+            got = _whole(grads, params["steps"])
+        steps.append((loss.detach(), {k: got[k] for k in ("layers", "head", "scale")}))
     return steps
 
 
@@ -273,8 +281,14 @@ def test_a_rank_without_data_that_scales_its_loss_by_zero_stays_paired(how: str)
     x, y = data(2)
     torch.autograd.backward(loss_fn(params, shard(x, 1), shard(y, 1)) / 2)
     only_rank_1 = grad_tree(params)
-    for per_rank in ranks.world(2).run(_a_rank_without_data_reaches_the_outputs, how):
-        for got, expected in zip(per_rank, (only_rank_1, reference_grads(2)), strict=True):
+    for rank, per_rank in enumerate(
+        ranks.world(2).run(_a_rank_without_data_reaches_the_outputs, how)
+    ):
+        own = loss_fn(make_params(), shard(x, rank), shard(y, rank)).detach()
+        losses = (own * 0 if rank == 0 else own, own)
+        grads = (only_rank_1, reference_grads(2))
+        for (loss, got), want, expected in zip(per_rank, losses, grads, strict=True):
+            torch.testing.assert_close(loss, want)
             tree_allclose(got, {k: expected[k] for k in ("layers", "head", "scale")}, **TOL)
 
 
