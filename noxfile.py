@@ -25,6 +25,10 @@ CONSTRAINTS = ("-c", "constraints.txt")
 COMPILE_CACHE = {"TORCHINDUCTOR_CACHE_DIR": os.path.abspath(".compile-cache")}
 # What the shared environment holds: the tests, the examples, mypy.
 DEV_GROUPS = ("test", "typecheck", "examples")
+# uv, unlike pip, installs no bytecode; where PYTHONDONTWRITEBYTECODE is set
+# (as on CI) every process then compiles torch's sources on import, about 2 s
+# of each of the hundreds of processes the suite starts.
+BYTECODE = {"UV_COMPILE_BYTECODE": "1"}
 
 
 def install(session: nox.Session, *groups: str, env: dict[str, str] | None = None) -> None:
@@ -34,16 +38,17 @@ def install(session: nox.Session, *groups: str, env: dict[str, str] | None = Non
     # (where a machine may keep its torch build) when pip has one.
     links = os.environ.get("PIP_FIND_LINKS")
     extra = {"UV_FIND_LINKS": links} if links and "UV_FIND_LINKS" not in os.environ else {}
-    session.install(*CONSTRAINTS, "-e", ".", *requirements, env={**extra, **(env or {})})
+    session.install(
+        *CONSTRAINTS, "-e", ".", *requirements, env={**extra, **BYTECODE, **(env or {})}
+    )
 
 
 @nox.session(default=False)
 def dev(session: nox.Session) -> None:
     """The one environment the tests, typecheck and example sessions share (made once)."""
     stamp = Path(session.virtualenv.location) / "fdp-installed.txt"
-    wanted = hashlib.sha256(
-        b"".join(Path(f).read_bytes() for f in ("pyproject.toml", "constraints.txt"))
-    ).hexdigest()
+    files = b"".join(Path(f).read_bytes() for f in ("pyproject.toml", "constraints.txt"))
+    wanted = hashlib.sha256(files + repr(BYTECODE).encode()).hexdigest()
     if stamp.exists() and stamp.read_text() == wanted:
         session.log("up to date with pyproject.toml and constraints.txt")
         return
@@ -67,6 +72,8 @@ def shared(func: Callable[[nox.Session], None]) -> Callable[[nox.Session], None]
 @shared
 def tests(session: nox.Session) -> None:
     """The test suite (pytest, doctests included)."""
+    # fdp's own bytecode too, for the same reason as BYTECODE (a second, once).
+    run(session, "python", "-m", "compileall", "-q", "fdp", "tests", "examples")
     run(session, "pytest", *session.posargs, env=COMPILE_CACHE)
 
 
@@ -82,7 +89,7 @@ def torch_range(session: nox.Session, torch: str) -> None:
     """The whole suite on each torch release of the supported range (not run by default)."""
     # Releases other than the pinned CPU wheel come from the registry (CUDA
     # builds, which run on the CPU); this machine's pip cap is lifted here only.
-    env = {"PIP_CONSTRAINT": os.devnull}
+    env = {"PIP_CONSTRAINT": os.devnull, **BYTECODE}
     tests_deps = nox.project.dependency_groups(PYPROJECT, "test")
     session.install(f"torch=={torch}", "-e", ".", *tests_deps, env=env)
     # Without constraints.txt: tests/test_packaging.py's check of the pins skips.
