@@ -340,6 +340,40 @@ def test_a_training_loop_with_new_tensors_compiles_once() -> None:
         assert frames == 1
 
 
+def _one_factory_many_ddps(rank: int, size: int) -> tuple[list[Any], int]:
+    """Three DDPs, each through its own closure of one compiled function, no reset between."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def factory(ddp: fdp.DistributedDataParallel) -> Callable[..., Any]:
+        @torch.compile(backend=counter, fullgraph=True)
+        def loss(p: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> Any:
+            return loss_fn(ddp(p), x, y, None)
+
+        return loss
+
+    x, y = batch(size * PER_RANK)
+    got = []
+    for _ in range(3):
+        params = make_params()
+        ddp = fdp.DistributedDataParallel(params, **TINY)
+        torch.autograd.backward(factory(ddp)(params, shard(x, rank), shard(y, rank)))
+        got.append(grads(params))
+    return got, counter.frame_count
+
+
+def test_ddps_compiled_through_one_function_each_reduce_their_own() -> None:
+    # A factory of compiled losses (one per model, a DDP made again) compiles the
+    # same code for each DDP. Dynamo turned the number naming the second DDP's
+    # plan into a symbol (an int that changed between compiles), which the
+    # plan registry could not look up: the second DDP's first call raised.
+    expected = reference(2, skip=False)
+    for got, frames in ranks.world(2).run(_one_factory_many_ddps):
+        for each in got:
+            check(each, expected)
+        assert frames == 3  # one graph per DDP, each compiled once
+
+
 def _hooks(rank: int, size: int) -> tuple[dict[str, list[Any]], str]:
     results = {}
     for hook in (fdp.allreduce_hook, fdp.fp16_compress_hook, fdp.bf16_compress_hook):

@@ -319,7 +319,10 @@ class Plan:
         self.layout, self.ties, self.group, self.overlap = layout, ties, group, overlap
         self.hook = hook  # replaced by register_comm_hook, before the first call
         self.where = tuple(sorted(layout.where))
-        self.key = next(_KEYS)
+        # A string: dynamo makes an int it saw change between two compiles of one
+        # function (two DDPs through one factory's loss) a symbol, which the
+        # registry cannot look up; a string it keeps a constant.
+        self.key = f"fdp-ddp-plan-{next(_KEYS)}"
         _PLANS[self.key] = self
 
     def how(self) -> How:
@@ -328,18 +331,18 @@ class Plan:
 
 
 _KEYS = itertools.count()
-_PLANS: weakref.WeakValueDictionary[int, Plan] = weakref.WeakValueDictionary()
+_PLANS: weakref.WeakValueDictionary[str, Plan] = weakref.WeakValueDictionary()
 
 
-def _reduce(key: tuple[int, tuple[int, ...], tuple[int, ...]], *tensors: torch.Tensor) -> Any:
-    """:class:`_Average` of ``tensors`` for the plan ``key[0]``.
+def _reduce(key: tuple[str, tuple[int, ...], tuple[int, ...]], *tensors: torch.Tensor) -> Any:
+    """:class:`_Average` of ``tensors`` for the plan named ``key[0]``.
 
     ``key[1]`` gives each leaf its tensor's input slot (-1: none, or a tied
     leaf's second name); ``key[2]`` the slots whose accumulated ``.grad``
     follows the tensors.
     """
-    number, slots, folded = key
-    plan = _PLANS[number]
+    name, slots, folded = key
+    plan = _PLANS[name]
     buckets = tuple((b, tuple(slots[i] for i in b.indices)) for b in plan.layout.buckets)
     n = len(tensors) - len(folded)
     return _Average.apply(buckets, folded, plan.how(), n, *tensors)  # type: ignore[no-untyped-call]
