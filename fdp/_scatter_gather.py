@@ -278,7 +278,7 @@ def split_plain(
     n = len(devices)
     if batch < n:
         return None
-    q, r = divmod(batch, n)
+    q, r = batch // n, batch % n  # not divmod: dynamo refuses it on a symbolic batch size
     sizes = [q] * n if r == 0 else [q + 1] * r + [q] * (n - r)  # as _chunk_sizes
     per_arg = []
     for a in args:

@@ -128,6 +128,26 @@ def test_a_training_loop_compiles_once() -> None:
     assert counter.frame_count == 1
 
 
+def test_batches_of_other_sizes_compile_a_dynamic_graph_that_matches_eager() -> None:
+    # A smaller last batch: dynamo recompiles with a symbolic batch size, which
+    # the split must take (divmod of one failed under fullgraph=True).
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(loss_dp, fullgraph=True, backend=counter)
+    for n in (8, 6, 7, 5, 9):
+        params, x = make_params(), data(n, seed=n)
+        reference = detached_copy(params)
+        expected = loss_ref(reference, x)
+        torch.autograd.backward(expected)
+        out = compiled(params, x)
+        torch.testing.assert_close(out, expected)
+        torch.autograd.backward(out)
+        for got, want in zip(grads_of(params), grads_of(reference), strict=True):
+            torch.testing.assert_close(got, want)
+    # The first size, then a symbolic one, for an even and an odd batch (the
+    # remainder is specialized); the later sizes reuse those.
+    assert counter.frame_count <= 3
+
+
 def test_compiled_function_in_worker_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     # CPU replicas forced onto fdp's worker threads, the path replicas on
     # distinct devices take (a compiled function on a fake device is not traceable).
