@@ -265,6 +265,7 @@ def _refused(rank: int, size: int, case: str) -> Any:
         "src outside the group on one rank": lambda: fdp.broadcast(x, 2 if rank == 0 else 0),
         "a dim out of range": lambda: fdp.all_gather(x, dim=2),
         "not a tensor": lambda: fdp.all_reduce([1.0]),  # type: ignore[arg-type]
+        "a tree": lambda: fdp.all_gather({"a": x, "b": [x]}),  # type: ignore[arg-type]
     }
     error = None
     try:
@@ -288,6 +289,7 @@ REFUSALS = {
     "src outside the group on one rank": ("`src` expected a rank of the group", "`src` differs"),
     "a dim out of range": ("`dim` expected a dimension of x", "`dim` expected a dimension"),
     "not a tensor": ("`x` expected a torch.Tensor", "`x` expected a torch.Tensor"),
+    "a tree": ("`x` expected a torch.Tensor; got a dict of 2 leaves (one tensor a call",) * 2,
 }
 
 
@@ -298,6 +300,28 @@ def test_a_bad_call_on_any_rank_raises_on_every_rank(case: str) -> None:
         assert error is not None, f"rank {rank} did not raise"
         assert REFUSALS[case][rank] in error, error
         assert error.startswith(("ValueError", "TypeError")), error
+        assert after == [2.0, 2.0]
+
+
+def _a_tree_compiled(rank: int, size: int) -> tuple[str, list[float]]:
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def compiled(t: torch.Tensor) -> torch.Tensor:
+        return fdp.all_reduce({"a": t})  # type: ignore[arg-type]
+
+    # dynamo's Unsupported with fdp's error inside (or that error, as it raises it)
+    with pytest.raises((torch._dynamo.exc.Unsupported, TypeError)) as e:
+        compiled(torch.ones(3))
+    return str(e.value), fdp.all_reduce(torch.ones(2)).tolist()
+
+
+@pytest.mark.compile
+def test_a_tree_inside_a_fullgraph_compile_is_refused_with_fdps_message() -> None:
+    # The message once printed the tree, which dynamo cannot do for a tensor: it
+    # stopped at "repr() on tensor" instead of fdp's error.
+    for message, after in ranks.world(2).run(_a_tree_compiled):
+        assert "fdp.all_reduce: `x` expected a torch.Tensor; got a dict of 1 leaf" in message
         assert after == [2.0, 2.0]
 
 

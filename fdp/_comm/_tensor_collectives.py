@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from fdp import _compat, _mode
+from fdp import _compat, _mode, _tree
 from fdp._comm import _agreement, _call_sites, _differentiable, _transforms
 
 __all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "reduce_scatter"]
@@ -428,7 +428,20 @@ def _described(x: Any, options: dict[str, Any], error: Exception | None) -> list
 
 def _tensor(call: str, x: Any) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{call}: `x` expected a torch.Tensor; got {type(x).__name__} {x!r:.60}")
+        raise TypeError(f"{call}: `x` expected a torch.Tensor; got {_not_a_tensor(call, x)}")
+
+
+def _not_a_tensor(call: str, x: Any) -> str:
+    """``x`` in an error, a tree by its type alone: dynamo cannot print a tensor."""
+    leaves, _ = _tree.flatten(x)
+    if len(leaves) == 1 and leaves[0] is x:
+        return f"{type(x).__name__} {x!r:.60}"
+    name = call.rsplit(".", 1)[-1]
+    return (
+        f"a {type(x).__name__} of {len(leaves)} {'leaf' if len(leaves) == 1 else 'leaves'} "
+        "(one tensor a call: over a tree, "
+        f"optree.tree_map(fdp.{name}, tree))"
+    )
 
 
 def _describe(x: Any) -> str:
