@@ -94,6 +94,52 @@ def test_under_func_grad_and_compile(how: str) -> None:
     check(SPATIAL["2d"], 3, how)
 
 
+# Per rank, the batches of one compiled loss: sizes that change make dynamo
+# compile a symbolic batch size (the second one), which the statistics take.
+BATCHES = ([5, 3], [4, 2], [3, 4], [6, 1])
+
+
+def _compiled_batches(rank: int, size: int) -> list[dict[str, torch.Tensor]]:
+    torch._dynamo.reset()
+    rm, rv = torch.zeros(C), torch.ones(C)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def loss(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, dy: torch.Tensor) -> Any:
+        return (fdp.sync_batch_norm(x, rm, rv, w, b, momentum=0.2) * dy).sum()
+
+    out = []
+    for sizes in BATCHES:
+        p = problem(SPATIAL["2d"], sum(sizes))
+        part = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+        x = p["x"][part].clone().requires_grad_()
+        w, b = p["w"].clone().requires_grad_(), p["b"].clone().requires_grad_()
+        value = loss(x, w, b, p["dy"][part])
+        torch.autograd.backward(value)
+        grads = {"dx": x.grad, "dw": w.grad, "db": b.grad}
+        out.append({"loss": value.detach(), "rm": rm.clone(), "rv": rv.clone(), **grads})
+    return out
+
+
+@pytest.mark.compile
+def test_compiled_batches_of_changing_sizes_match_the_global_batch() -> None:
+    results = ranks.world(2).run(_compiled_batches)
+    rm, rv = torch.zeros(C), torch.ones(C)
+    for step, sizes in enumerate(BATCHES):
+        p = problem(SPATIAL["2d"], sum(sizes))
+        x = p["x"].clone().requires_grad_()
+        w, b = p["w"].clone().requires_grad_(), p["b"].clone().requires_grad_()
+        loss = (F.batch_norm(x, rm, rv, w, b, training=True, momentum=0.2) * p["dy"]).sum()
+        torch.autograd.backward(loss)
+        mine = [r[step] for r in results]
+        torch.testing.assert_close(sum(r["loss"] for r in mine), loss.detach(), **TOL)
+        torch.testing.assert_close(torch.cat([r["dx"] for r in mine]), x.grad, **TOL)
+        torch.testing.assert_close(sum(r["dw"] for r in mine), w.grad, **TOL)
+        torch.testing.assert_close(sum(r["db"] for r in mine), b.grad, **TOL)
+        for r in mine:
+            torch.testing.assert_close(r["rm"], rm, **TOL)
+            torch.testing.assert_close(r["rv"], rv, **TOL)
+
+
 @pytest.mark.parametrize("size", [2, 3])
 def test_channels_far_from_zero_keep_their_variance(size: int) -> None:
     # x is stored to 6e-5 here: the two sides' means differ by about 1e-4

@@ -53,13 +53,27 @@ def _gathered(t: torch.Tensor, group: Group) -> torch.Tensor:
     return _differentiable.all_gather_flat(t, policy).view(-1, t.numel())
 
 
+def _mean_var_traced(wide: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_mean_var` from ``var_mean``: a batch of another size compiles with a
+    symbolic shape, which ``batch_norm_update_stats`` has no fake-tensor kernel for."""
+    var, mean = torch.var_mean(wide, [0, *range(2, wide.dim())], correction=0)
+    return mean, var
+
+
+@_mode.traced_as(_mean_var_traced)
+def _mean_var(wide: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's per-channel mean and biased variance (the fused kernel)."""
+    mean, var = torch.batch_norm_update_stats(wide, None, None, 0.0)
+    return mean, var
+
+
 def _statistics(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, ...]:
     """The global batch's (mean, biased variance, count), per channel, in float32 or wider."""
     c = x.shape[1]
     wide = x.to(torch.promote_types(x.dtype, torch.float32))
     n = x.numel() // max(c, 1)
     if n:
-        mean, var = torch.batch_norm_update_stats(wide, None, None, 0.0)
+        mean, var = _mean_var(wide)
     else:  # torch's kernels divide by the count
         mean = var = wide.new_zeros(c)
     rows = _gathered(torch.cat([wide.new_full((1,), n), mean, var]), group)
