@@ -32,7 +32,7 @@ def _real_phase(params: dict[str, Any]) -> None:
     params["head"]["phase"] = params["head"]["phase"].detach().real.clone().requires_grad_()
 
 
-def _clipped(rank: int, size: int, max_norm: float, norm_type: float) -> Any:
+def _clipped(rank: int, size: int, max_norm: float, norm_type: float, dynamic: bool) -> Any:
     params = make_params()
     if norm_type != 2.0:
         _real_phase(params)
@@ -40,14 +40,29 @@ def _clipped(rank: int, size: int, max_norm: float, norm_type: float) -> Any:
     x, y = data(size)
     shards = _detached(fsdp.shard(params))
     grads = _by_func_grad(fsdp, shards, mine(x, rank), mine(y, rank))
-    clipped, norm = fsdp.clip_grad_norm(grads, max_norm, norm_type=norm_type)
+    clip = fsdp.clip_grad_norm
+    if dynamic:  # every number and size symbolic, the norm's order included
+        torch._dynamo.reset()
+        clip = torch.compile(clip, backend="aot_eager", fullgraph=True, dynamic=True)
+    clipped, norm = clip(grads, max_norm, norm_type=norm_type)
     return fsdp.full(clipped), norm
 
 
-@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
+@pytest.mark.parametrize(
+    ("norm_type", "dynamic"),
+    [
+        (2.0, False),
+        (1.0, False),
+        (3.0, False),
+        (math.inf, False),
+        # Compiled with dynamic=True the order was a symbol, which math.isinf refused.
+        pytest.param(2.0, True, marks=pytest.mark.compile, id="2.0-compiled-dynamic"),
+        pytest.param(math.inf, True, marks=pytest.mark.compile, id="inf-compiled-dynamic"),
+    ],
+)
 @pytest.mark.parametrize("max_norm", [0.05, 100.0], ids=["clipped", "unclipped"])
 def test_clip_grad_norm_over_the_shards_equals_torchs_on_the_whole_tree(
-    max_norm: float, norm_type: float
+    max_norm: float, norm_type: float, dynamic: bool
 ) -> None:
     expected = reference_grad(2, local_loss, None if norm_type == 2.0 else _real_phase)
     # torch's clip_grad_norm_ on the unsharded gradients (the tied tensor once).
@@ -62,7 +77,7 @@ def test_clip_grad_norm_over_the_shards_equals_torchs_on_the_whole_tree(
         return t * scale if trained else t
 
     scaled = torch.utils._pytree.tree_map(scaled_leaf, expected)
-    for got, got_norm in ranks.world(2).run(_clipped, max_norm, norm_type):
+    for got, got_norm in ranks.world(2).run(_clipped, max_norm, norm_type, dynamic):
         torch.testing.assert_close(got_norm, norm, **TOL)
         tree_allclose(got, scaled, **TOL)
 

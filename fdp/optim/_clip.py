@@ -111,7 +111,7 @@ def sharded_norm(
     """
     wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
     device = tensors[0].device
-    if math.isinf(norm_type):
+    if norm_type in (math.inf, -math.inf):  # not math.isinf: it may be symbolic, compiled
         # An empty shard (a rank that holds none of a unit) has no maximum: 0.
         norms = [
             torch.linalg.vector_norm(t, norm_type, dtype=wide).to(device)
