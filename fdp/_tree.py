@@ -325,6 +325,16 @@ def describe(leaf: object) -> str:
     return f"{type(leaf).__name__} {leaf!r}"[:200]
 
 
+def describe_tree(tree: object, *, each: str) -> str:
+    """:func:`describe` of a leaf; a container by its type and size, with ``each``:
+    how to call for each leaf. Never printed whole: dynamo cannot print a tensor."""
+    leaves, _ = flatten(tree)
+    if len(leaves) == 1 and leaves[0] is tree:
+        return describe(tree)
+    count = f"{len(leaves)} leaf" if len(leaves) == 1 else f"{len(leaves)} leaves"
+    return f"a {type(tree).__name__} of {count} (one tensor a call: {each})"
+
+
 def tensor_leaves(
     tree: Any, *, call: str, arg: str, float_only: bool
 ) -> tuple[list[Any], Any, list[torch.Tensor | None]]:

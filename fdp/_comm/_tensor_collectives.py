@@ -428,20 +428,8 @@ def _described(x: Any, options: dict[str, Any], error: Exception | None) -> list
 
 def _tensor(call: str, x: Any) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{call}: `x` expected a torch.Tensor; got {_not_a_tensor(call, x)}")
-
-
-def _not_a_tensor(call: str, x: Any) -> str:
-    """``x`` in an error, a tree by its type alone: dynamo cannot print a tensor."""
-    leaves, _ = _tree.flatten(x)
-    if len(leaves) == 1 and leaves[0] is x:
-        return f"{type(x).__name__} {x!r:.60}"
-    name = call.rsplit(".", 1)[-1]
-    return (
-        f"a {type(x).__name__} of {len(leaves)} {'leaf' if len(leaves) == 1 else 'leaves'} "
-        "(one tensor a call: over a tree, "
-        f"optree.tree_map(fdp.{name}, tree))"
-    )
+        got = _tree.describe_tree(x, each=f"optree.tree_map(fdp.{call.rsplit('.', 1)[-1]}, tree)")
+        raise TypeError(f"{call}: `x` expected a torch.Tensor; got {got}")
 
 
 def _describe(x: Any) -> str:
