@@ -94,6 +94,34 @@ def test_ranks_that_train_together_pass_the_check(every: int) -> None:
             torch.testing.assert_close(got[k], t, **TOL)
 
 
+def _frozen_on_one_rank(rank: int, size: int) -> Any:
+    """Rank 0 freezes the head after the first step; rank 1 trains it on."""
+    params = mlp_params()
+    ddp = fdp.DistributedDataParallel(params, check_replicas_every=2)
+    try:
+        for step in range(STEPS):
+            if step == 1 and rank == 0:
+                params["head"].first.requires_grad_(False)
+            x, y = (shard(t, rank) for t in batch(size * PER_RANK, seed=step))
+            torch.autograd.backward(_loss(ddp(params), x, y))
+            with torch.no_grad():
+                _sgd(params, 0.1)
+    except ValueError as e:
+        return step, str(e)
+    return None, None
+
+
+def test_a_leaf_frozen_on_one_rank_only_is_caught_at_the_check() -> None:
+    # Before, the check fingerprinted the leaves each rank's backward reduced
+    # (rank 0 one fewer): the ranks' payloads differed, and gloo aborted.
+    for step, message in ranks.world(2).run(_frozen_on_one_rank):
+        assert step == 3  # the fourth reduced backward: rank 1 stepped the head twice
+        assert message.startswith(
+            "fdp.DistributedDataParallel: `params` leaf params['head'].first expected the "
+            "same values on every rank after 4 reduced backwards; got different values"
+        )
+
+
 def _save(rank: int, size: int, path: str, apart: bool) -> str | None:
     params = mlp_params()
     if apart:

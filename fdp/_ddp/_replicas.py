@@ -3,8 +3,9 @@
 The loss must read ``ddp(params)``; torch's habit (the module is wrapped, so
 the wrapper cannot be forgotten) does not carry over, and a rank that steps
 on its own gradients trains another model with no error. After every
-``every``-th reduced backward, each rank fingerprints its parameters (the
-leaves the reduction hooks) and one all-reduce compares the fingerprints
+``every``-th reduced backward, each rank fingerprints its parameters (every
+leaf the buckets hold, frozen or not: which require grad may differ between
+ranks) and one all-reduce compares the fingerprints
 (:func:`fdp._comm._agreement.check_values`): every rank raises the same
 error, naming the first leaf that differs. The check rides on the reduction
 protocol, whose backwards every rank runs alike, so it never waits for a
@@ -14,7 +15,7 @@ reduction) it is skipped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from torch.distributed import ProcessGroup
@@ -42,15 +43,21 @@ class Replicas:
         self.every, self.group, self.paths = every, group, list(paths)
         self.count = 0
 
-    def after_reduction(self, leaves: Sequence[Any], hooked: Sequence[int]) -> None:
-        """One reduced backward ended (on every rank): check if it is the ``every``-th."""
+    def after_reduction(self, leaves: Sequence[Any], planned: Collection[int]) -> None:
+        """One reduced backward ended (on every rank): check if it is the ``every``-th.
+
+        ``planned``: the leaves the buckets hold, frozen ones too: which of
+        them require grad now may differ between ranks (set after
+        construction), and the fingerprints must be the same list everywhere.
+        """
         if self.every <= 0:
             return
         self.count += 1
         if self.count % self.every:
             return
-        mine = set(hooked)
-        tensors = [_compat.unwrap_functorch(t) if i in mine else None for i, t in enumerate(leaves)]
+        tensors = [
+            _compat.unwrap_functorch(t) if i in planned else None for i, t in enumerate(leaves)
+        ]
         _agreement.check_values(
             tensors,
             self.paths,
