@@ -209,7 +209,10 @@ class DistributedDataParallel:
         paths = _tree.paths(params, "params")
         # Without a hook the division by the world size is folded into
         # packing the bucket (one pass over the gradients instead of two).
-        replicas = Replicas(check_replicas_every, group, paths)
+        # Parameters as the ranks agreed at construction: frozen since on some ranks
+        # only, they must still be compared, and the list be the same everywhere.
+        parameters = [i for i in self._layout.where if not _buffers.is_buffer(leaves[i])]
+        replicas = Replicas(check_replicas_every, group, paths, parameters)
         self._reducer = Reducer(
             Reduction(self._layout, comm_hook, group, group, paths, replicas=replicas)
         )

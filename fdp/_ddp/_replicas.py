@@ -3,9 +3,11 @@
 The loss must read ``ddp(params)``; torch's habit (the module is wrapped, so
 the wrapper cannot be forgotten) does not carry over, and a rank that steps
 on its own gradients trains another model with no error. After every
-``every``-th reduced backward, each rank fingerprints its parameters (every
-leaf the buckets hold, frozen or not: which require grad may differ between
-ranks) and one all-reduce compares the fingerprints
+``every``-th reduced backward, each rank fingerprints its parameters (the
+leaves that were parameters at construction, where the ranks agreed, frozen
+since or not: which require grad now may differ between ranks; not the
+buffers, which each rank's forward updates) and one all-reduce compares the
+fingerprints
 (:func:`fdp._comm._agreement.check_values`): every rank raises the same
 error, naming the first leaf that differs. The check rides on the reduction
 protocol, whose backwards every rank runs alike, so it never waits for a
@@ -34,29 +36,32 @@ DIVERGED = (
 class Replicas:
     """Counts reduced backwards and checks the parameters after every ``every``-th."""
 
-    def __init__(self, every: int, group: ProcessGroup | None, paths: Sequence[str]) -> None:
+    def __init__(
+        self,
+        every: int,
+        group: ProcessGroup | None,
+        paths: Sequence[str],
+        parameters: Collection[int],
+    ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(
                 "fdp.DistributedDataParallel: `check_replicas_every` expected an int >= 0 "
                 f"(0: never); got {every!r}"
             )
         self.every, self.group, self.paths = every, group, list(paths)
+        self.parameters = frozenset(parameters)  # the leaves fingerprinted (see above)
         self.count = 0
 
-    def after_reduction(self, leaves: Sequence[Any], planned: Collection[int]) -> None:
-        """One reduced backward ended (on every rank): check if it is the ``every``-th.
-
-        ``planned``: the leaves the buckets hold, frozen ones too: which of
-        them require grad now may differ between ranks (set after
-        construction), and the fingerprints must be the same list everywhere.
-        """
+    def after_reduction(self, leaves: Sequence[Any]) -> None:
+        """One reduced backward ended (on every rank): check if it is the ``every``-th."""
         if self.every <= 0:
             return
         self.count += 1
         if self.count % self.every:
             return
         tensors = [
-            _compat.unwrap_functorch(t) if i in planned else None for i, t in enumerate(leaves)
+            _compat.unwrap_functorch(t) if i in self.parameters else None
+            for i, t in enumerate(leaves)
         ]
         _agreement.check_values(
             tensors,

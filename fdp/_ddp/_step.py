@@ -395,9 +395,7 @@ class Step:
                 if counts is not None and not self.returned:  # else for join's mirrors only
                     self._hand_out(*counts)
                 if self.reduction.replicas is not None and not self.always_count:  # not in join
-                    self.reduction.replicas.after_reduction(
-                        self.leaves, self.reduction.layout.where
-                    )
+                    self.reduction.replicas.after_reduction(self.leaves)
             finally:
                 for state in self.buckets:  # the buffers may be reused now
                     state.flat, state.views = None, []
