@@ -132,8 +132,13 @@ def _own_buffer(rank: int, size: int) -> Any:
         p = ddp(params)
         with torch.no_grad():
             p["seen"].add_(x.mean())  # this rank's data: the ranks' buffers differ now
-        torch.autograd.backward(_loss(p, x, y))
-        first = first or [t.grad.clone() for t in _leaves(params) if t.grad is not None]
+        loss = _loss(p, x, y)
+        torch.autograd.backward(loss)
+        if not first:
+            first = [
+                loss.detach(),
+                *(t.grad.clone() for t in _leaves(params) if t.grad is not None),
+            ]
         with torch.no_grad():
             _sgd(params, 0.1)
     return first
@@ -146,8 +151,9 @@ def test_buffers_that_each_rank_updates_are_not_compared() -> None:
     x, y = batch(2 * PER_RANK, seed=0)
     losses = [_loss(params, shard(x, r), shard(y, r)) for r in range(2)]
     torch.autograd.backward(torch.stack(losses).mean())
-    expected = [t.grad for t in _leaves(params) if t.grad is not None]
-    for got in ranks.world(2).run(_own_buffer):
+    grads = [t.grad for t in _leaves(params) if t.grad is not None]
+    for rank, got in enumerate(ranks.world(2).run(_own_buffer)):
+        expected = [losses[rank].detach(), *grads]  # this rank's loss, the mean gradients
         assert len(got) == len(expected)
         for g, e in zip(got, expected, strict=True):
             torch.testing.assert_close(g, e, **TOL)

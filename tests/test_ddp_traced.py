@@ -357,8 +357,9 @@ def _one_factory_many_ddps(rank: int, size: int) -> tuple[list[Any], int]:
     for _ in range(3):
         params = make_params()
         ddp = fdp.DistributedDataParallel(params, **TINY)
-        torch.autograd.backward(factory(ddp)(params, shard(x, rank), shard(y, rank)))
-        got.append(grads(params))
+        loss = factory(ddp)(params, shard(x, rank), shard(y, rank))
+        torch.autograd.backward(loss)
+        got.append((loss.detach(), grads(params)))
     return got, counter.frame_count
 
 
@@ -368,8 +369,11 @@ def test_ddps_compiled_through_one_function_each_reduce_their_own() -> None:
     # plan into a symbol (an int that changed between compiles), which the
     # plan registry could not look up: the second DDP's first call raised.
     expected = reference(2, skip=False)
-    for got, frames in ranks.world(2).run(_one_factory_many_ddps):
-        for each in got:
+    x, y = batch(2 * PER_RANK)
+    for rank, (got, frames) in enumerate(ranks.world(2).run(_one_factory_many_ddps)):
+        mine = loss_fn(make_params(), shard(x, rank), shard(y, rank), None)
+        for loss, each in got:
+            torch.testing.assert_close(loss, mine.detach(), **TOL)
             check(each, expected)
         assert frames == 3  # one graph per DDP, each compiled once
 
