@@ -53,15 +53,14 @@ def _gathered(t: torch.Tensor, group: Group) -> torch.Tensor:
     return _differentiable.all_gather_flat(t, policy).view(-1, t.numel())
 
 
-def _mean_var_composite(wide: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_mean_var` from ``var_mean``, differentiable: :func:`_composite`'s, and
-    the fused path's while compiling (a batch of another size compiles with a symbolic
-    shape, which ``batch_norm_update_stats`` has no fake-tensor kernel for)."""
+def _mean_var_traced(wide: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_mean_var` from ``var_mean``: a batch of another size compiles with a
+    symbolic shape, which ``batch_norm_update_stats`` has no fake-tensor kernel for."""
     var, mean = torch.var_mean(wide, [0, *range(2, wide.dim())], correction=0)
     return mean, var
 
 
-@_mode.traced_as(_mean_var_composite)
+@_mode.traced_as(_mean_var_traced)
 def _mean_var(wide: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's per-channel mean and biased variance (the fused kernel)."""
     mean, var = torch.batch_norm_update_stats(wide, None, None, 0.0)
@@ -100,7 +99,7 @@ def _composite(
     n = x.numel() // max(c, 1)
     dims = [0, *range(2, x.dim())]
     if n:
-        mean, var = _mean_var_composite(wide)
+        var, mean = torch.var_mean(wide, dims, correction=0)
     else:  # zeros that depend on x, so that every rank runs the same derivatives
         mean = var = wide.sum(dims)
     row = torch.cat([torch.full((1,), float(n), dtype=wide.dtype, device=x.device), mean, var])
