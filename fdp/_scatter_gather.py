@@ -357,8 +357,8 @@ def gather_to(outputs: Sequence[Any], target: torch.device, *, dim: int, call: s
     for r, (_, other) in enumerate(flat[1:], start=1):
         if other != spec:
             raise ValueError(
-                f"{call}: `outputs` replicas returned different structures; "
-                f"expected (replica 0) {spec}, got (replica {r}) {other}"
+                f"{call}: `outputs` replicas returned different structures; replica {r}'s "
+                f"against replica 0's: {_tree.structure_difference(other, spec, 'output')}"
             )
     joined: list[Any] = []
     scalars: list[bool] = []  # whether the scalar warning was given

@@ -11,6 +11,7 @@ unflattening restores each dict's own insertion order.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -238,7 +239,68 @@ class Planned:
 def require_structure(call: str, arg: str, got: Spec, expected: Spec, *, of: str) -> None:
     """A ValueError naming ``arg`` unless ``got`` is ``expected``, the structure of ``of``."""
     if got != expected:
-        raise ValueError(f"{call}: `{arg}` expected the structure of {of} ({expected}); got {got}")
+        raise ValueError(
+            f"{call}: `{arg}` expected the structure of {of}; "
+            f"{structure_difference(got, expected, arg)}"
+        )
+
+
+def structure_difference(got: object, expected: object, root: str) -> str:
+    """Where ``got`` differs from ``expected``: the first container of another type, else the
+    leaves it lacks and adds, by path. Never both specs whole: a model's run to thousands of
+    characters, with the one difference hard to find."""
+    if not isinstance(got, optree.PyTreeSpec) or not isinstance(expected, optree.PyTreeSpec):
+        return f"expected {expected}; got {got}"  # while tracing: fdp's own nested tuples
+    want = dict.fromkeys(a.codify(root) for a in expected.accessors())
+    have = dict.fromkeys(a.codify(root) for a in got.accessors())
+    parts = [] if len(want) == len(have) else [f"expected {_count(len(want))}, got {len(have)}"]
+    retyped = _retyped(got, expected, root)
+    missing = [p for p in want if p not in have]
+    extra = [p for p in have if p not in want]
+    if retyped is not None:
+        parts.append(retyped)
+    else:
+        if missing:
+            parts.append(f"missing {_some(missing)}")
+        if extra:
+            parts.append(f"unexpected {_some(extra)}")
+    # Same leaves, same containers: a node's metadata (a defaultdict's factory) differs.
+    return "; ".join(parts) or "a container's metadata differs (a defaultdict's default_factory)"
+
+
+def _count(n: int) -> str:
+    return f"{n} leaf" if n == 1 else f"{n} leaves"
+
+
+def _some(paths: list[str], shown: int = 3) -> str:
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return ", ".join(paths[:shown]) + more
+
+
+def _retyped(got: optree.PyTreeSpec, expected: optree.PyTreeSpec, at: str) -> str | None:
+    """The first container (depth first, along entries both have) of another type, if any."""
+    if got.type is not expected.type:
+        return f"{at} is {_node(got)} where {_node(expected)} was expected"
+    named = got.type is not None and not issubclass(got.type, collections.abc.Mapping)
+    ours = dict(zip(expected.entries(), expected.children(), strict=True))
+    for entry, child in zip(got.entries(), got.children(), strict=True):
+        theirs = ours.get(entry)
+        if theirs is not None and child != theirs:
+            fields = getattr(got.type, "_fields", None)  # a namedtuple's entries are indices
+            if fields is not None and isinstance(entry, int):
+                entry = fields[entry]
+            step = f".{entry}" if named and isinstance(entry, str) else f"[{entry!r}]"
+            found = _retyped(child, theirs, at + step)
+            if found is not None:
+                return found
+    return None
+
+
+def _node(spec: optree.PyTreeSpec) -> str:
+    if spec.is_leaf():
+        return "a leaf"
+    name = getattr(spec.type, "__name__", str(spec.type))
+    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
 
 
 def _kinds(leaves: list[Any]) -> list[tuple[Any, ...]]:

@@ -120,8 +120,18 @@ def test_bad_labels_and_optimizers_are_named() -> None:
         wrong.update(grads_for(params, 0), wrong.init(params), params)
     with pytest.raises(TypeError, match=r"`optimizers\['x'\]` expected an fdp.optim optimizer"):
         fdp.optim.param_groups(by_name, {"x": object()})
-    with pytest.raises(ValueError, match=r"`label` expected a tree of labels"):
+    with pytest.raises(
+        ValueError,
+        match=r"`label` expected a tree of labels shaped like `params`, or a function "
+        r"\(name, tensor\) -> label; expected 5 leaves, got 1; missing label\['head'\], "
+        r"label\['layers'\]\[0\]\['bias'\], label\['layers'\]\[0\]\['weight'\] and 2 more; "
+        r"unexpected label\['a'\]$",
+    ):
         fdp.optim.param_groups({"a": "decay"}, {"decay": fdp.optim.sgd(0.1)}).labels(params)
+    # the labels' own container types count: where it differs, that container is named
+    labels = {"layers": [{"weight": "d", "bias": "d"}], "norm": ("d", None), "head": "d"}
+    with pytest.raises(ValueError, match=r"label\['norm'\] is a tuple where a Pair was expected$"):
+        fdp.optim.param_groups(labels, {"d": fdp.optim.sgd(0.1)}).labels(params)
 
 
 def test_names_are_dotted_as_named_parameters_gives_them() -> None:

@@ -237,8 +237,8 @@ def test_gather_moves_each_tensor_not_on_the_target(on_target: tuple[bool, bool]
     [
         (
             [{"a": torch.ones(1)}, {"b": torch.ones(1)}],
-            r"replicas returned different structures; expected \(replica 0\) "
-            r"PyTreeSpec\(\{'a': \*\}.*got \(replica 1\) PyTreeSpec\(\{'b': \*\}",
+            r"replicas returned different structures; replica 1's against replica 0's: "
+            r"missing output\['a'\]; unexpected output\['b'\]$",
         ),
         (
             [{"n": 1}, {"n": 2}],

@@ -396,5 +396,16 @@ def test_bad_streaming_options_are_refused() -> None:
         fdp.DiLoCo(inner, sync_every=4, fragments=bad).init(tree)
     with pytest.raises(ValueError, match=r"expected labels 0..P-1, each used by a leaf; got"):
         fdp.DiLoCo(inner, sync_every=4, fragments={"w1": 2, "b1": 0, "head": [0, 0]}).init(tree)
-    with pytest.raises(ValueError, match=r"`fragments` expected an int or a tree of ints"):
+    with pytest.raises(
+        ValueError,
+        match=r"`fragments` expected an int or a tree of ints with the parameters' structure; "
+        r"expected 4 leaves, got 1; missing fragments\['b1'\], fragments\['head'\]\[0\], "
+        r"fragments\['head'\]\[1\]$",
+    ):
         fdp.DiLoCo(inner, sync_every=4, fragments={"w1": 0}).init(tree)
+    # As many labels as leaves, one under a key the parameters do not have: not mapped by
+    # position (it would label b1 with head's label)
+    with pytest.raises(
+        ValueError, match=r"missing fragments\['b1'\]; unexpected fragments\['bias'\]$"
+    ):
+        fdp.DiLoCo(inner, sync_every=4, fragments={"w1": 0, "bias": 1, "head": [1, 0]}).init(tree)

@@ -49,8 +49,8 @@ def test_planned_gives_the_leaves_or_names_the_argument_and_the_leaf() -> None:
     assert all(a is b for a, b in zip(got, expected, strict=True))
     with pytest.raises(
         ValueError,
-        match=r"^f: `params` expected the structure of the tree this thing was planned for "
-        r"\(PyTreeSpec.*\); got PyTreeSpec",
+        match=r"^f: `params` expected the structure of the tree this thing was planned for; "
+        r"expected 4 leaves, got 3; missing params\['b'\]\[1\]$",
     ):
         planned.leaves("f", "params", {"w": torch.zeros(2, 3), "b": [torch.zeros(3)], "n": 1.0})
     wrong_shape = {"w": torch.zeros(2, 3), "b": [torch.zeros(4), None], "n": 1.0}
@@ -65,6 +65,56 @@ def test_planned_gives_the_leaves_or_names_the_argument_and_the_leaf() -> None:
     with pytest.raises(ValueError, match=r"leaf params\['n'\] expected a float; got int 1"):
         planned.leaves("f", "params", {"w": torch.zeros(2, 3), "b": [torch.zeros(3), None], "n": 1})
     assert len(planned.leaves("f", "grads", wrong_shape, kinds=False)) == 4  # structure only
+
+
+@pytest.mark.parametrize(
+    ("got", "expected", "message"),
+    [
+        (
+            {"a": 1},
+            {"a": 1, "b": [1, 2]},
+            r"expected 3 leaves, got 1; missing p\['b'\]\[0\], p\['b'\]\[1\]",
+        ),
+        (
+            {f"l{i}": 1 for i in range(6)},
+            {f"l{i}": 1 for i in range(1, 7)},
+            r"missing p\['l6'\]; unexpected p\['l0'\]",
+        ),
+        (
+            {f"l{i}": 1 for i in range(9)},
+            {},
+            r"expected 0 leaves, got 9; unexpected p\['l0'\], p\['l1'\], p\['l2'\] and 6 more",
+        ),
+        (
+            {"a": 1, "b": (1, 2)},
+            {"a": 1, "b": [1, 2]},
+            r"p\['b'\] is a tuple where a list was expected",
+        ),
+        (
+            [{"a": Pair(1, [2])}],
+            [{"a": Pair(1, (2,))}],
+            r"p\[0\]\['a'\].second is a list where a tuple was expected",
+        ),
+        ({"a": Pair(1, 2)}, {"a": (1, 2)}, r"p\['a'\] is a Pair where a tuple was expected"),
+        (collections.OrderedDict(a=1), {"a": 1}, r"p is an OrderedDict where a dict was expected"),
+        ({"a": {"x": 1}}, {"a": 1}, r"p\['a'\] is a dict where a leaf was expected"),
+        (
+            collections.defaultdict(int, a=1),
+            collections.defaultdict(float, a=1.0),
+            r"a container's metadata differs \(a defaultdict's default_factory\)",
+        ),
+    ],
+)
+def test_a_structure_difference_names_the_paths_not_both_specs(
+    got: Any, expected: Any, message: str
+) -> None:
+    planned = _tree.Planned(expected, owner="x")
+    with pytest.raises(
+        ValueError,
+        match=rf"^f: `p` expected the structure of the tree x was planned for; {message}$",
+    ):
+        planned.leaves("f", "p", got)
+    assert planned.leaves("f", "p", expected) == _tree.flatten(expected)[0]
 
 
 def test_planned_refuses_inside_compile_a_node_the_traced_flatten_makes_a_leaf() -> None:

@@ -38,11 +38,12 @@ def fragment_of(params: Any, fragments: int | Any, *, call: str) -> torch.Tensor
     if isinstance(fragments, int):
         return _contiguous(params, leaves, tensors, fragments, call=call)
     labels, _ = _tree.flatten(fragments)
-    if len(labels) != len(leaves):
-        spec = optree.tree_structure(params, none_is_leaf=True)
+    spec = optree.tree_structure(params, none_is_leaf=True)
+    got = optree.tree_structure(fragments, none_is_leaf=True)
+    if got != spec:  # the same count is not enough: a label under another key is misplaced
         raise ValueError(
             f"{call}: `fragments` expected an int or a tree of ints with the parameters' "
-            f"structure {spec}; got {optree.tree_structure(fragments, none_is_leaf=True)}"
+            f"structure; {_tree.structure_difference(got, spec, 'fragments')}"
         )
     out = torch.full((len(leaves),), -1, dtype=torch.int64)
     for i in tensors:

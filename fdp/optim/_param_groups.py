@@ -114,8 +114,9 @@ class ParamGroups:
             given, given_spec = _tree.flatten(self.label)
             if given_spec != spec:
                 raise ValueError(
-                    f"{call}: `label` expected a tree of labels shaped like `params` ({spec}), "
-                    f"or a function (name, tensor) -> label; got {given_spec}"
+                    f"{call}: `label` expected a tree of labels shaped like `params`, or a "
+                    "function (name, tensor) -> label; "
+                    f"{_tree.structure_difference(given_spec, spec, 'label')}"
                 )
             got = [None if t is None else given[i] for i, t in enumerate(leaves)]
         first: dict[int, int] = {}  # a tensor's first leaf, for tied weights
