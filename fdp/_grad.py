@@ -106,12 +106,19 @@ def _check_options(argnums: Any, has_aux: Any) -> None:
 def _eager_first_order(args: tuple[Any, ...], argnums: int | tuple[int, ...]) -> bool:
     """Whether ``torch.autograd.grad`` gives what ``torch.func.grad`` would, here.
 
-    Not while dynamo traces or a transform or forward-mode level is open, and
-    only when every leaf to differentiate is a floating or complex tensor
+    Not while dynamo traces or a transform or forward-mode level is open, not
+    under ``torch.inference_mode()`` (where autograd records nothing, even
+    under ``enable_grad``: ``torch.func.grad`` still differentiates there),
+    and only when every leaf to differentiate is a floating or complex tensor
     (``torch.func.grad`` says what is wrong with any other, and with argnums
     out of range).
     """
-    if _mode.traced() or _mode.transform_running() or _compat.dual_level_active():
+    if (
+        _mode.traced()
+        or _mode.transform_running()
+        or _compat.dual_level_active()
+        or torch.is_inference_mode_enabled()
+    ):
         return False
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
     if any(not -len(args) <= n < len(args) for n in nums) or len(set(nums)) < len(nums):

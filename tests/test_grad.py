@@ -154,6 +154,28 @@ def test_a_module_through_make_functional_as_torch_func_grad() -> None:
 # --- across ranks: the reduced gradient, as one process on the whole batch ---------------
 
 
+def test_under_inference_mode_it_differentiates_as_torch_func_grad() -> None:
+    # inference_mode records nothing, even under enable_grad: autograd.grad would see a
+    # loss that needs no gradient and fdp.grad returned zeros, silently
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 2, generator=g), "b": torch.randn(2, generator=g)}
+    x = torch.randn(5, 3, generator=g)
+
+    def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (x @ p["w"] + p["b"]).square().mean()
+
+    expected, value = torch.func.grad_and_value(f)(params)
+    with torch.inference_mode():
+        got, got_value = fdp.grad_and_value(f)(params)
+        made_here = {k: v.clone() for k, v in params.items()}  # inference tensors
+        from_inference_tensors = fdp.grad(f)(made_here)
+        theirs = torch.func.grad(f)(made_here)
+    tree_allclose(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(got_value, value, rtol=0, atol=0)
+    tree_allclose(from_inference_tensors, theirs, rtol=0, atol=0)
+    tree_allclose(from_inference_tensors, expected, rtol=0, atol=0)
+
+
 def _mlp_loss(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (mlp(p, x) - y).square().mean()
 
@@ -164,6 +186,8 @@ def _ddp_grads(rank: int, size: int) -> Any:
     x, y = (shard(t, rank) for t in batch(size * PER_RANK))
     out = []
     for _ in range(2):  # again: nothing stale carries over
+        out.append(fdp.grad(lambda p: _mlp_loss(ddp(p), x, y))(params))
+    with torch.inference_mode():  # an evaluation loop's (saliency, gradient norms)
         out.append(fdp.grad(lambda p: _mlp_loss(ddp(p), x, y))(params))
     return out
 
@@ -210,7 +234,9 @@ def _fsdp_grads(rank: int, size: int) -> Any:
     def loss(s: Any) -> torch.Tensor:
         return _mlp_loss(fsdp(s), x, y)
 
-    return fsdp.full(fdp.grad(loss)(shards)), fsdp.full(torch.func.grad(loss)(shards))
+    with torch.inference_mode():
+        inferred = fsdp.full(fdp.grad(loss)(shards))
+    return fsdp.full(fdp.grad(loss)(shards)), fsdp.full(torch.func.grad(loss)(shards)), inferred
 
 
 def test_ddp_gives_the_whole_batchs_gradient() -> None:
@@ -239,6 +265,7 @@ def test_ddp_bucket_shared_with_a_leaf_that_is_not_an_input(first: bool) -> None
 def test_fully_sharded_gives_the_whole_batchs_gradient() -> None:
     params = mlp_params(0, head_bias=True)
     expected = torch.func.grad(_mlp_loss)(detached_copy(params), *batch(2 * PER_RANK))
-    for mine, theirs in ranks.world(2).run(_fsdp_grads):
+    for mine, theirs, inferred in ranks.world(2).run(_fsdp_grads):
         tree_allclose(mine, expected, **TOL)
         tree_allclose(mine, theirs, **TOL)
+        tree_allclose(inferred, expected, **TOL)
