@@ -12,6 +12,7 @@ place into its module, against a module that loaded ``load_state_dict``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,62 @@ def test_values_that_differ_across_ranks_are_refused(
     assert expected in messages[0]
     if kind == "value":
         assert "a global sample position" in messages[0]
+
+
+_TOO_LONG = "n" * 300  # a name the file system refuses (ENAMETOOLONG), even to root
+
+
+def _fails_on_one_rank(rank: int, size: int, root: str, case: str) -> tuple[str, str]:
+    """One rank's local work fails; returns what this rank raised, and its message."""
+    state: dict[str, Any] = {"w": torch.ones(3), "step": 3}
+    path, failing = os.path.join(root, "c"), case.endswith("rank_0")
+    mine = os.path.join(root, _TOO_LONG) if rank == (0 if failing else 1) else path
+    try:
+        if case.startswith("save"):
+            if case == "save_state_rank_1" and rank == 1:
+                state["w"] = state["w"].to_sparse()  # refused by this rank's own check
+            fdp.save_checkpoint(path if case == "save_state_rank_1" else mine, state)
+        elif case.startswith("load"):
+            fdp.save_checkpoint(path, state)
+            like = {"w": torch.ones(4), "step": 0} if rank == 1 else state
+            fdp.load_checkpoint(path if case == "load_like_rank_1" else mine, like)
+        else:
+            fdp.latest_checkpoint(mine)
+    except (ValueError, TypeError, RuntimeError, OSError) as e:
+        return type(e).__name__, str(e)
+    return "returned", ""
+
+
+@pytest.mark.parametrize(
+    ("case", "theirs", "message"),
+    [
+        ("save_state_rank_1", "TypeError", "`state` leaf state['w'] expected a dense tensor"),
+        ("save_stage_rank_0", "OSError", "File name too long"),
+        ("save_write_rank_1", "RuntimeError", "could not write `path`"),
+        ("load_path_rank_1", "OSError", "File name too long"),
+        ("load_like_rank_1", "ValueError", "like['w'] expected shape (4,)"),
+        ("latest_rank_0", "OSError", "File name too long"),
+    ],
+)
+def test_a_failure_on_one_rank_raises_on_every_rank(
+    tmp_path: Path, case: str, theirs: str, message: str
+) -> None:
+    # Before: the rank that failed raised, and the others waited in the call's next
+    # collective until the process group's timeout (gloo's "Timed out" or "Connection
+    # closed" errors there); DCP's own failure escaped `except Exception` (a BaseException).
+    got = ranks.world(2).run(_fails_on_one_rank, str(tmp_path), case)
+    failing = 0 if case.endswith("rank_0") else 1
+    kind, said = got[failing]
+    assert kind == theirs
+    assert message in said
+    other_kind, other_said = got[1 - failing]
+    if case == "save_write_rank_1":  # DCP's error, the same on every rank
+        assert (other_kind, other_said.split(": rank")[1]) == (kind, said.split(": rank")[1])
+        return
+    assert other_kind == {"OSError": "RuntimeError"}.get(kind, kind)
+    assert other_said.startswith(f"fdp.{case.split('_')[0]}")
+    assert f": rank {failing} raised {kind}: " in other_said
+    assert message in other_said
 
 
 def test_the_checksum_reads_bits_in_logical_order() -> None:

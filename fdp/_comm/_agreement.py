@@ -257,3 +257,31 @@ def check_values(
                 f"{when}; got different values on different ranks (their bits' checksums "
                 f"differ). {fix}"
             )
+
+
+def raise_together(call: str, error: Exception | None, group: ProcessGroup | None) -> None:
+    """Raises on every rank where any rank's ``error`` is set; one tiny all-reduce where none is.
+
+    For a collective call's local work (reading a file, checking a tree)
+    that can fail on some ranks only: without this, the ranks that did not
+    fail would wait in the call's next collective for the process group's
+    timeout. The rank that failed raises its own ``error``; every other rank
+    an error of the same kind (``ValueError``, ``TypeError``, else
+    ``RuntimeError``) that names that rank and its message.
+    """
+    kind = "" if error is None else type(error).__name__
+    said = "" if error is None else f"{kind}: {str(error).removeprefix(f'{call}: ')}"
+    fingerprint = Fingerprint([(ERROR, said)] if error is not None else [])
+    values, work = fingerprint.start(group)
+    work.wait()
+    high, neg_low = values.tolist()[:2]
+    if high != -neg_low:  # some ranks failed (or failed otherwise): every rank learns which
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        with _compat.functorch_disabled():
+            dist.all_gather_object(gathered, (kind, said), group=group)
+        if error is None:
+            rank, (first, text) = next((r, g) for r, g in enumerate(gathered) if g[1])
+            raised = {"ValueError": ValueError, "TypeError": TypeError}.get(first, RuntimeError)
+            raise raised(f"{call}: rank {rank} raised {text}")
+    if error is not None:
+        raise error

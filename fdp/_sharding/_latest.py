@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -60,9 +61,19 @@ def latest_checkpoint(
         )
     if not (dist.is_available() and dist.is_initialized()):
         return _newest(Path(directory))
-    found = [_newest(Path(directory)) if dist.get_rank(group) == 0 else None]
+    found: list[Any] = [None]
+    error: OSError | None = None
+    if dist.get_rank(group) == 0:
+        try:
+            found = [_newest(Path(directory))]
+        except OSError as e:  # an unreadable folder: every rank raises, none waits
+            error, found = e, [("error", f"{type(e).__name__}: {e}")]
     dist.broadcast_object_list(found, src=_groups.global_rank(group, 0), group=group)
-    return found[0]
+    if error is not None:
+        raise error
+    if isinstance(found[0], tuple):
+        raise RuntimeError(f"fdp.latest_checkpoint: rank 0 raised {found[0][1]}")
+    return cast(str | None, found[0])
 
 
 def _newest(directory: Path) -> str | None:
