@@ -17,16 +17,20 @@ import fdp
 from tests import ranks
 
 
-def _grads_of(rank: int, what: str) -> dict[str, torch.Tensor]:
+def _grads_of(rank: int, what: str) -> dict[str, Any]:
     if rank == 0:
         return {"a": torch.ones(2, 3)}
-    return {
+    trees: dict[str, dict[str, Any]] = {
         "other_shape": {"a": torch.ones(3, 2)},  # same numel
         "other_key": {"b": torch.ones(2, 3)},
         "other_size": {"a": torch.ones(7)},  # used to abort the process in gloo
         "other_dtype": {"a": torch.ones(2, 3, dtype=torch.float64)},
         "other_layout": {"a": torch.arange(6.0).view(3, 2).t()},  # packed in memory order
-    }[what]
+        # refused by rank 1's own checks: the other rank used to wait for the group's timeout
+        "a_str_leaf": {"a": "x"},
+        "an_int_tensor": {"a": torch.ones(2, 3, dtype=torch.int64)},
+    }
+    return trees[what]
 
 
 def _all_reduce_mismatch(rank: int, size: int, what: str) -> tuple[str, list[float]]:
@@ -38,7 +42,16 @@ def _all_reduce_mismatch(rank: int, size: int, what: str) -> tuple[str, list[flo
 
 
 @pytest.mark.parametrize(
-    "what", ["other_shape", "other_key", "other_size", "other_dtype", "other_layout"]
+    "what",
+    [
+        "other_shape",
+        "other_key",
+        "other_size",
+        "other_dtype",
+        "other_layout",
+        "a_str_leaf",
+        "an_int_tensor",
+    ],
 )
 def test_all_reduce_grads_refuses_trees_that_differ_across_ranks(what: str) -> None:
     results = ranks.world(2).run(_all_reduce_mismatch, what)

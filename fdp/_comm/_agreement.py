@@ -259,6 +259,28 @@ def check_values(
             )
 
 
+def share_error(
+    call: str, arg: str, tree: Any, error: Exception, group: ProcessGroup | None
+) -> None:
+    """Makes this rank's input error every rank's, in the signature check the others run.
+
+    For a call whose first collective is a :class:`Fingerprint` of ``arg``'s
+    signature (``requires_grad=False``): this rank takes part with its tree's
+    signature and its error appended, so every rank raises the same
+    ``ValueError`` naming the first difference, rather than the others
+    waiting in the call's next collective. Returns where every rank had the
+    same error (the caller raises it).
+    """
+    try:
+        leaves = _tree.flatten(tree)[0]
+        described = signature(tree, leaves, arg, requires_grad=False)
+    except (ValueError, TypeError):
+        described = []
+    described.append((ERROR, f"{type(error).__name__}: {error}"))
+    fingerprint = Fingerprint(described)
+    fingerprint.finish(fingerprint.start(group), group=group, call=call, arg=arg)
+
+
 def raise_together(call: str, error: Exception | None, group: ProcessGroup | None) -> None:
     """Raises on every rank where any rank's ``error`` is set; one tiny all-reduce where none is.
 

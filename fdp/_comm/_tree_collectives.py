@@ -121,6 +121,19 @@ def all_reduce_grads(
     call = "fdp.all_reduce_grads"
     cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
     _agreement.require_member(call, group)
+    try:
+        leaves, spec, tensors = _checked_grads(call, grads)
+    except (TypeError, ValueError) as e:
+        # The others are in the signature check, this call's first collective (eager)
+        if not _mode.traced() and dist.get_world_size(group) > 1:
+            _agreement.share_error(call, "grads", grads, e, group)
+        raise
+    scale = 1.0 / dist.get_world_size(group) if average else 1.0
+    reduced: T = _reduce(grads, leaves, spec, tensors, group, cap, scale)
+    return reduced
+
+
+def _checked_grads(call: str, grads: Any) -> tuple[list[Any], Any, list[torch.Tensor | None]]:
     leaves, spec, tensors = _tree.tensor_leaves(grads, call=call, arg="grads", float_only=False)
     for i, t in enumerate(tensors):
         if t is not None and not (t.is_floating_point() or t.is_complex()):
@@ -128,9 +141,7 @@ def all_reduce_grads(
                 f"{call}: `grads` leaf {_tree.path(grads, i, 'grads')} expected a floating-point "
                 f"tensor; got {_tree.describe(t)}"
             )
-    scale = 1.0 / dist.get_world_size(group) if average else 1.0
-    reduced: T = _reduce(grads, leaves, spec, tensors, group, cap, scale)
-    return reduced
+    return leaves, spec, tensors
 
 
 def _reduce_traced(

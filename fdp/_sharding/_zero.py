@@ -430,16 +430,8 @@ class ZeroRedundancy:
         appended, so that every rank raises the same error rather than
         the others waiting in the reduction.
         """
-        if self.shards.world == 1:
-            return
-        try:
-            leaves = _tree.flatten(grads)[0]
-            described = _agreement.signature(grads, leaves, "grads", requires_grad=False)
-        except (ValueError, TypeError):
-            described = []
-        described.append((_agreement.ERROR, f"{type(error).__name__}: {error}"))
-        fingerprint = _agreement.Fingerprint(described)
-        fingerprint.finish(fingerprint.start(self.group), group=self.group, call=call, arg="grads")
+        if self.shards.world > 1:
+            _agreement.share_error(call, "grads", grads, error, self.group)
 
     def _fingerprint(self, grads: Any, g: Sequence[torch.Tensor | None]) -> _agreement.Fingerprint:
         """The fingerprint of this pattern of ``None`` gradients (computed once per pattern)."""
