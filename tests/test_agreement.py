@@ -64,6 +64,55 @@ def test_all_reduce_grads_refuses_trees_that_differ_across_ranks(what: str) -> N
         assert ok == [0.5, 0.5, 0.5]
 
 
+def _refused_on_rank_1(rank: int, size: int, what: str) -> tuple[str, str, list[float]]:
+    """``what`` built with an argument only rank 1's own checks refuse; what each rank raised."""
+    params: dict[str, Any] = {"w": torch.ones(2, 3), "b": torch.zeros(3)}
+    bad = rank == 1
+    leaf = {**params, "s": "x"} if bad else params
+    cap = -1.0 if bad else 25.0
+    try:
+        if what == "ddp_leaf":
+            fdp.DistributedDataParallel(leaf)
+        elif what == "ddp_option":
+            fdp.DistributedDataParallel(params, bucket_cap_mb=cap)
+        elif what == "zero_option":
+            fdp.ZeroRedundancy(fdp.optim.sgd(0.1), params, bucket_cap_mb=cap)
+        elif what == "fsdp_leaf":
+            fdp.FullyShardedDataParallel(leaf)
+        else:
+            fdp.broadcast_params(leaf)
+    except (TypeError, ValueError) as e:
+        error = (type(e).__name__, str(e))
+    else:
+        error = ("returned", "")
+    (ok,) = fdp.all_reduce_grads([torch.full((3,), float(rank))])  # the group is still usable
+    return *error, ok.tolist()
+
+
+@pytest.mark.parametrize(
+    ("what", "kind", "message"),
+    [
+        ("ddp_leaf", "TypeError", "`params` leaf params['s'] expected a tensor or None"),
+        ("ddp_option", "ValueError", "`bucket_cap_mb` expected a finite number of MiB > 0"),
+        ("zero_option", "ValueError", "`bucket_cap_mb` expected a finite number of MiB > 0"),
+        ("fsdp_leaf", "TypeError", "`params` leaf params['s'] expected a tensor or None"),
+        ("broadcast_leaf", "TypeError", "`tree` leaf tree['s'] expected a tensor or None"),
+    ],
+)
+def test_a_constructor_refused_on_one_rank_raises_on_every_rank(
+    what: str, kind: str, message: str
+) -> None:
+    # Before: rank 1 raised, and rank 0 waited in the agreement until the group's timeout.
+    (kind0, said0, ok0), (kind1, said1, ok1) = ranks.world(2).run(_refused_on_rank_1, what)
+    assert kind1 == kind
+    assert message in said1
+    call = said1.split(":")[0]
+    assert kind0 == "ValueError"
+    assert said0.startswith(f"{call}: rank 1 raised {kind}: ")
+    assert message in said0
+    assert ok0 == ok1 == [0.5, 0.5, 0.5]
+
+
 def _two_threads_two_groups(rank: int, size: int, steps: int) -> list[str]:
     groups = [dist.new_group(list(range(size))) for _ in range(2)]
     failures: list[str] = []

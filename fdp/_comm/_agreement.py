@@ -11,10 +11,11 @@ differing leaf.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -109,6 +110,9 @@ def check(
             b = theirs[j] if j < len(theirs) else ("<no leaf>", "no leaf")
             if a == b:
                 continue
+            if ERROR in (a[0], b[0]) and not named:  # a rank whose own checks raised
+                faulty, said = (0, a[1]) if a[0] == ERROR else (rank, b[1])
+                raise ValueError(f"{call}: rank {faulty} raised {said}")
             if named:
                 raise ValueError(_named_difference(call, a, b, rank))
             raise ValueError(
@@ -120,7 +124,7 @@ def check(
 def _named_difference(call: str, a: tuple[str, str], b: tuple[str, str], rank: int) -> str:
     """The error for the first argument of a call that differs between rank 0 and ``rank``."""
     name = b[0] if a[0] == "<no leaf>" else a[0]
-    if name == ERROR:  # a rank whose own checks raised; the others did not
+    if ERROR in (a[0], b[0]):  # a rank whose own checks raised; the others did not
         faulty, said = (0, a[1]) if a[0] == ERROR else (rank, b[1])
         return f"{call}: the arguments differ across ranks: rank {faulty} raised {said}"
     return f"{call}: `{name}` differs across ranks: rank 0 has {a[1]}, rank {rank} has {b[1]}"
@@ -259,6 +263,28 @@ def check_values(
             )
 
 
+@contextlib.contextmanager
+def local_checks(call: str, arg: str, group: ProcessGroup | None) -> Iterator[None]:
+    """A call's checks before its first collective, a :func:`check` of ``arg``.
+
+    Where they raise on this rank only, this rank still takes part in that
+    check, with its error in place of its signature: the other ranks raise
+    there at once, naming this rank and its error, instead of waiting for
+    it until the process group's timeout; this rank raises its own error.
+    """
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        member = dist.is_available() and dist.is_initialized()
+        if member and group is not None:
+            member = isinstance(group, ProcessGroup) and dist.get_rank(group) >= 0
+        if not member:  # no group to tell
+            raise
+        with contextlib.suppress(ValueError):  # the others' error names this rank
+            check([(ERROR, _said(call, e))], group=group, call=call, arg=arg)
+        raise  # this rank's own
+
+
 def share_error(
     call: str, arg: str, tree: Any, error: Exception, group: ProcessGroup | None
 ) -> None:
@@ -276,9 +302,14 @@ def share_error(
         described = signature(tree, leaves, arg, requires_grad=False)
     except (ValueError, TypeError):
         described = []
-    described.append((ERROR, f"{type(error).__name__}: {error}"))
+    described.append((ERROR, _said(call, error)))
     fingerprint = Fingerprint(described)
     fingerprint.finish(fingerprint.start(group), group=group, call=call, arg=arg)
+
+
+def _said(call: str, error: Exception) -> str:
+    """``error`` as the other ranks' errors quote it: its type, its message without ``call``."""
+    return f"{type(error).__name__}: {str(error).removeprefix(f'{call}: ')}"
 
 
 def raise_together(call: str, error: Exception | None, group: ProcessGroup | None) -> None:
@@ -292,7 +323,7 @@ def raise_together(call: str, error: Exception | None, group: ProcessGroup | Non
     ``RuntimeError``) that names that rank and its message.
     """
     kind = "" if error is None else type(error).__name__
-    said = "" if error is None else f"{kind}: {str(error).removeprefix(f'{call}: ')}"
+    said = "" if error is None else _said(call, error)
     fingerprint = Fingerprint([(ERROR, said)] if error is not None else [])
     values, work = fingerprint.start(group)
     work.wait()

@@ -48,9 +48,10 @@ def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None
         params = fdp.broadcast_params(params)  # after fdp.init_distributed()
     """
     call = "fdp.broadcast_params"
-    _agreement.require_member(call, group)
-    leaves, _spec, tensors = _tree.tensor_leaves(tree, call=call, arg="tree", float_only=False)
-    described = _agreement.signature(tree, leaves, "tree", requires_grad=False)
+    with _agreement.local_checks(call, "tree", group):  # an error on one rank: on every
+        _agreement.require_member(call, group)
+        leaves, _spec, tensors = _tree.tensor_leaves(tree, call=call, arg="tree", float_only=False)
+        described = _agreement.signature(tree, leaves, "tree", requires_grad=False)
     with _compat.functorch_disabled():
         _agreement.check(described, group=group, call=call, arg="tree")
     # Leaves of the autograd graph are overwritten as data (initial weights);

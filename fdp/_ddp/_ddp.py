@@ -185,13 +185,17 @@ class DistributedDataParallel:
         compiled_overlap: bool = True,
     ) -> None:
         call = "fdp.DistributedDataParallel"
-        cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
-        first_cap = _agreement.check_cap(first_bucket_cap_mb, "first_bucket_cap_mb", call=call)
-        if comm_hook is not None:
-            _comm_hooks.check_hook(comm_hook, call=call, arg="comm_hook")
-        if not isinstance(compiled_overlap, bool):
-            raise TypeError(f"{call}: `compiled_overlap` expected a bool; got {compiled_overlap!r}")
-        leaves, spec, tensors, order = _checked_params(call, params, group)
+        with _agreement.local_checks(call, "params", group):  # an error on one rank: on every
+            cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
+            first_cap = _agreement.check_cap(first_bucket_cap_mb, "first_bucket_cap_mb", call=call)
+            if comm_hook is not None:
+                _comm_hooks.check_hook(comm_hook, call=call, arg="comm_hook")
+            if not isinstance(compiled_overlap, bool):
+                raise TypeError(
+                    f"{call}: `compiled_overlap` expected a bool; got {compiled_overlap!r}"
+                )
+            leaves, spec, tensors, order, described = _local_params(call, params, group)
+        _agreement.check(described, group=group, call=call, arg="params")
         self._spec = spec
         self._planned = _tree.Planned(params, owner="this DistributedDataParallel")
         every = [t if isinstance(t, torch.Tensor) else None for t in leaves]
@@ -469,11 +473,11 @@ class DistributedDataParallel:
         return cast(T, _tree.unflatten(self._spec, armed))
 
 
-def _checked_params(
+def _local_params(
     call: str, params: Any, group: ProcessGroup | None
-) -> tuple[list[Any], Any, list[torch.Tensor | None], list[int]]:
+) -> tuple[list[Any], Any, list[torch.Tensor | None], list[int], list[tuple[str, str]]]:
     """``params``' leaves, spec, float tensors and their order of use (buckets follow it
-    backwards: :func:`fdp._tree.insertion_order`), the same on every rank of ``group``."""
+    backwards: :func:`fdp._tree.insertion_order`), and what every rank must agree on."""
     _agreement.require_member(call, group)
     leaves, spec, tensors = _tree.tensor_leaves(params, call=call, arg="params", float_only=True)
     if all(t is None for t in tensors):
@@ -486,5 +490,4 @@ def _checked_params(
     order = _tree.insertion_order(params)
     if order != sorted(order):  # its dicts' key order, not optree's: the buckets follow it
         described.append(("the order of its dicts' keys", repr(order)))
-    _agreement.check(described, group=group, call=call, arg="params")
-    return leaves, spec, tensors, order
+    return leaves, spec, tensors, order, described

@@ -179,9 +179,12 @@ def checked_params(
     call: str, params: Any, group: ProcessGroup | None, replicas: ProcessGroup | None
 ) -> tuple[list[Any], Any, list[torch.Tensor | None]]:
     """``params``' leaves, spec and float tensors: the same tree and values on every rank."""
-    _agreement.require_member(call, group)
-    leaves, spec, tensors = _tree.tensor_leaves(params, call=call, arg="params", float_only=True)
-    described = _agreement.signature(params, leaves, "params", requires_grad=False)
+    with _agreement.local_checks(call, "params", group):  # an error on one rank: on every
+        _agreement.require_member(call, group)
+        leaves, spec, tensors = _tree.tensor_leaves(
+            params, call=call, arg="params", float_only=True
+        )
+        described = _agreement.signature(params, leaves, "params", requires_grad=False)
     paths = _tree.paths(params, "params")
     for among in (group,) if replicas is None else (group, replicas):
         _agreement.check(described, group=among, call=call, arg="params")

@@ -81,21 +81,22 @@ class ZeroRedundancy:
         sum_dtype: torch.dtype | None = None,
     ) -> None:
         call = "fdp.ZeroRedundancy"
-        self._wire = _wire(call, reduce_dtype, sum_dtype)
-        if not isinstance(optimizer, _base.OptimizerProtocol):
-            raise TypeError(
-                f"{call}: `optimizer` expected an fdp.optim optimizer (slots, init and update: "
-                f"fdp.optim.OptimizerProtocol); got {_tree.describe(optimizer)}"
+        with _agreement.local_checks(call, "params", group):  # an error on one rank: on every
+            self._wire = _wire(call, reduce_dtype, sum_dtype)
+            if not isinstance(optimizer, _base.OptimizerProtocol):
+                raise TypeError(
+                    f"{call}: `optimizer` expected an fdp.optim optimizer (slots, init and update: "
+                    f"fdp.optim.OptimizerProtocol); got {_tree.describe(optimizer)}"
+                )
+            if isinstance(stage, bool) or stage not in (1, 2):
+                raise ValueError(f"{call}: `stage` expected 1 or 2; got {stage!r}")
+            cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
+            _agreement.require_member(call, group)
+            leaves, self._spec, tensors = _tree.tensor_leaves(
+                params, call=call, arg="params", float_only=True
             )
-        if isinstance(stage, bool) or stage not in (1, 2):
-            raise ValueError(f"{call}: `stage` expected 1 or 2; got {stage!r}")
-        cap = _agreement.check_cap(bucket_cap_mb, "bucket_cap_mb", call=call)
-        _agreement.require_member(call, group)
-        leaves, self._spec, tensors = _tree.tensor_leaves(
-            params, call=call, arg="params", float_only=True
-        )
-        trained = [t if t is not None and t.numel() > 0 else None for t in tensors]
-        described = _agreement.signature(params, leaves, "params", requires_grad=False)
+            trained = [t if t is not None and t.numel() > 0 else None for t in tensors]
+            described = _agreement.signature(params, leaves, "params", requires_grad=False)
         _agreement.check(described, group=group, call=call, arg="params")
         paths = _tree.paths(params, "params")
         _agreement.check_values(tensors, paths, group=group, call=call, arg="params")
