@@ -16,6 +16,7 @@ import torch
 
 import fdp
 from tests import ranks
+from tests.helpers import tensor_leaves
 
 STEPS, SYNC_EVERY = 7, 3  # synchronisations after steps 3 and 6; step 7 stays local
 
@@ -165,6 +166,37 @@ def test_workers_whose_counts_differ_are_refused_on_every_worker() -> None:
     messages = ranks.world(2).run(_counts_differ)
     for m in messages:
         assert "fdp.DiLoCo.update: `state` expected the same step count on every worker" in m
+
+
+def _apart(rank: int, size: int, kind: str, broadcast: bool) -> tuple[str, list[float]]:
+    """Each rank's parameters shifted by its rank (as from another seed)."""
+    start = init_params()
+    params = {
+        k: [t + rank for t in v] if isinstance(v, list) else v + rank for k, v in start.items()
+    }
+    if broadcast:
+        params = fdp.broadcast_params(params)
+    alg = algorithm(kind)
+    try:
+        state = alg.init(params)
+    except ValueError as e:
+        return str(e), []
+    for step in range(SYNC_EVERY):
+        params, state = alg.update(grads_of("grad", params, *batch(step, rank)), state, params)
+    return "trained", [float(t.sum()) for t in tensor_leaves(params)]
+
+
+@pytest.mark.parametrize("kind", ["diloco", "local_sgd"])
+def test_workers_that_start_apart_are_refused_at_init(kind: str) -> None:
+    # Before: each outer step moved every worker's own anchor, and the workers trained
+    # different models without an error (after a sync the parameters still differed).
+    for message, _ in ranks.world(2).run(_apart, kind, False):
+        assert "init: `params` leaf params[" in message
+        assert "expected the same values on every rank at init" in message
+        assert "fdp.broadcast_params(params)" in message
+    (first, sums0), (_, sums1) = ranks.world(2).run(_apart, kind, True)  # rank 0's, everywhere
+    assert first == "trained"
+    assert sums0 == sums1  # after a sync, every worker holds the same parameters
 
 
 def _inside_transform(rank: int, size: int) -> list[str]:

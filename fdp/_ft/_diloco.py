@@ -25,9 +25,11 @@ from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from fdp import _mode, _tree
+from fdp._comm import _agreement
 from fdp._ft import _diloco_join, _exchange, _fragments
 from fdp._ft._fault_tolerance import FaultTolerance
 from fdp.optim._base import OptimizerProtocol
@@ -136,6 +138,7 @@ class DiLoCo:
         count, each leaf's fragment and the reductions in flight (none)."""
         call = f"fdp.{type(self).__name__}.init"
         labels = _fragments.fragment_of(params, self.fragments, call=call)
+        _same_start(call, params, self.group)
         anchor = optree.tree_map(_copy, params, none_is_leaf=True)
         count = int(labels.max()) + 1 if bool((labels >= 0).any()) else 1
         if count > self.sync_every:
@@ -449,3 +452,31 @@ class LocalSGD(DiLoCo):
 
 def _copy(t: Any) -> Any:
     return t.detach().clone() if isinstance(t, torch.Tensor) else t
+
+
+def _same_start(call: str, params: Any, group: ProcessGroup | FaultTolerance | None) -> None:
+    """Refuses, on every worker, parameters that differ across the workers of ``group``.
+
+    Each worker's outer step moves its own anchor by the mean pseudo-gradient:
+    anchors that start apart stay apart, and the workers train different
+    models without an error. One all-reduce of checksums, at init, over a
+    process group (a ``FaultTolerance``'s replica groups heal from a peer).
+    """
+    if isinstance(group, FaultTolerance) or not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size(group) == 1:
+        return
+    leaves = _tree.flatten(params)[0]
+    described = _agreement.signature(params, leaves, "params", requires_grad=False)
+    _agreement.check(described, group=group, call=call, arg="params")
+    tensors = [t.detach() if isinstance(t, torch.Tensor) else None for t in leaves]
+    _agreement.check_values(
+        tensors,
+        _tree.paths(params, "params"),
+        group=group,
+        call=call,
+        arg="params",
+        fix="Give every worker the same parameters before init: fdp.broadcast_params(params) "
+        "(rank 0's), or the same seed on every rank",
+        when="at init",
+    )
