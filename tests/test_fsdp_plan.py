@@ -220,3 +220,28 @@ def test_named_buffers_stay_whole_and_a_wrong_name_is_refused() -> None:
         assert names == ["w"]
         assert mean == [rank + 1.0] * 3
         assert "`buffers` names 'stat', which holds no leaf of `params`" in error
+
+
+def _full_refused_on_rank_1(rank: int, size: int) -> tuple[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g)}
+    fsdp = fdp.FullyShardedDataParallel(params)
+    shards = fsdp.shard(params)
+    try:
+        fsdp.full({"nope": ()} if rank == 1 else shards)
+        said = "returned"
+    except ValueError as e:
+        said = str(e)
+    return said, fsdp.full(shards)  # the group is still usable
+
+
+def test_full_refused_on_one_rank_raises_on_every_rank() -> None:
+    # Before: rank 1 raised, rank 0 waited in the first all-gather until the group's timeout.
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g)}
+    (said0, full0), (said1, full1) = ranks.world(2).run(_full_refused_on_rank_1)
+    expected = "`shards` expected the dict shard() returns, with the units ['b', 'w']; got ['nope']"
+    assert said1 == f"fdp.FullyShardedDataParallel.full: {expected}"
+    assert said0 == f"fdp.FullyShardedDataParallel.full: rank 1 raised ValueError: {expected}"
+    for full in (full0, full1):
+        tree_allclose(full, params, rtol=0, atol=0)

@@ -337,7 +337,7 @@ class FullyShardedDataParallel:
     def full(self, shards: dict[str, tuple[torch.Tensor, ...]]) -> Any:
         """The params tree outside autograd, in the parameters' own dtypes."""
         call = "fdp.FullyShardedDataParallel.full"
-        self._check_shards(call, shards)
+        _fsdp_plan.check_shards(call, self.units, shards, agree_over=self.group)
         out = self._blank()
         with torch.no_grad():
             for state in self._states.values():

@@ -192,8 +192,25 @@ def checked_params(
     return leaves, spec, tensors
 
 
-def check_shards(call: str, units: Sequence[Unit], shards: Any) -> None:
-    """Raises unless ``shards`` is a dict of ``units``' shards, with this rank's shapes."""
+def check_shards(call: str, units: Sequence[Unit], shards: Any, *, agree_over: Any = False) -> None:
+    """Raises unless ``shards`` is a dict of ``units``' shards, with this rank's shapes.
+
+    ``agree_over``: a process group (``None``: the world) on whose every rank
+    this raises at once where it fails on some only (one tiny all-reduce; for
+    calls outside the training step). ``False``: this rank alone.
+    """
+    if agree_over is False:
+        _check_shards(call, units, shards)
+        return
+    try:
+        _check_shards(call, units, shards)
+    except (ValueError, TypeError) as e:
+        _agreement.raise_together(call, e, agree_over)
+        raise
+    _agreement.raise_together(call, None, agree_over)
+
+
+def _check_shards(call: str, units: Sequence[Unit], shards: Any) -> None:
     names = sorted(u.name for u in units)
     if not isinstance(shards, dict) or sorted(shards) != names:
         got = sorted(shards) if isinstance(shards, dict) else _tree.describe(shards)
