@@ -12,7 +12,9 @@ place into its module, against a module that loaded ``load_state_dict``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -146,16 +148,40 @@ def test_values_that_differ_across_ranks_are_refused(
 _TOO_LONG = "n" * 300  # a name the file system refuses (ENAMETOOLONG), even to root
 
 
+_SAME = ("ValueError", "TypeError")  # the kinds the other ranks raise too
+
+
+@contextlib.contextmanager
+def _failing_writes(fail: bool) -> Iterator[None]:
+    """DCP's file writes raise on this rank (a full disk) inside the block."""
+    from torch.distributed.checkpoint import filesystem
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    kept = filesystem._write_item
+    if fail:
+        filesystem._write_item = full
+    try:
+        yield
+    finally:
+        filesystem._write_item = kept
+
+
 def _fails_on_one_rank(rank: int, size: int, root: str, case: str) -> tuple[str, str]:
     """One rank's local work fails; returns what this rank raised, and its message."""
     state: dict[str, Any] = {"w": torch.ones(3), "step": 3}
     path, failing = os.path.join(root, "c"), case.endswith("rank_0")
     mine = os.path.join(root, _TOO_LONG) if rank == (0 if failing else 1) else path
     try:
+        if case == "save_state_rank_1" and rank == 1:
+            state["w"] = state["w"].to_sparse()  # refused by this rank's own check
+        if case == "save_stage_rank_0":  # the path's parent a file: rank 0 makes the stage
+            Path(root, "file").touch()
+            path = os.path.join(root, "file", "c")
         if case.startswith("save"):
-            if case == "save_state_rank_1" and rank == 1:
-                state["w"] = state["w"].to_sparse()  # refused by this rank's own check
-            fdp.save_checkpoint(path if case == "save_state_rank_1" else mine, state)
+            with _failing_writes(case == "save_write_rank_1" and rank == 1):  # a full disk
+                fdp.save_checkpoint(path, state)
         elif case.startswith("load"):
             fdp.save_checkpoint(path, state)
             like = {"w": torch.ones(4), "step": 0} if rank == 1 else state
@@ -171,7 +197,7 @@ def _fails_on_one_rank(rank: int, size: int, root: str, case: str) -> tuple[str,
     ("case", "theirs", "message"),
     [
         ("save_state_rank_1", "TypeError", "`state` leaf state['w'] expected a dense tensor"),
-        ("save_stage_rank_0", "OSError", "File name too long"),
+        ("save_stage_rank_0", "NotADirectoryError", "Not a directory"),
         ("save_write_rank_1", "RuntimeError", "could not write `path`"),
         ("load_path_rank_1", "OSError", "File name too long"),
         ("load_like_rank_1", "ValueError", "like['w'] expected shape (4,)"),
@@ -193,10 +219,32 @@ def test_a_failure_on_one_rank_raises_on_every_rank(
     if case == "save_write_rank_1":  # DCP's error, the same on every rank
         assert (other_kind, other_said.split(": rank")[1]) == (kind, said.split(": rank")[1])
         return
-    assert other_kind == {"OSError": "RuntimeError"}.get(kind, kind)
+    assert other_kind == ("RuntimeError" if "Error" in kind and kind not in _SAME else kind)
     assert other_said.startswith(f"fdp.{case.split('_')[0]}")
     assert f": rank {failing} raised {kind}: " in other_said
     assert message in other_said
+
+
+def _per_rank_paths(rank: int, size: int, root: str) -> str:
+    try:
+        fdp.save_checkpoint(os.path.join(root, f"rank{rank}"), {"w": torch.ones(3)})
+    except ValueError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_path_per_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+    # torch.save's habit (ckpt/rank{rank}): before, rank 0 wrote a checkpoint without
+    # rank 1's pieces and rank 1's files stayed in a staging directory no one switched in.
+    messages = ranks.world(2).run(_per_rank_paths, str(tmp_path))
+    assert messages[0] == messages[1]
+    assert messages[0].startswith(
+        "fdp.save_checkpoint: `path` expected the same directory on every rank"
+    )
+    assert (
+        f"got {str(tmp_path / 'rank0')!r} on rank 0 and {str(tmp_path / 'rank1')!r}" in messages[0]
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
 
 
 def test_the_checksum_reads_bits_in_logical_order() -> None:

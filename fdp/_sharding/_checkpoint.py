@@ -97,6 +97,7 @@ def save_checkpoint(
     _together(call, None, group)
     entries = {k: v for leaf in leaves for k, v in leaf.entries.items()}
     if _distributed():
+        _checkpoint_files.require_one_path(call, path, group)
         once = {k: v for leaf in leaves for k, v in leaf.once().items()}
         _checkpoint_verify.check(call, once, group)
     if rng:

@@ -19,6 +19,9 @@ import ctypes
 import errno
 import os
 import shutil
+from typing import Any
+
+import torch.distributed as dist
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -74,3 +77,23 @@ def _exchange(a: str, b: str) -> bool:
     if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
         return False
     raise OSError(code, os.strerror(code), b)
+
+
+def require_one_path(call: str, path: str | os.PathLike[str], group: Any) -> None:
+    """Raises on every rank unless every rank saves to the same directory.
+
+    Rank 0 writes the entries every rank holds and switches the staging
+    directory in: a path per rank (``ckpt/rank{rank}``, torch.save's habit)
+    would leave the other ranks' files in a staging directory no one
+    switches, and a checkpoint without them.
+    """
+    mine = os.path.abspath(os.fspath(path))
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    for rank, theirs in enumerate(gathered[1:], start=1):
+        if theirs != gathered[0]:
+            raise ValueError(
+                f"{call}: `path` expected the same directory on every rank (rank 0 writes what "
+                "every rank holds and switches the checkpoint in; each rank writes its own "
+                f"pieces there); got {gathered[0]!r} on rank 0 and {theirs!r} on rank {rank}"
+            )
