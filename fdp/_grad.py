@@ -87,6 +87,11 @@ def grad_and_value(
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _eager_first_order(args, argnums):
+            if torch.is_inference_mode_enabled():
+                # Autograd records nothing there, even under enable_grad (the gradient
+                # would be zeros; torch.func.grad's too before torch 2.13): left for the call.
+                with torch.inference_mode(False):
+                    return _autograd(func, argnums, has_aux, args, kwargs)
             return _autograd(func, argnums, has_aux, args, kwargs)
         return torch.func.grad_and_value(func, argnums, has_aux)(*args, **kwargs)
 
@@ -106,19 +111,12 @@ def _check_options(argnums: Any, has_aux: Any) -> None:
 def _eager_first_order(args: tuple[Any, ...], argnums: int | tuple[int, ...]) -> bool:
     """Whether ``torch.autograd.grad`` gives what ``torch.func.grad`` would, here.
 
-    Not while dynamo traces or a transform or forward-mode level is open, not
-    under ``torch.inference_mode()`` (where autograd records nothing, even
-    under ``enable_grad``: ``torch.func.grad`` still differentiates there),
-    and only when every leaf to differentiate is a floating or complex tensor
+    Not while dynamo traces or a transform or forward-mode level is open, and
+    only when every leaf to differentiate is a floating or complex tensor
     (``torch.func.grad`` says what is wrong with any other, and with argnums
     out of range).
     """
-    if (
-        _mode.traced()
-        or _mode.transform_running()
-        or _compat.dual_level_active()
-        or torch.is_inference_mode_enabled()
-    ):
+    if _mode.traced() or _mode.transform_running() or _compat.dual_level_active():
         return False
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
     if any(not -len(args) <= n < len(args) for n in nums) or len(set(nums)) < len(nums):
@@ -143,7 +141,8 @@ def _autograd(
     specs = []
     for n in nums:
         leaves, spec = _tree.flatten(call[n])
-        fresh = [t.detach().requires_grad_() for t in leaves]
+        # An inference tensor (made under inference_mode) cannot require grad: a copy can.
+        fresh = [(t.clone() if t.is_inference() else t.detach()).requires_grad_() for t in leaves]
         inputs += fresh
         specs.append((spec, fresh))
         call[n] = _tree.unflatten(spec, fresh)
