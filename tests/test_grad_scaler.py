@@ -121,3 +121,76 @@ def test_sync_takes_every_ranks_overflow() -> None:
     results = ranks.world(3).run(_one_rank_overflows)
     assert [local for local, _ in results] == [0.0, 1.0, 0.0]
     assert [synced for _, synced in results] == [1.0, 1.0, 1.0]
+
+
+# Steps whose data on rank 0 overflows one element of `w` once scaled: the
+# shard that holds it is rank 1's, so only rank 1's gradients hold the inf.
+SHARD_OVERFLOW_STEPS = {1, 2, 5}
+
+
+def _shard_data(step: int, rank: int) -> torch.Tensor:
+    c = torch.randn(8, generator=torch.Generator().manual_seed(10 * step + rank))
+    if rank == 0 and step in SHARD_OVERFLOW_STEPS:
+        c[7] = 1e38  # times the scale: inf in float32
+    return c
+
+
+def _shard_loss(p: dict[str, torch.Tensor], c: torch.Tensor) -> torch.Tensor:
+    return (p["w"] * c).sum() + (p["b"] * c[:3]).square().sum()
+
+
+def _shard_start() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"w": torch.randn(8, generator=g), "b": torch.randn(3, generator=g)}
+
+
+def _fully_sharded_scaling(rank: int, size: int, sync: bool | None) -> Any:
+    fsdp = fdp.FullyShardedDataParallel(_shard_start())  # units "w" and "b"
+    shards = fsdp.shard(_shard_start())
+    opt, scaler = fdp.optim.sgd(0.1, momentum=0.9), fdp.optim.GradScaler(**HYPER)
+    opt_state, scale_state = opt.init(shards), scaler.init()
+    founds, scales = [], []
+    for step in range(STEPS):
+
+        def scaled_loss(s: Any, c: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+            return scaler.scale(_shard_loss(fsdp(s), c), state)
+
+        grads = fdp.grad(scaled_loss)(shards, _shard_data(step, rank), scale_state)
+        grads, found = scaler.unscale(grads, scale_state, sync=sync)
+        if not found:
+            shards, opt_state = opt.update(grads, opt_state, shards)
+        scale_state = scaler.update(scale_state, found)
+        founds.append(float(found))
+        scales.append(float(scale_state["scale"]))
+    return fsdp.full(shards), founds, scales
+
+
+def _torch_sharded_reference(size: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    params = {k: v.clone().requires_grad_() for k, v in _shard_start().items()}
+    opt = torch.optim.SGD(params.values(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", **HYPER)
+    scales = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        # The average of the ranks' losses: their gradients' average, as fsdp's.
+        total = torch.stack([_shard_loss(params, _shard_data(step, r)) for r in range(size)]).mean()
+        torch.autograd.backward(scaler.scale(total))
+        scaler.step(opt)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+    return {k: v.detach() for k, v in params.items()}, scales
+
+
+def test_fully_sharded_gradients_overflowing_on_one_rank_skip_the_step_on_every_rank() -> None:
+    # Before: unscale took each rank's own answer by default, so where one
+    # shard overflowed its rank skipped the step and backed off while the
+    # other stepped, and the ranks trained apart without an error.
+    world = ranks.world(2)
+    expected, expected_scales = _torch_sharded_reference(2)
+    for full, founds, scales in world.run(_fully_sharded_scaling, None):
+        tree_allclose(full, expected)
+        assert scales == expected_scales
+        assert founds == [float(s in SHARD_OVERFLOW_STEPS) for s in range(STEPS)]
+    # sync=False: each rank's own answer, as asked (only rank 1 held the inf).
+    local = world.run(_fully_sharded_scaling, False)
+    assert [founds[1] for _, founds, _ in local] == [0.0, 1.0]

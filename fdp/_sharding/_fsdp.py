@@ -190,9 +190,12 @@ class FullyShardedDataParallel:
         _param_groups.register_sharded(self)  # param_groups refuses the shards, naming optimizer()
         self._released: list[_fsdp_module.Released] = []  # modules whose copy wrap() freed
 
-    def holds_shards(self, tree: Any) -> bool:
-        """Whether ``tree`` has the format of this instance's shards (``shard``'s result)."""
-        return _fsdp_optim.holds_shards(self.units, tree)
+    def holds_shards(self, tree: Any, *, none_ok: bool = False) -> bool:
+        """Whether ``tree`` has the format of this instance's shards (``shard``'s result).
+
+        ``none_ok``: ``None`` may stand for a shard, as in a tree of gradients.
+        """
+        return _fsdp_optim.holds_shards(self.units, tree, none_ok=none_ok)
 
     def __repr__(self) -> str:
         return (

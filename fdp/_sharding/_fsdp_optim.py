@@ -151,8 +151,12 @@ def _joined(old: torch.Tensor, part: Part, pieces: Sequence[torch.Tensor]) -> to
     return joined.requires_grad_(old.requires_grad) if joined.grad_fn is None else joined
 
 
-def holds_shards(units: Sequence[Any], tree: Any) -> bool:
-    """Whether ``tree`` is a shards dict of these units (``fsdp.shard``'s format)."""
+def holds_shards(units: Sequence[Any], tree: Any, *, none_ok: bool = False) -> bool:
+    """Whether ``tree`` is a shards dict of these units (``fsdp.shard``'s format).
+
+    ``none_ok``: a ``None`` may stand for a shard (a gradient tree: a unit
+    no backward reached).
+    """
     if not isinstance(tree, dict) or list(tree) != [u.name for u in units]:
         return False
     for unit in units:
@@ -160,6 +164,8 @@ def holds_shards(units: Sequence[Any], tree: Any) -> bool:
         if not isinstance(shards, tuple) or len(shards) != len(unit.sizes):
             return False
         for t, size in zip(shards, unit.sizes, strict=True):
+            if t is None and none_ok:
+                continue
             if not isinstance(t, torch.Tensor) or t.shape != (size,):
                 return False
     return True

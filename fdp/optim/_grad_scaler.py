@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from fdp import _tree
+from fdp.optim import _param_groups
 
 T = TypeVar("T")
 
@@ -99,7 +100,7 @@ class GradScaler:
         grads: T,
         state: dict[str, torch.Tensor],
         *,
-        sync: bool = False,
+        sync: bool | None = None,
         group: ProcessGroup | None = None,
     ) -> tuple[T, torch.Tensor]:
         """The gradients divided by the scale, and whether any is not finite.
@@ -108,10 +109,15 @@ class GradScaler:
             grads: a tree of scaled gradients (and ``None``).
             state: the scaler's state.
             sync: take the answer of every rank of ``group`` (one all-reduce
-                of a flag): needed for local gradients, as
-                :meth:`fdp.ZeroRedundancy.step` takes, where one rank may
-                overflow alone. Averaged gradients (DDP) agree already.
-            group: the process group of ``sync`` (default: the world).
+                of a flag): needed where one rank may overflow alone. Local
+                gradients, as :meth:`fdp.ZeroRedundancy.step` takes: pass
+                ``True``. By default (``None``) a tree of the gradients of
+                an ``fdp.FullyShardedDataParallel``'s shards (each rank
+                holds other elements) is synced over its group, any other
+                tree not: averaged gradients (DDP) agree already. ``False``:
+                this rank's answer alone.
+            group: the process group of ``sync`` (default: the shards'
+                group, else the world).
 
         Returns:
             The unscaled gradients (new tensors) and ``found_inf``, a 0-d
@@ -125,6 +131,10 @@ class GradScaler:
         if present:
             finite = torch.stack([torch.isfinite(g).all().to(found.device) for g in present])
             found = (~finite.all()).to(torch.float32)
+        if sync is None:  # every rank holds the same format: all sync, or none
+            owner = _param_groups.sharded_owner(grads, none_ok=True)
+            sync = owner is not None
+            group = owner.group if owner is not None and group is None else group
         if sync and dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         unscaled = [None if g is None else g * inv.to(g.device) for g in leaves]

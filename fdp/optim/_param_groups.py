@@ -30,14 +30,17 @@ Label = Callable[[str, torch.Tensor], str]
 class Sharded(Protocol):
     """What holds trees whose leaves are pieces of several parameters (fully sharded)."""
 
-    def holds_shards(self, tree: Any) -> bool: ...
+    group: Any  # the process group over which the shards are split
+
+    def holds_shards(self, tree: Any, *, none_ok: bool = False) -> bool: ...
 
 
 # Every live holder of shards (FullyShardedDataParallel registers itself),
 # weakly: nothing is kept alive. A label function would see each shard as
 # one 1-D tensor, so labels() refuses a tree of shards and names the wrapper
-# that labels each piece by its leaf.
-_SHARDED: weakref.WeakSet[Any] = weakref.WeakSet()
+# that labels each piece by its leaf; GradScaler.unscale takes every rank's
+# answer for a tree of shards' gradients (each rank holds other elements).
+_SHARDED: weakref.WeakSet[Sharded] = weakref.WeakSet()
 
 
 def register_sharded(owner: Sharded) -> None:
@@ -45,14 +48,22 @@ def register_sharded(owner: Sharded) -> None:
     _SHARDED.add(owner)
 
 
+def sharded_owner(tree: Any, *, none_ok: bool = False) -> Sharded | None:
+    """The registered holder whose shards' format ``tree`` has, if any (``none_ok``: gradients)."""
+    for owner in list(_SHARDED):
+        if owner.holds_shards(tree, none_ok=none_ok):
+            return owner
+    return None
+
+
 def refuse_shards(call: str, params: Any, *, why: str, instead: str) -> None:
     """Raises if ``params`` are a registered holder's shards: ``why`` they cannot be stepped."""
-    for owner in list(_SHARDED):
-        if owner.holds_shards(params):
-            raise ValueError(
-                f"{call}: `params` are the shards of {owner!r}: each shard holds pieces of "
-                f"several leaves in one 1-D tensor, {why}; {instead}"
-            )
+    owner = sharded_owner(params)
+    if owner is not None:
+        raise ValueError(
+            f"{call}: `params` are the shards of {owner!r}: each shard holds pieces of "
+            f"several leaves in one 1-D tensor, {why}; {instead}"
+        )
 
 
 def _refuse_shards(call: str, params: Any) -> None:
