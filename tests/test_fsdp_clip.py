@@ -32,7 +32,9 @@ def _real_phase(params: dict[str, Any]) -> None:
     params["head"]["phase"] = params["head"]["phase"].detach().real.clone().requires_grad_()
 
 
-def _clipped(rank: int, size: int, max_norm: float, norm_type: float, dynamic: bool) -> Any:
+def _clipped(
+    rank: int, size: int, max_norm: float, norm_type: float, dynamic: bool, via: str
+) -> Any:
     params = make_params()
     if norm_type != 2.0:
         _real_phase(params)
@@ -40,7 +42,9 @@ def _clipped(rank: int, size: int, max_norm: float, norm_type: float, dynamic: b
     x, y = data(size)
     shards = _detached(fsdp.shard(params))
     grads = _by_func_grad(fsdp, shards, mine(x, rank), mine(y, rank))
-    clip = fsdp.clip_grad_norm
+    # fdp.optim.clip_by_global_norm of the shards' gradients is fsdp's: before,
+    # each rank clipped its shards by their own norm (the ranks' norms differed).
+    clip = fsdp.clip_grad_norm if via == "fsdp" else fdp.optim.clip_by_global_norm
     if dynamic:  # every number and size symbolic, the norm's order included
         torch._dynamo.reset()
         clip = torch.compile(clip, backend="aot_eager", fullgraph=True, dynamic=True)
@@ -49,20 +53,22 @@ def _clipped(rank: int, size: int, max_norm: float, norm_type: float, dynamic: b
 
 
 @pytest.mark.parametrize(
-    ("norm_type", "dynamic"),
+    ("norm_type", "dynamic", "via"),
     [
-        (2.0, False),
-        (1.0, False),
-        (3.0, False),
-        (math.inf, False),
+        (2.0, False, "fsdp"),
+        (1.0, False, "fsdp"),
+        (3.0, False, "fsdp"),
+        (math.inf, False, "fsdp"),
+        (2.0, False, "optim"),
+        (math.inf, False, "optim"),
         # Compiled with dynamic=True the order was a symbol, which math.isinf refused.
-        pytest.param(2.0, True, marks=pytest.mark.compile, id="2.0-compiled-dynamic"),
-        pytest.param(math.inf, True, marks=pytest.mark.compile, id="inf-compiled-dynamic"),
+        pytest.param(2.0, True, "fsdp", marks=pytest.mark.compile, id="2.0-compiled-dynamic"),
+        pytest.param(math.inf, True, "fsdp", marks=pytest.mark.compile, id="inf-compiled-dynamic"),
     ],
 )
 @pytest.mark.parametrize("max_norm", [0.05, 100.0], ids=["clipped", "unclipped"])
 def test_clip_grad_norm_over_the_shards_equals_torchs_on_the_whole_tree(
-    max_norm: float, norm_type: float, dynamic: bool
+    max_norm: float, norm_type: float, dynamic: bool, via: str
 ) -> None:
     expected = reference_grad(2, local_loss, None if norm_type == 2.0 else _real_phase)
     # torch's clip_grad_norm_ on the unsharded gradients (the tied tensor once).
@@ -77,7 +83,7 @@ def test_clip_grad_norm_over_the_shards_equals_torchs_on_the_whole_tree(
         return t * scale if trained else t
 
     scaled = torch.utils._pytree.tree_map(scaled_leaf, expected)
-    for got, got_norm in ranks.world(2).run(_clipped, max_norm, norm_type, dynamic):
+    for got, got_norm in ranks.world(2).run(_clipped, max_norm, norm_type, dynamic, via):
         torch.testing.assert_close(got_norm, norm, **TOL)
         tree_allclose(got, scaled, **TOL)
 
@@ -90,6 +96,36 @@ def _clip_complex_by_one_norm(rank: int, size: int) -> str:
     with pytest.raises(NotImplementedError, match="complex leaves") as info:
         fsdp.clip_grad_norm(grads, 1.0, norm_type=1)
     return str(info.value)
+
+
+def _small_tree() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"a": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g)}
+
+
+def _clip_without_unit_b(rank: int, size: int, via: str) -> Any:
+    fsdp = fdp.FullyShardedDataParallel(_small_tree())  # units "a" and "b"
+    shards = fsdp.shard(_small_tree())
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))
+    grads = fdp.grad(lambda s: (x @ fsdp(s)["a"]).square().sum())(shards)
+    grads["b"] = tuple(None for _ in grads["b"])  # a unit no backward reached (.grad None)
+    clip = fsdp.clip_grad_norm if via == "fsdp" else fdp.optim.clip_by_global_norm
+    clipped, norm = clip(grads, 0.5)
+    assert all(t is None for t in clipped["b"])
+    clipped["b"] = tuple(torch.zeros_like(t) for t in shards["b"])
+    return fsdp.full(clipped)["a"], norm
+
+
+@pytest.mark.parametrize("via", ["fsdp", "optim"])
+def test_a_unit_without_gradients_counts_as_zeros_and_stays_none(via: str) -> None:
+    a = _small_tree()["a"].requires_grad_()
+    xs = [torch.randn(4, 5, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    torch.autograd.backward(torch.stack([(x @ a).square().sum() for x in xs]).mean())
+    assert a.grad is not None
+    norm = torch.nn.utils.clip_grad_norm_([a], 0.5)
+    for got, got_norm in ranks.world(2).run(_clip_without_unit_b, via):
+        torch.testing.assert_close(got_norm, norm, **TOL)
+        torch.testing.assert_close(got, a.grad, **TOL)
 
 
 def test_clip_grad_norm_refuses_p_norms_of_complex_shards() -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from fdp._sharding._shards import ZeroState
 from fdp.optim import _param_groups, _whole
 
 T = TypeVar("T")
+_G = TypeVar("_G", bound=Mapping[str, tuple[torch.Tensor | None, ...]])  # shards' gradients
 
 
 class FullyShardedDataParallel:
@@ -393,11 +394,11 @@ class FullyShardedDataParallel:
 
     def clip_grad_norm(
         self,
-        grads: dict[str, tuple[torch.Tensor, ...]],
+        grads: _G,
         max_norm: float | torch.Tensor,
         *,
         norm_type: float = 2.0,
-    ) -> tuple[dict[str, tuple[torch.Tensor, ...]], torch.Tensor]:
+    ) -> tuple[_G, torch.Tensor]:
         """The shards' gradients scaled so that their global p-norm is at most ``max_norm``.
 
         The norm is over every rank's shards (one all-reduce of one number),
@@ -405,11 +406,16 @@ class FullyShardedDataParallel:
         the unsharded gradients, for any ``p > 0`` and ``math.inf`` (with
         complex leaves, ``p = 2`` only); a tied tensor counts once. Returns
         the clipped gradients and the norm before clipping. Differentiable
-        (a ``psum`` under autograd or a transform) for finite ``p``.
+        (a ``psum`` under autograd or a transform) for finite ``p``. A
+        ``None`` (a unit no backward reached) counts as zeros and stays
+        ``None``. ``fdp.optim.clip_by_global_norm`` of such a tree calls this.
         """
         call = "fdp.FullyShardedDataParallel.clip_grad_norm"
-        self._check_shards(call, grads)
-        return _fsdp_clip.clip_grad_norm(call, self.units, self.group, grads, max_norm, norm_type)
+        _fsdp_plan.check_shards(call, self.units, grads, none_ok=True)
+        clipped, norm = _fsdp_clip.clip_grad_norm(
+            call, self.units, self.group, grads, max_norm, norm_type
+        )
+        return cast(_G, clipped), norm
 
     def to_checkpoint(self, value: Any) -> Any:
         """``value`` (the shards, or an ``fdp.optim`` state over them) for ``fdp.save_checkpoint``.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,10 +16,10 @@ def clip_grad_norm(
     call: str,
     units: Sequence[Any],
     group: Any,
-    grads: dict[str, tuple[torch.Tensor, ...]],
+    grads: Mapping[str, tuple[torch.Tensor | None, ...]],
     max_norm: float | torch.Tensor,
     norm_type: float,
-) -> tuple[dict[str, tuple[torch.Tensor, ...]], torch.Tensor]:
+) -> tuple[dict[str, tuple[torch.Tensor | None, ...]], torch.Tensor]:
     """``grads`` (checked shards' gradients) clipped to ``max_norm``, and their norm before.
 
     Each rank's shards hold disjoint elements (a tied tensor is sharded
@@ -33,7 +33,12 @@ def clip_grad_norm(
             "|z|, whose real and imaginary parts may sit in two ranks' shards; got a tree "
             "with complex leaves (use norm_type=2, which needs no pairing)"
         )
-    tensors = [t for unit in units for t in grads[unit.name]]
+    # A unit no backward reached (None) adds nothing: zeros stand in for it.
+    tensors = [
+        t if t is not None else torch.zeros(size, dtype=bucket.dtype, device=bucket.device)
+        for unit in units
+        for t, size, bucket in zip(grads[unit.name], unit.sizes, unit.buckets, strict=True)
+    ]
 
     def combine(share: torch.Tensor, op: str) -> torch.Tensor:
         if not _mode.needs_rules([share]):
@@ -48,5 +53,8 @@ def clip_grad_norm(
 
     total = _clip.sharded_norm(tensors, norm_type=p, combine=combine)
     scale = _clip.clip_scale(total, max_norm)
-    clipped = {k: tuple(t * scale.to(t.dtype) for t in ts) for k, ts in grads.items()}
+    clipped = {
+        k: tuple(None if t is None else t * scale.to(t.dtype) for t in ts)
+        for k, ts in grads.items()
+    }
     return clipped, total

@@ -192,25 +192,29 @@ def checked_params(
     return leaves, spec, tensors
 
 
-def check_shards(call: str, units: Sequence[Unit], shards: Any, *, agree_over: Any = False) -> None:
+def check_shards(
+    call: str, units: Sequence[Unit], shards: Any, *, agree_over: Any = False, none_ok: bool = False
+) -> None:
     """Raises unless ``shards`` is a dict of ``units``' shards, with this rank's shapes.
 
     ``agree_over``: a process group (``None``: the world) on whose every rank
     this raises at once where it fails on some only (one tiny all-reduce; for
     calls outside the training step). ``False``: this rank alone.
+    ``none_ok``: ``None`` may stand for a shard (gradients: a unit no
+    backward reached).
     """
     if agree_over is False:
-        _check_shards(call, units, shards)
+        _check_shards(call, units, shards, none_ok)
         return
     try:
-        _check_shards(call, units, shards)
+        _check_shards(call, units, shards, none_ok)
     except (ValueError, TypeError) as e:
         _agreement.raise_together(call, e, agree_over)
         raise
     _agreement.raise_together(call, None, agree_over)
 
 
-def _check_shards(call: str, units: Sequence[Unit], shards: Any) -> None:
+def _check_shards(call: str, units: Sequence[Unit], shards: Any, none_ok: bool) -> None:
     names = sorted(u.name for u in units)
     if not isinstance(shards, dict) or sorted(shards) != names:
         got = sorted(shards) if isinstance(shards, dict) else _tree.describe(shards)
@@ -220,7 +224,10 @@ def _check_shards(call: str, units: Sequence[Unit], shards: Any) -> None:
     for unit in units:
         given = shards[unit.name]
         expected = [(size,) for size in unit.sizes]
-        got_shapes = [tuple(getattr(t, "shape", ())) for t in given]
+        got_shapes = [
+            (size,) if t is None and none_ok else tuple(getattr(t, "shape", ()))
+            for t, size in zip(given, unit.sizes, strict=False)
+        ]
         if got_shapes != expected:
             raise ValueError(
                 f"{call}: `shards` unit {unit.name!r} expected tensors of shapes {expected} "

@@ -7,7 +7,9 @@ that :class:`fdp.DistributedDataParallel` or :func:`fdp.all_reduce_grads`
 averaged are the same on every rank, so each rank computes the same norm
 with no collective. :class:`fdp.ZeroRedundancy` holds only a slice of the
 averaged gradients: its ``step(..., max_norm=...)`` adds the one reduction
-that needs.
+that needs. The gradients of a :class:`fdp.FullyShardedDataParallel`'s
+shards are clipped by their norm over every rank's shards, as its
+``clip_grad_norm`` clips them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TypeVar
 import torch
 
 from fdp import _tree
+from fdp.optim import _param_groups
 
 T = TypeVar("T")
 
@@ -67,6 +70,11 @@ def clip_by_global_norm(
                 f"{call}: `grads` leaf {_tree.path(grads, i, 'grads')} expected a tensor or "
                 f"None; got {_tree.describe(g)}"
             )
+    owner = _param_groups.sharded_owner(grads, none_ok=True)
+    if owner is not None:  # each rank's shards hold other elements: the norm is over all
+        shards: T
+        shards, norm = owner.clip_grad_norm(grads, max_norm, norm_type=norm_type)
+        return shards, norm
     present = [g for g in leaves if g is not None]
     if not present:
         return grads, torch.zeros(())

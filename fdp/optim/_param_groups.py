@@ -34,12 +34,17 @@ class Sharded(Protocol):
 
     def holds_shards(self, tree: Any, *, none_ok: bool = False) -> bool: ...
 
+    def clip_grad_norm(
+        self, grads: Any, max_norm: float | torch.Tensor, *, norm_type: float = 2.0
+    ) -> tuple[Any, torch.Tensor]: ...
+
 
 # Every live holder of shards (FullyShardedDataParallel registers itself),
 # weakly: nothing is kept alive. A label function would see each shard as
 # one 1-D tensor, so labels() refuses a tree of shards and names the wrapper
-# that labels each piece by its leaf; GradScaler.unscale takes every rank's
-# answer for a tree of shards' gradients (each rank holds other elements).
+# that labels each piece by its leaf. Each rank's shards hold other elements,
+# so GradScaler.unscale takes every rank's answer for a tree of their
+# gradients, and clip_by_global_norm their norm over every rank's.
 _SHARDED: weakref.WeakSet[Sharded] = weakref.WeakSet()
 
 
