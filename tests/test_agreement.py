@@ -7,6 +7,7 @@ with plain single-process computations of the average over ranks.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -284,3 +285,45 @@ def test_sharded_constructors_refuse_ranks_that_start_apart(kind: str) -> None:
     assert "leaf params['w']" in messages[0]
     assert "fdp.broadcast_params(params)" in messages[0]
     assert "params['b']" not in messages[0]
+
+
+def _shards_to_tree_collectives(rank: int, size: int) -> dict[str, Any]:
+    params = {"w": torch.arange(8.0), "v": torch.ones(8)}
+    fsdp = fdp.FullyShardedDataParallel(params)
+    shards = fsdp.shard(params)
+    grads = fdp.grad(lambda s: (fsdp(s)["w"] ** 2).sum() + fsdp(s)["v"].sum())(shards)
+    same_ranks = dist.new_group(list(range(size)))  # another group object, the same ranks
+    calls: list[tuple[str, Callable[[], Any]]] = [
+        ("broadcast", lambda: fdp.broadcast_params(shards)),
+        ("all_reduce", lambda: fdp.all_reduce_grads(grads)),
+        ("all_reduce_same_ranks", lambda: fdp.all_reduce_grads(grads, group=same_ranks)),
+    ]
+    out: dict[str, Any] = {}
+    for name, call in calls:
+        with pytest.raises(ValueError, match="each rank holds other elements") as info:
+            call()
+        out[name] = str(info.value)
+    out["shards"] = fsdp.full(shards)  # untouched
+    # Sharded over a group of one rank each (a hybrid layout's shard groups),
+    # every rank holds the same elements: reduced over the world as asked.
+    alone = [dist.new_group([r]) for r in range(size)][rank]
+    whole = fdp.FullyShardedDataParallel(params, group=alone)
+    mine = whole.shard(params)
+    local = fdp.grad(lambda s: ((rank + 1) * whole(s)["w"] ** 2).sum())(mine)
+    out["replicas"] = whole.full(fdp.all_reduce_grads(local))
+    return out
+
+
+def test_tree_collectives_over_the_shards_own_ranks_are_refused() -> None:
+    # Before: broadcast_params gave every rank rank 0's shards (the full
+    # parameters became [w[:4], w[:4]]), and all_reduce_grads averaged
+    # different elements together, silently.
+    for out in ranks.world(2).run(_shards_to_tree_collectives):
+        assert "fdp.broadcast_params: `tree` are the shards of" in out["broadcast"]
+        assert "rank 0's would replace" in out["broadcast"]
+        assert "broadcast the parameters before fsdp.shard(params)" in out["broadcast"]
+        for name in ("all_reduce", "all_reduce_same_ranks"):
+            assert "fdp.all_reduce_grads: `grads` are the shards' gradients of" in out[name]
+        torch.testing.assert_close(out["shards"]["w"], torch.arange(8.0), rtol=0, atol=0)
+        # the ranks' gradients 2w and 4w, averaged
+        torch.testing.assert_close(out["replicas"]["w"], 3 * torch.arange(8.0))

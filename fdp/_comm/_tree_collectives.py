@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from fdp import _bucket, _caches, _compat, _mode, _tree
+from fdp import _bucket, _caches, _compat, _mode, _sharded, _tree
 from fdp._comm import _agreement, _differentiable, _groups, _raw, _transforms
 
 __all__ = ["all_reduce_grads", "broadcast_params"]
@@ -50,6 +50,14 @@ def broadcast_params(tree: T, *, src: int = 0, group: ProcessGroup | None = None
     call = "fdp.broadcast_params"
     with _agreement.local_checks(call, "tree", group):  # an error on one rank: on every
         _agreement.require_member(call, group)
+        _sharded.refuse_over_own_group(
+            call,
+            "tree",
+            tree,
+            group,
+            why=f"which rank {src}'s would replace; broadcast the parameters before "
+            "fsdp.shard(params)",
+        )
         leaves, _spec, tensors = _tree.tensor_leaves(tree, call=call, arg="tree", float_only=False)
         described = _agreement.signature(tree, leaves, "tree", requires_grad=False)
     with _compat.functorch_disabled():
@@ -124,6 +132,15 @@ def all_reduce_grads(
     _agreement.require_member(call, group)
     try:
         leaves, spec, tensors = _checked_grads(call, grads)
+        _sharded.refuse_over_own_group(
+            call,
+            "grads",
+            grads,
+            group,
+            what="shards' gradients",
+            why="averaged over the group by the backward's reduce-scatter already; an "
+            "all-reduce would add other elements together",
+        )
     except (TypeError, ValueError) as e:
         # The others are in the signature check, this call's first collective (eager)
         if not _mode.traced() and dist.get_world_size(group) > 1:

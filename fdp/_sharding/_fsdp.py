@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from fdp import _bucket, _compat, _tree
+from fdp import _bucket, _compat, _sharded, _tree
 from fdp._comm import _agreement
 from fdp._sharding import (
     _fsdp_accumulate,
@@ -188,7 +188,7 @@ class FullyShardedDataParallel:
         buckets = [b for u in self.units for b in u.buckets]
         self._layout = _shards.from_buckets(params, buckets, sharded, group=group)
         self._bucket_units = [(u.name, b) for u in self.units for b in range(len(u.buckets))]
-        _param_groups.register_sharded(self)  # param_groups refuses the shards, naming optimizer()
+        _sharded.register(self)  # calls that need whole or equal trees know the shards
         self._released: list[_fsdp_module.Released] = []  # modules whose copy wrap() freed
 
     def holds_shards(self, tree: Any, *, none_ok: bool = False) -> bool:

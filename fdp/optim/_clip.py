@@ -20,8 +20,7 @@ from typing import TypeVar
 
 import torch
 
-from fdp import _tree
-from fdp.optim import _param_groups
+from fdp import _sharded, _tree
 
 T = TypeVar("T")
 
@@ -70,7 +69,7 @@ def clip_by_global_norm(
                 f"{call}: `grads` leaf {_tree.path(grads, i, 'grads')} expected a tensor or "
                 f"None; got {_tree.describe(g)}"
             )
-    owner = _param_groups.sharded_owner(grads, none_ok=True)
+    owner = _sharded.owner(grads, none_ok=True)
     if owner is not None:  # each rank's shards hold other elements: the norm is over all
         shards: T
         shards, norm = owner.clip_grad_norm(grads, max_norm, norm_type=norm_type)

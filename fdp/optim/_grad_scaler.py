@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from fdp import _tree
-from fdp.optim import _param_groups
+from fdp import _sharded, _tree
 
 T = TypeVar("T")
 
@@ -132,7 +131,7 @@ class GradScaler:
             finite = torch.stack([torch.isfinite(g).all().to(found.device) for g in present])
             found = (~finite.all()).to(torch.float32)
         if sync is None:  # every rank holds the same format: all sync, or none
-            owner = _param_groups.sharded_owner(grads, none_ok=True)
+            owner = _sharded.owner(grads, none_ok=True)
             sync = owner is not None
             group = owner.group if owner is not None and group is None else group
         if sync and dist.is_initialized():

@@ -14,56 +14,21 @@ ZeroRedundancy labels its slices by the leaves they come from.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from fdp import _tree
+from fdp import _sharded, _tree
 from fdp.optim._pending import Chain, Pending
 
 T = TypeVar("T")
 Label = Callable[[str, torch.Tensor], str]
 
 
-class Sharded(Protocol):
-    """What holds trees whose leaves are pieces of several parameters (fully sharded)."""
-
-    group: Any  # the process group over which the shards are split
-
-    def holds_shards(self, tree: Any, *, none_ok: bool = False) -> bool: ...
-
-    def clip_grad_norm(
-        self, grads: Any, max_norm: float | torch.Tensor, *, norm_type: float = 2.0
-    ) -> tuple[Any, torch.Tensor]: ...
-
-
-# Every live holder of shards (FullyShardedDataParallel registers itself),
-# weakly: nothing is kept alive. A label function would see each shard as
-# one 1-D tensor, so labels() refuses a tree of shards and names the wrapper
-# that labels each piece by its leaf. Each rank's shards hold other elements,
-# so GradScaler.unscale takes every rank's answer for a tree of their
-# gradients, and clip_by_global_norm their norm over every rank's.
-_SHARDED: weakref.WeakSet[Sharded] = weakref.WeakSet()
-
-
-def register_sharded(owner: Sharded) -> None:
-    """Makes :meth:`ParamGroups.labels` refuse ``owner``'s shards (see ``_SHARDED``)."""
-    _SHARDED.add(owner)
-
-
-def sharded_owner(tree: Any, *, none_ok: bool = False) -> Sharded | None:
-    """The registered holder whose shards' format ``tree`` has, if any (``none_ok``: gradients)."""
-    for owner in list(_SHARDED):
-        if owner.holds_shards(tree, none_ok=none_ok):
-            return owner
-    return None
-
-
 def refuse_shards(call: str, params: Any, *, why: str, instead: str) -> None:
     """Raises if ``params`` are a registered holder's shards: ``why`` they cannot be stepped."""
-    owner = sharded_owner(params)
+    owner = _sharded.owner(params)
     if owner is not None:
         raise ValueError(
             f"{call}: `params` are the shards of {owner!r}: each shard holds pieces of "

@@ -1,0 +1,71 @@
+"""Trees of shards: each rank's pieces of several leaves in one 1-D tensor (fully sharded).
+
+Such a tree looks like any other, yet each rank holds other elements, so a
+call that reads a tree whole, or takes it to be the same on every rank,
+would be wrong without a word. Every holder of such trees
+(``FullyShardedDataParallel``) registers itself here, weakly (nothing is
+kept alive), and those calls ask :func:`owner`: ``param_groups``' labels
+and whole-leaf optimizers refuse shards, ``GradScaler.unscale`` takes every
+rank's answer for their gradients and ``clip_by_global_norm`` their norm
+over every rank's, and ``broadcast_params`` and ``all_reduce_grads`` over
+the shards' own group refuse them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Sharded(Protocol):
+    """What holds trees whose leaves are pieces of several parameters."""
+
+    group: Any  # the process group the shards are split over (None: the world)
+
+    def holds_shards(self, tree: Any, *, none_ok: bool = False) -> bool: ...
+
+    def clip_grad_norm(
+        self, grads: Any, max_norm: float | torch.Tensor, *, norm_type: float = 2.0
+    ) -> tuple[Any, torch.Tensor]: ...
+
+
+_OWNERS: weakref.WeakSet[Sharded] = weakref.WeakSet()
+
+
+def register(holder: Sharded) -> None:
+    """Makes :func:`owner` recognise ``holder``'s shards (and their gradients)."""
+    _OWNERS.add(holder)
+
+
+def owner(tree: Any, *, none_ok: bool = False) -> Sharded | None:
+    """The registered holder whose shards' format ``tree`` has, if any (``none_ok``: gradients)."""
+    for holder in list(_OWNERS):
+        if holder.holds_shards(tree, none_ok=none_ok):
+            return holder
+    return None
+
+
+def refuse_over_own_group(
+    call: str, arg: str, tree: Any, group: Any, *, what: str = "shards", why: str
+) -> None:
+    """Raises if ``tree`` is a holder's shards and ``group`` spans two ranks of theirs.
+
+    Across ranks of the shards' group each holds other elements; over a
+    group that meets it in one rank at most (the replicas of a hybrid
+    layout) each rank holds the same ones, and the call means what it says.
+    """
+    holder = owner(tree, none_ok=True)
+    if holder is None or not dist.is_initialized():
+        return
+    if len(_ranks(group) & _ranks(holder.group)) > 1:
+        raise ValueError(
+            f"{call}: `{arg}` are the {what} of {holder!r}: each rank holds other elements "
+            f"of the parameters, {why}"
+        )
+
+
+def _ranks(group: Any) -> set[int]:
+    return set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
