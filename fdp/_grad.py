@@ -226,6 +226,17 @@ def asked() -> bool:
     return bool(_ASKED)
 
 
+def returns(leaf: torch.Tensor) -> bool:
+    """Whether ``leaf`` is one a running :func:`grad` call returns the gradient of.
+
+    Its leaves are that call's own fresh tensors, registered while it runs
+    (on any thread): a gradient kept for a later backward (``no_sync``)
+    would be missing from what the call returns.
+    """
+    with _ASKED_LOCK:
+        return id(leaf) in _ASKED
+
+
 # How many of fdp.grad's own torch.autograd.grad calls run now (any thread).
 _DIFFERENTIATING = [0]
 

@@ -101,6 +101,10 @@ def _refused(rank: int, size: int, how: str) -> str:
         with fsdp.no_sync():
             if how == "grad":
                 torch.func.grad(lambda s: local_loss(fsdp(s), x, y))(shards)
+            elif how == "fdp.grad":
+                # Before: zeros came back (the gradient was kept), and the next
+                # call's result held two micro-batches' sum.
+                fdp.grad(lambda s: local_loss(fsdp(s), x, y))(shards)
             elif how == "compiled":
                 compiled = torch.compile(lambda s: local_loss(fsdp(s), x, y), fullgraph=True)
                 compiled(shards)
@@ -116,6 +120,7 @@ def _refused(rank: int, size: int, how: str) -> str:
     ("how", "message"),
     [
         ("grad", "under a torch.func transform"),
+        ("fdp.grad", "under a torch.func transform or fdp.grad"),
         ("compiled", "while torch.compile traces"),
         ("nested", "already inside no_sync"),
     ],

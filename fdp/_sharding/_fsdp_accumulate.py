@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fdp import _mode
+from fdp import _grad, _mode
 
 
 def hold(
@@ -101,9 +101,11 @@ def _check_traced(call: str, shard: torch.Tensor) -> None:
 
 @_mode.traced_as(_check_traced)
 def check(call: str, shard: torch.Tensor) -> None:
-    if _mode.transform_running() or _mode.wrapped([shard]):
+    # fdp.grad's own call too: its result would lack the kept gradient (zeros),
+    # and its next call would return two micro-batches' sum.
+    if _mode.transform_running() or _mode.wrapped([shard]) or _grad.returns(shard):
         raise NotImplementedError(
-            f"{call}: inside no_sync() under a torch.func transform; no_sync keeps gradients "
-            "between eager loss.backward() calls, which a transform (returning its gradients) "
-            "cannot: accumulate the returned gradients yourself, or call backward()"
+            f"{call}: inside no_sync() under a torch.func transform or fdp.grad; no_sync keeps "
+            "gradients between eager loss.backward() calls, which a call returning its "
+            "gradients cannot: accumulate the returned gradients yourself, or call backward()"
         )
