@@ -105,6 +105,11 @@ def _refused(rank: int, size: int, how: str) -> str:
                 # Before: zeros came back (the gradient was kept), and the next
                 # call's result held two micro-batches' sum.
                 fdp.grad(lambda s: local_loss(fsdp(s), x, y))(shards)
+            elif how == "autograd.grad":
+                # Before: None for every shard (or "not used in the graph"), and
+                # the next call's gradients held two micro-batches' sum.
+                leaves = [t.requires_grad_() for ts in shards.values() for t in ts]
+                torch.autograd.grad(local_loss(fsdp(shards), x, y), leaves, allow_unused=True)
             elif how == "compiled":
                 compiled = torch.compile(lambda s: local_loss(fsdp(s), x, y), fullgraph=True)
                 compiled(shards)
@@ -121,6 +126,7 @@ def _refused(rank: int, size: int, how: str) -> str:
     [
         ("grad", "under a torch.func transform"),
         ("fdp.grad", "under a torch.func transform or fdp.grad"),
+        ("autograd.grad", "torch.autograd.grad of the shards inside no_sync()"),
         ("compiled", "while torch.compile traces"),
         ("nested", "already inside no_sync"),
     ],

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fdp import _grad, _mode
+from fdp import _compat, _grad, _mode
 
 
 def hold(
@@ -63,10 +63,19 @@ class _Hold(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.kept, ctx.key, ctx.dtype = inputs[2], inputs[3], inputs[4]
+        ctx.shard, ctx.kept, ctx.key, ctx.dtype = inputs[1], inputs[2], inputs[3], inputs[4]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None, None]:
+        if ctx.shard.is_leaf and _compat.leaf_destination(ctx.shard) == "returned":
+            # torch.autograd.grad would get None (or "not used in the graph") for
+            # the shard, and its next call outside both micro-batches' sum.
+            raise NotImplementedError(
+                "fdp.FullyShardedDataParallel.no_sync: torch.autograd.grad of the shards inside "
+                "no_sync(); no_sync keeps their gradients for the next loss.backward(), so none "
+                "would be returned: call backward(), or accumulate the returned gradients "
+                "yourself outside no_sync"
+            )
         kept = ctx.kept.get(ctx.key)
         if kept is None:  # a copy: the engine may hand the same tensor to another consumer
             ctx.kept[ctx.key] = grad.to(ctx.dtype, copy=True)
