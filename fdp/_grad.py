@@ -160,7 +160,7 @@ def _autograd(
     )
     trees = tuple(_tree.unflatten(spec, [next(grads) for _ in fresh]) for spec, fresh in specs)
     value = loss.detach()
-    if has_aux:  # as torch.func.grad's aux: no longer connected to the arguments
+    if has_aux:  # first order: unlike torch.func.grad's, not connected to outer leaves
         aux = _tree.unflatten(*_detached(_tree.flatten(aux)))
     return (trees if isinstance(argnums, tuple) else trees[0]), ((value, aux) if has_aux else value)
 
