@@ -1,4 +1,4 @@
-"""Trees of shards: each rank's pieces of several leaves in one 1-D tensor (fully sharded).
+"""Trees of shards (each rank's pieces of several leaves) and of each rank's own gradients.
 
 Such a tree looks like any other, yet each rank holds other elements, so a
 call that reads a tree whole, or takes it to be the same on every rank,
@@ -9,15 +9,22 @@ and whole-leaf optimizers refuse shards, ``GradScaler.unscale`` takes every
 rank's answer for their gradients and ``clip_by_global_norm`` their norm
 over every rank's, and ``broadcast_params`` and ``all_reduce_grads`` over
 the shards' own group refuse them.
+
+A step that takes each rank's local gradients (``ZeroRedundancy``)
+registers the structure of its parameters (:func:`register_local`):
+``GradScaler.unscale`` takes every rank's answer for such a tree, since
+one rank may overflow alone and the step is collective.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
+
+from fdp import _tree
 
 
 class Sharded(Protocol):
@@ -69,3 +76,39 @@ def refuse_over_own_group(
 
 def _ranks(group: Any) -> set[int]:
     return set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+class _Local(NamedTuple):
+    spec: Any  # the parameters' optree structure
+    shapes: tuple[torch.Size | None, ...]
+    group: Any
+
+
+_LOCAL: weakref.WeakKeyDictionary[Any, _Local] = weakref.WeakKeyDictionary()
+
+
+def register_local(holder: Any, params: Any, group: Any) -> None:
+    """Makes :func:`local_group` recognise gradients shaped as ``params`` while ``holder`` lives."""
+    flat = _tree.flatten_optree(params)
+    if flat is not None:
+        shapes = tuple(t.shape if isinstance(t, torch.Tensor) else None for t in flat[0])
+        _LOCAL[holder] = _Local(flat[1], shapes, group)
+
+
+def local_group(tree: Any) -> tuple[bool, Any]:
+    """Whether ``tree`` has the structure of a registered step's local gradients, and its group.
+
+    Eagerly only (while dynamo traces, ``(False, None)``): a leaf may be
+    ``None`` where the parameter is a tensor.
+    """
+    flat = _tree.flatten_optree(tree) if _LOCAL else None
+    if flat is None:
+        return False, None
+    leaves, spec = flat
+    for local in list(_LOCAL.values()):
+        if spec == local.spec and all(
+            g is None or (isinstance(g, torch.Tensor) and g.shape == shape)
+            for g, shape in zip(leaves, local.shapes, strict=True)
+        ):
+            return True, local.group
+    return False, None

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed import ProcessGroup
 
-from fdp import _bucket, _mode, _tree
+from fdp import _bucket, _mode, _sharded, _tree
 from fdp._comm import _agreement, _transforms
 from fdp._sharding import _owners, _shards, _zero_comm, _zero_join
 from fdp._sharding._shards import Part, Shards, ZeroState
@@ -101,6 +101,7 @@ class ZeroRedundancy:
         paths = _tree.paths(params, "params")
         _agreement.check_values(tensors, paths, group=group, call=call, arg="params")
         self.optimizer, self.group, self.stage = optimizer, group, stage
+        _sharded.register_local(self, params, group)  # GradScaler.unscale syncs its grads
         self._planned = _tree.Planned(params, owner="this ZeroRedundancy")
         # The structure as flatten() gives it while compiling (None: custom nodes).
         self._traced_spec = _tree.traced_spec(params)

@@ -10,7 +10,7 @@ into a checkpoint with the rest.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -108,15 +108,18 @@ class GradScaler:
             grads: a tree of scaled gradients (and ``None``).
             state: the scaler's state.
             sync: take the answer of every rank of ``group`` (one all-reduce
-                of a flag): needed where one rank may overflow alone. Local
-                gradients, as :meth:`fdp.ZeroRedundancy.step` takes: pass
-                ``True``. By default (``None``) a tree of the gradients of
-                an ``fdp.FullyShardedDataParallel``'s shards (each rank
-                holds other elements) is synced over its group, any other
-                tree not: averaged gradients (DDP) agree already. ``False``:
-                this rank's answer alone.
-            group: the process group of ``sync`` (default: the shards'
-                group, else the world).
+                of a flag): needed where one rank may overflow alone. By
+                default (``None``) the trees that differ across ranks by
+                design are synced over their group: the gradients of an
+                ``fdp.FullyShardedDataParallel``'s shards (each rank holds
+                other elements) and local gradients of the structure of a
+                live ``fdp.ZeroRedundancy``'s parameters (what its ``step``
+                takes; eagerly); any other tree not: averaged gradients
+                (DDP) agree already. ``True``: always (other local
+                gradients; ZeRO's while compiling). ``False``: this
+                rank's answer alone.
+            group: the process group of ``sync`` (default: the shards' or
+                the ZeroRedundancy's, else the world).
 
         Returns:
             The unscaled gradients (new tensors) and ``found_inf``, a 0-d
@@ -131,9 +134,8 @@ class GradScaler:
             finite = torch.stack([torch.isfinite(g).all().to(found.device) for g in present])
             found = (~finite.all()).to(torch.float32)
         if sync is None:  # every rank holds the same format: all sync, or none
-            owner = _sharded.owner(grads, none_ok=True)
-            sync = owner is not None
-            group = owner.group if owner is not None and group is None else group
+            sync, own = _own_group(grads)
+            group = own if group is None else group
         if sync and dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         unscaled = [None if g is None else g * inv.to(g.device) for g in leaves]
@@ -157,3 +159,11 @@ class GradScaler:
         zero = torch.zeros_like(tracker)
         new_tracker = torch.where(found | grow, zero, successful.to(tracker.dtype))
         return {"scale": new_scale, "growth_tracker": new_tracker}
+
+
+def _own_group(grads: Any) -> tuple[bool, Any]:
+    """Whether ``grads`` differ across ranks by design (shards' or ZeRO's local), and over what."""
+    owner = _sharded.owner(grads, none_ok=True)
+    if owner is not None:
+        return True, owner.group
+    return _sharded.local_group(grads)
