@@ -78,16 +78,24 @@ def _ranks(group: Any) -> set[int]:
     return set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 
+class LocalSteps(Protocol):
+    """A step that takes each rank's local gradients and runs collectives every call."""
+
+    def _in_lockstep(self) -> bool:
+        """Whether every rank calls the step now (not inside a join, where some left)."""
+        ...
+
+
 class _Local(NamedTuple):
     spec: Any  # the parameters' optree structure
     shapes: tuple[torch.Size | None, ...]
     group: Any
 
 
-_LOCAL: weakref.WeakKeyDictionary[Any, _Local] = weakref.WeakKeyDictionary()
+_LOCAL: weakref.WeakKeyDictionary[LocalSteps, _Local] = weakref.WeakKeyDictionary()
 
 
-def register_local(holder: Any, params: Any, group: Any) -> None:
+def register_local(holder: LocalSteps, params: Any, group: Any) -> None:
     """Makes :func:`local_group` recognise gradients shaped as ``params`` while ``holder`` lives."""
     flat = _tree.flatten_optree(params)
     if flat is not None:
@@ -99,16 +107,21 @@ def local_group(tree: Any) -> tuple[bool, Any]:
     """Whether ``tree`` has the structure of a registered step's local gradients, and its group.
 
     Eagerly only (while dynamo traces, ``(False, None)``): a leaf may be
-    ``None`` where the parameter is a tensor.
+    ``None`` where the parameter is a tensor. Not inside the step's join: a
+    rank that left would not join the sync.
     """
     flat = _tree.flatten_optree(tree) if _LOCAL else None
     if flat is None:
         return False, None
     leaves, spec = flat
-    for local in list(_LOCAL.values()):
-        if spec == local.spec and all(
-            g is None or (isinstance(g, torch.Tensor) and g.shape == shape)
-            for g, shape in zip(leaves, local.shapes, strict=True)
+    for holder, local in list(_LOCAL.items()):
+        if (
+            spec == local.spec
+            and holder._in_lockstep()
+            and all(
+                g is None or (isinstance(g, torch.Tensor) and g.shape == shape)
+                for g, shape in zip(leaves, local.shapes, strict=True)
+            )
         ):
             return True, local.group
     return False, None

@@ -589,20 +589,27 @@ def _uneven_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return shard(x, rank), shard(y, rank)
 
 
-def _joined_steps(rank: int, size: int) -> Any:
+def _joined_steps(rank: int, size: int, scaled: bool) -> Any:
     params = _plain(mlp_params())
     zero = fdp.ZeroRedundancy(fdp.optim.adamw(0.05), params)
     state = zero.init(params)
+    # A power of two: scaling and unscaling are exact, so results are unscaled ones.
+    scaler = fdp.optim.GradScaler(init_scale=1024.0)
+    scale = scaler.init()
     with zero.join(params, state) as joined:
         for step in range(UNEVEN[rank]):
             batch_now = _uneven_batch(step, rank)
             grads = torch.func.grad(lambda p, b=batch_now: _mlp_loss(_as_mlp(p), *b))(params)
+            if scaled:  # unscale's default sync stays local in join: ranks that left skip it
+                grads, found = scaler.unscale(scaler.scale(grads, scale), scale)
+                assert not found
             params, state = zero.step(grads, state, params)
     # Every rank, also those that left early, holds the last step's parameters.
     return joined.params
 
 
-def test_join_steps_ranks_with_different_numbers_of_batches() -> None:
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad_scaler"])
+def test_join_steps_ranks_with_different_numbers_of_batches(scaled: bool) -> None:
     # Before, the rank with more batches blocked, then got gloo's bare timeout.
     params = _plain(mlp_params())
     opt = fdp.optim.adamw(0.05)
@@ -617,7 +624,7 @@ def test_join_steps_ranks_with_different_numbers_of_batches() -> None:
             return torch.stack(per_rank).sum() / len(UNEVEN)  # the initial world size
 
         params, state = opt.update(torch.func.grad(total)(params), state, params)
-    for got in ranks.world(len(UNEVEN)).run(_joined_steps):
+    for got in ranks.world(len(UNEVEN)).run(_joined_steps, scaled):
         for g, e in zip(tensor_leaves(got), tensor_leaves(params), strict=True):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 

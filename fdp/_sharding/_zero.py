@@ -116,6 +116,9 @@ class ZeroRedundancy:
         self._pool = _zero_comm.Pool()
         self._joined: _zero_join.Joined | None = None
 
+    def _in_lockstep(self) -> bool:
+        return self._joined is None  # inside join(), ranks that left mirror step() only
+
     def __repr__(self) -> str:
         s = self.shards
         return (

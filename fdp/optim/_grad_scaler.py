@@ -114,7 +114,7 @@ class GradScaler:
                 ``fdp.FullyShardedDataParallel``'s shards (each rank holds
                 other elements) and local gradients of the structure of a
                 live ``fdp.ZeroRedundancy``'s parameters (what its ``step``
-                takes; eagerly); any other tree not: averaged gradients
+                takes; eagerly, outside its ``join``); any other tree not: averaged gradients
                 (DDP) agree already. ``True``: always (other local
                 gradients; ZeRO's while compiling). ``False``: this
                 rank's answer alone.
