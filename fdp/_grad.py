@@ -118,6 +118,8 @@ def _eager_first_order(args: tuple[Any, ...], argnums: int | tuple[int, ...]) ->
     """
     if _mode.traced() or _mode.transform_running() or _compat.dual_level_active():
         return False
+    if call_depth():  # inside another fdp.grad's function: a derivative through this one
+        return False
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
     if any(not -len(args) <= n < len(args) for n in nums) or len(set(nums)) < len(nums):
         return False
@@ -147,7 +149,8 @@ def _autograd(
         specs.append((spec, fresh))
         call[n] = _tree.unflatten(spec, fresh)
     with torch.enable_grad(), returning_unused(inputs) as reduced:
-        loss, aux = _split(func(*call, **kwargs), has_aux)
+        with calling():
+            loss, aux = _split(func(*call, **kwargs), has_aux)
         found: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
         if loss.requires_grad:
             with _differentiating():
@@ -186,6 +189,29 @@ def _split(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
             f"{_tree.describe(out)}"
         )
     return out, aux
+
+
+# How many fdp.grad calls of this thread run their function now. An fdp.grad
+# called inside one is differentiated by it (a gradient penalty, a nested
+# derivative): it must be torch.func.grad, whose result carries that
+# derivative, as it is inside a transform (the first-order path gave zeros).
+_CALLING = threading.local()
+
+
+def call_depth() -> int:
+    """How many :func:`grad` calls of this thread are running their function now."""
+    depth: int = getattr(_CALLING, "depth", 0)
+    return depth
+
+
+@contextmanager
+def calling(depth: int = 1) -> Iterator[None]:
+    """Counts ``depth`` more running :func:`grad` functions on this thread (replica threads too)."""
+    _CALLING.depth = call_depth() + depth
+    try:
+        yield
+    finally:
+        _CALLING.depth -= depth
 
 
 # While fdp.grad's torch.autograd.grad runs: id(leaf) -> [its reduced gradient].

@@ -24,7 +24,7 @@ from typing import Any, NoReturn, TypeVar
 
 import torch
 
-from fdp import _caches, _compat, _mode, _replica, _tree, _workers
+from fdp import _caches, _compat, _grad, _mode, _replica, _tree, _workers
 from fdp._device import DeviceLike, all_cpu, as_device
 
 __all__ = ["parallel_apply"]
@@ -70,10 +70,11 @@ class _State:
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.streams = {d: torch.cuda.current_stream(d) for d in set(devices) if d.type == "cuda"}
         self.default_devices = _compat.default_device_modes() or []
+        self.grad_depth = _grad.call_depth()  # an fdp.grad's function calls the replicas
         # A new thread starts with grad on, inference mode off, no autocast,
         # no default device.
         changed = not self.grad or self.inference or bool(self.autocast)
-        self.carry = changed or bool(self.default_devices)
+        self.carry = changed or bool(self.default_devices) or bool(self.grad_depth)
         self.uncarried = _compat.uncarried_thread_state(carried=changed)
 
     def needed(self, device: torch.device, *, on_caller: bool) -> bool:
@@ -83,6 +84,8 @@ class _State:
         if not on_caller:
             for default in self.default_devices:
                 stack.enter_context(torch.device(default))
+            if self.grad_depth:
+                stack.enter_context(_grad.calling(self.grad_depth))
             if self.inference:
                 stack.enter_context(torch.inference_mode())
             if not self.grad:

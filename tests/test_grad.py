@@ -77,7 +77,7 @@ def inner_loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (torch.tanh(x @ w) ** 2).sum()
 
 
-@pytest.mark.parametrize("where", ["vmap", "jvp", "grad", "jacrev", "vmap_grad"])
+@pytest.mark.parametrize("where", ["vmap", "jvp", "grad", "jacrev", "vmap_grad", "itself"])
 def test_inside_a_transform_it_is_torch_func_grad(where: str) -> None:
     g = torch.Generator().manual_seed(1)
     w, xs, t = torch.randn(3, 2, generator=g), torch.randn(4, 5, 3, generator=g), torch.ones(3, 2)
@@ -92,6 +92,8 @@ def test_inside_a_transform_it_is_torch_func_grad(where: str) -> None:
             return torch.func.grad(lambda v: per(v, xs[0]).sum())(w)
         if where == "jacrev":
             return torch.func.jacrev(lambda v: per(v, xs[0]))(w)
+        if where == "itself":  # a gradient penalty: fdp.grad of fdp.grad gave zeros before
+            return grad(lambda v: per(v, xs[0]).square().sum())(w)
         return torch.func.vmap(torch.func.grad(lambda v, x: per(v, x).sum()), (None, 0))(w, xs)
 
     tree_allclose(run(fdp.grad), run(torch.func.grad), rtol=0, atol=0)
