@@ -194,3 +194,31 @@ def test_fully_sharded_gradients_overflowing_on_one_rank_skip_the_step_on_every_
     # sync=False: each rank's own answer, as asked (only rank 1 held the inf).
     local = world.run(_fully_sharded_scaling, False)
     assert [founds[1] for _, founds, _ in local] == [0.0, 1.0]
+
+
+def _fully_sharded_torch_scaling(rank: int, size: int) -> Any:
+    """docs/fsdp.md's loop with torch's optimizer and ShardedGradScaler on the shards' .grad."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    fsdp = fdp.FullyShardedDataParallel(_shard_start())
+    shards = fsdp.shard(_shard_start())
+    leaves = [t.requires_grad_() for ts in shards.values() for t in ts]
+    opt = torch.optim.SGD(leaves, lr=0.1, momentum=0.9)
+    scaler = ShardedGradScaler("cpu", **HYPER)
+    scales = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        torch.autograd.backward(scaler.scale(_shard_loss(fsdp(shards), _shard_data(step, rank))))
+        scaler.step(opt)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+    return fsdp.full(shards), scales
+
+
+def test_torchs_sharded_grad_scaler_on_fully_sharded_shards_steps_as_one_process() -> None:
+    # torch.amp.GradScaler takes each rank's own answer there (the ranks train
+    # apart); docs/fsdp.md names torch's ShardedGradScaler, checked here.
+    expected, expected_scales = _torch_sharded_reference(2)
+    for full, scales in ranks.world(2).run(_fully_sharded_torch_scaling):
+        tree_allclose(full, expected)
+        assert scales == expected_scales
