@@ -82,11 +82,18 @@ def outer_step(
     return anchor - OUTER_LR * (delta + OUTER_MOMENTUM * buf), buf
 
 
+def skipped(kind: str, step: int, worker: int) -> bool:
+    """Whether this worker skips the step ("skip": worker 1's step 1, a loss scaler's inf)."""
+    return kind == "skip" and worker == 1 and step == 1
+
+
 def _train(rank: int, size: int, name: str, kind: str) -> dict[str, Any]:
     params, alg = init_params(), algorithm(name)
     state = alg.init(params)
     for step in range(STEPS):
         grads = grads_of(kind, params, *batch(step, rank))
+        if skipped(kind, step, rank):  # still an update, with None gradients (docs)
+            grads = torch.utils._pytree.tree_map(lambda g: None, grads)
         params, state = alg.update(grads, state, params)
     return {"params": params, "anchor": state["anchor"], "count": int(state["count"])}
 
@@ -101,6 +108,8 @@ def simulate(name: str, kind: str, workers: int) -> list[dict[str, Any]]:
     bufs: list[torch.Tensor | None] = [None] * len(leaves)
     for step in range(STEPS):
         for w in range(workers):
+            if skipped(kind, step, w):  # the worker's parameters and inner state stay
+                continue
             g = grads_of(kind, params[w], *batch(step, w))
             params[w], inner[w] = opt.update(g, inner[w], params[w])
         if (step + 1) % SYNC_EVERY == 0:
@@ -129,7 +138,13 @@ def _mean_delta(name: str, anchor: torch.Tensor, ps: list[torch.Tensor]) -> torc
 
 @pytest.mark.parametrize(
     ("name", "kind"),
-    [("diloco", "grad"), ("local_sgd", "grad"), ("diloco_bf16", "grad"), ("diloco", "vmap")],
+    [
+        ("diloco", "grad"),
+        ("local_sgd", "grad"),
+        ("diloco_bf16", "grad"),
+        ("diloco", "vmap"),
+        ("diloco", "skip"),
+    ],
 )
 def test_workers_equal_the_one_process_simulation(name: str, kind: str) -> None:
     got = ranks.world(2).run(_train, name, kind)
