@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,6 @@ from fdp._sharding._shards import ZeroState
 from fdp.optim import _param_groups, _whole
 
 T = TypeVar("T")
-_G = TypeVar("_G", bound=Mapping[str, tuple[torch.Tensor | None, ...]])  # shards' gradients
 
 
 class FullyShardedDataParallel:
@@ -192,10 +191,7 @@ class FullyShardedDataParallel:
         self._released: list[_fsdp_module.Released] = []  # modules whose copy wrap() freed
 
     def holds_shards(self, tree: Any, *, none_ok: bool = False) -> bool:
-        """Whether ``tree`` has the format of this instance's shards (``shard``'s result).
-
-        ``none_ok``: ``None`` may stand for a shard, as in a tree of gradients.
-        """
+        """Whether ``tree`` has ``shard``'s format (``none_ok``: a ``None`` may be a shard)."""
         return _fsdp_optim.holds_shards(self.units, tree, none_ok=none_ok)
 
     def __repr__(self) -> str:
@@ -394,11 +390,11 @@ class FullyShardedDataParallel:
 
     def clip_grad_norm(
         self,
-        grads: _G,
+        grads: _fsdp_clip.G,
         max_norm: float | torch.Tensor,
         *,
         norm_type: float = 2.0,
-    ) -> tuple[_G, torch.Tensor]:
+    ) -> tuple[_fsdp_clip.G, torch.Tensor]:
         """The shards' gradients scaled so that their global p-norm is at most ``max_norm``.
 
         The norm is over every rank's shards (one all-reduce of one number),
@@ -411,11 +407,7 @@ class FullyShardedDataParallel:
         ``None``. ``fdp.optim.clip_by_global_norm`` of such a tree calls this.
         """
         call = "fdp.FullyShardedDataParallel.clip_grad_norm"
-        _fsdp_plan.check_shards(call, self.units, grads, none_ok=True)
-        clipped, norm = _fsdp_clip.clip_grad_norm(
-            call, self.units, self.group, grads, max_norm, norm_type
-        )
-        return cast(_G, clipped), norm
+        return _fsdp_clip.clip_grad_norm(call, self.units, self.group, grads, max_norm, norm_type)
 
     def to_checkpoint(self, value: Any) -> Any:
         """``value`` (the shards, or an ``fdp.optim`` state over them) for ``fdp.save_checkpoint``.

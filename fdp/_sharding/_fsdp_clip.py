@@ -3,29 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
 from fdp import _mode
 from fdp._comm import _differentiable, _raw
+from fdp._sharding import _fsdp_plan
 from fdp.optim import _clip
+
+G = TypeVar("G", bound=Mapping[str, tuple[torch.Tensor | None, ...]])  # shards' gradients
 
 
 def clip_grad_norm(
     call: str,
     units: Sequence[Any],
     group: Any,
-    grads: Mapping[str, tuple[torch.Tensor | None, ...]],
+    grads: G,
     max_norm: float | torch.Tensor,
     norm_type: float,
-) -> tuple[dict[str, tuple[torch.Tensor | None, ...]], torch.Tensor]:
-    """``grads`` (checked shards' gradients) clipped to ``max_norm``, and their norm before.
+) -> tuple[G, torch.Tensor]:
+    """``grads`` (the shards' gradients, checked here) clipped to ``max_norm``; their norm before.
 
     Each rank's shards hold disjoint elements (a tied tensor is sharded
     once), so the p-th powers of the local norms sum over ranks to the
     unsharded tree's: one all-reduce of one number.
     """
+    _fsdp_plan.check_shards(call, units, grads, none_ok=True)
     p = _clip.check_norm_type(call, norm_type)
     if p != 2.0 and any(any(b.complex_) for u in units for b in u.buckets):
         raise NotImplementedError(
@@ -57,4 +61,4 @@ def clip_grad_norm(
         k: tuple(None if t is None else t * scale.to(t.dtype) for t in ts)
         for k, ts in grads.items()
     }
-    return clipped, total
+    return cast(G, clipped), total
