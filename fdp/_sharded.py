@@ -18,13 +18,17 @@ one rank may overflow alone and the step is collective.
 
 from __future__ import annotations
 
+import threading
 import weakref
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from fdp import _tree
+from fdp import _mode, _tree
+
+T = TypeVar("T")
 
 
 class Sharded(Protocol):
@@ -40,16 +44,32 @@ class Sharded(Protocol):
 
 
 _OWNERS: weakref.WeakSet[Sharded] = weakref.WeakSet()
+# A holder made in one thread while another asks: weak containers are not
+# safe to change while another thread iterates them. (Dynamo cannot enter a
+# lock, and a trace is read on one thread: there the containers are read as
+# they are.)
+_LOCK = threading.Lock()
+
+
+def _snapshot_traced(items: Callable[[], list[T]]) -> list[T]:
+    return items()
+
+
+@_mode.traced_as(_snapshot_traced)
+def _snapshot(items: Callable[[], list[T]]) -> list[T]:
+    with _LOCK:
+        return items()
 
 
 def register(holder: Sharded) -> None:
     """Makes :func:`owner` recognise ``holder``'s shards (and their gradients)."""
-    _OWNERS.add(holder)
+    with _LOCK:
+        _OWNERS.add(holder)
 
 
 def owner(tree: Any, *, none_ok: bool = False) -> Sharded | None:
     """The registered holder whose shards' format ``tree`` has, if any (``none_ok``: gradients)."""
-    for holder in list(_OWNERS):
+    for holder in _snapshot(lambda: list(_OWNERS)):
         if holder.holds_shards(tree, none_ok=none_ok):
             return holder
     return None
@@ -100,7 +120,8 @@ def register_local(holder: LocalSteps, params: Any, group: Any) -> None:
     flat = _tree.flatten_optree(params)
     if flat is not None:
         shapes = tuple(t.shape if isinstance(t, torch.Tensor) else None for t in flat[0])
-        _LOCAL[holder] = _Local(flat[1], shapes, group)
+        with _LOCK:
+            _LOCAL[holder] = _Local(flat[1], shapes, group)
 
 
 def local_group(tree: Any) -> tuple[bool, Any]:
@@ -114,7 +135,7 @@ def local_group(tree: Any) -> tuple[bool, Any]:
     if flat is None:
         return False, None
     leaves, spec = flat
-    for holder, local in list(_LOCAL.items()):
+    for holder, local in _snapshot(lambda: list(_LOCAL.items())):
         if (
             spec == local.spec
             and holder._in_lockstep()
