@@ -107,21 +107,17 @@ class LocalSteps(Protocol):
 
 
 class _Local(NamedTuple):
-    spec: Any  # the parameters' optree structure
-    shapes: tuple[torch.Size | None, ...]
+    planned: _tree.Planned  # the parameters the step was planned for
     group: Any
 
 
 _LOCAL: weakref.WeakKeyDictionary[LocalSteps, _Local] = weakref.WeakKeyDictionary()
 
 
-def register_local(holder: LocalSteps, params: Any, group: Any) -> None:
-    """Makes :func:`local_group` recognise gradients shaped as ``params`` while ``holder`` lives."""
-    flat = _tree.flatten_optree(params)
-    if flat is not None:
-        shapes = tuple(t.shape if isinstance(t, torch.Tensor) else None for t in flat[0])
-        with _LOCK:
-            _LOCAL[holder] = _Local(flat[1], shapes, group)
+def register_local(holder: LocalSteps, planned: _tree.Planned, group: Any) -> None:
+    """Makes :func:`local_group` know gradients of ``planned``'s tree while ``holder`` lives."""
+    with _LOCK:
+        _LOCAL[holder] = _Local(planned, group)
 
 
 def local_group(tree: Any) -> tuple[bool, Any]:
@@ -137,11 +133,11 @@ def local_group(tree: Any) -> tuple[bool, Any]:
     leaves, spec = flat
     for holder, local in _snapshot(lambda: list(_LOCAL.items())):
         if (
-            spec == local.spec
+            spec == local.planned.spec
             and holder._in_lockstep()
-            and all(
-                g is None or (isinstance(g, torch.Tensor) and g.shape == shape)
-                for g, shape in zip(leaves, local.shapes, strict=True)
+            and all(  # a parameter's kind: ("tensor", shape, dtype, device)
+                g is None or (isinstance(g, torch.Tensor) and kind[:2] == ("tensor", g.shape))
+                for g, kind in zip(leaves, local.planned.kinds, strict=True)
             )
         ):
             return True, local.group

@@ -101,8 +101,8 @@ class ZeroRedundancy:
         paths = _tree.paths(params, "params")
         _agreement.check_values(tensors, paths, group=group, call=call, arg="params")
         self.optimizer, self.group, self.stage = optimizer, group, stage
-        _sharded.register_local(self, params, group)  # GradScaler.unscale syncs its grads
         self._planned = _tree.Planned(params, owner="this ZeroRedundancy")
+        _sharded.register_local(self, self._planned, group)  # GradScaler.unscale syncs
         # The structure as flatten() gives it while compiling (None: custom nodes).
         self._traced_spec = _tree.traced_spec(params)
         self._trained = [i for i, t in enumerate(trained) if t is not None]
