@@ -35,6 +35,7 @@ from fdp._sharding._checkpoint import load_checkpoint as load_checkpoint
 from fdp._sharding._checkpoint import save_checkpoint as save_checkpoint
 from fdp._sharding._fsdp import FullyShardedDataParallel as FullyShardedDataParallel
 from fdp._sharding._latest import latest_checkpoint as latest_checkpoint
+from fdp._sharding._per_rank import PerRank as PerRank
 from fdp._sharding._shards import ZeroState as ZeroState
 from fdp._sharding._zero import ZeroRedundancy as ZeroRedundancy
 from fdp._version import __version__ as __version__
@@ -47,6 +48,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "GradBucket",
     "LocalSGD",
+    "PerRank",
     "ZeroRedundancy",
     "ZeroState",
     "all_gather",

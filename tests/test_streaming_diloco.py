@@ -13,6 +13,7 @@ local + (1 - alpha) * anchor``.
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -56,23 +57,40 @@ def algorithm(opts: dict[str, Any], *, local_sgd: bool = False) -> fdp.DiLoCo:
 
 
 def _train(
-    rank: int, size: int, case: str, local_sgd: bool, resume_at: int | None, compiled: bool = False
+    rank: int,
+    size: int,
+    case: str,
+    local_sgd: bool,
+    resume_at: int | None,
+    compiled: bool = False,
+    path: str | None = None,
 ) -> dict[str, Any]:
     params, alg = init_params(), algorithm(options(case), local_sgd=local_sgd)
     state = alg.init(params)
     grads_fn = torch.compile(grads_of, fullgraph=True) if compiled else grads_of
     for step in range(STEPS):
         if step == resume_at:  # a saved state, a new object: the reduction in flight redone
-            buffer = io.BytesIO()
-            torch.save({"params": params, "state": state}, buffer)
-            buffer.seek(0)
-            saved = torch.load(buffer, weights_only=False)
-            params, state = saved["params"], saved["state"]
             alg = algorithm(options(case), local_sgd=local_sgd)
+            params, state = _reloaded(path, params, state, alg)
         grads = grads_fn("grad", params, *batch(step, rank))
         params, state = alg.update(grads, state, params)
     busy = sum(slot["started"] >= 0 for slot in state["in_flight"])
     return {"params": params, "anchor": state["anchor"], "in_flight": busy}
+
+
+def _reloaded(path: str | None, params: Any, state: Any, alg: fdp.DiLoCo) -> tuple[Any, Any]:
+    """This worker's params and state through torch.save, or fdp's checkpoint (``path``)."""
+    if path is None:
+        buffer = io.BytesIO()
+        torch.save({"params": params, "state": state}, buffer)
+        buffer.seek(0)
+        saved = torch.load(buffer, weights_only=False)
+        return saved["params"], saved["state"]
+    fdp.save_checkpoint(path, {"worker": fdp.PerRank({"params": params, "state": state})})
+    fresh = init_params()
+    like = {"worker": fdp.PerRank({"params": fresh, "state": alg.init(fresh)})}
+    worker = fdp.load_checkpoint(path, like)["worker"].value
+    return worker["params"], worker["state"]
 
 
 def _rounded(x: torch.Tensor, wire: torch.dtype | None) -> torch.Tensor:
@@ -234,10 +252,17 @@ def test_three_workers_int8_and_local_sgd() -> None:
     check(got, simulate("int8", 3, local_sgd=True), 1e-6)
 
 
-@pytest.mark.parametrize("case", ["overlap", "int8", "overlap2_labels"])
-def test_a_state_saved_with_a_reduction_in_flight_resumes(case: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "via"),
+    [("overlap", "torch.save"), ("int8", "torch.save"), ("overlap2_labels", "torch.save"),
+     ("overlap", "fdp.PerRank"), ("int8", "fdp.PerRank")],
+)  # fmt: skip
+def test_a_state_saved_with_a_reduction_in_flight_resumes(
+    tmp_path: Path, case: str, via: str
+) -> None:
     """Saved after step 6 sent fragment 1 (it lands at 7 or 8): a new object redoes it."""
-    got = ranks.world(2).run(_train, case, False, 6)
+    path = None if via == "torch.save" else str(tmp_path / "c")
+    got = ranks.world(2).run(_train, case, False, 6, False, path)
     check(got, simulate(case, 2, local_sgd=False), 1e-6)
 
 

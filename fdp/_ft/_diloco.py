@@ -303,8 +303,13 @@ class DiLoCo:
         else:  # a saved state resumed, a quorum changed: the same reduction again, on every worker
             call = f"fdp.{type(self).__name__}.update"
             training = self._joined is None or not self._joined.mirroring
+            # A loaded state's deltas may have come back on the CPU (fdp.load_checkpoint
+            # of a fresh state, whose slot held None): the anchor's devices.
+            anchor, _ = _tree.flatten(state["anchor"])
+            index = _indices(state, i, len(anchor))
+            deltas = [d.to(anchor[k].device) for d, k in zip(slot["delta"], index, strict=True)]
             exchange = _exchange.start(
-                slot["delta"],
+                deltas,
                 started,
                 wire=self.sync_dtype,
                 group=self.group,

@@ -39,6 +39,7 @@ from fdp._sharding import (
     _checkpoint_match,
     _checkpoint_optim,
     _checkpoint_verify,
+    _per_rank,
 )
 from fdp._sharding._checkpoint_leaves import ZeroLeaf
 from fdp._sharding._shards import ZeroState
@@ -88,7 +89,8 @@ def save_checkpoint(
     """
     call = "fdp.save_checkpoint"
     try:  # local work: where it fails on some ranks only, every rank raises (not a hang)
-        state = _checkpoint_optim.for_save(state)
+        expanded = _per_rank.expand(call, "state", state, rank=_rank(group), world=_world(group))
+        state = _checkpoint_optim.for_save(expanded.tree)
         with _quietly():
             _, leaves = _checkpoint_leaves.leaves_of(call, "state", state, fresh=False)
     except (ValueError, TypeError) as e:
@@ -98,7 +100,7 @@ def save_checkpoint(
     entries = {k: v for leaf in leaves for k, v in leaf.entries.items()}
     if _distributed():
         _checkpoint_files.require_one_path(call, path, group)
-        once = {k: v for leaf in leaves for k, v in leaf.once().items()}
+        once = {k: v for leaf in leaves for k, v in leaf.once().items() if not expanded.ranked(k)}
         _checkpoint_verify.check(call, once, group)
     if rng:
         entries[_RNG + str(_rank(group))] = _rng_state()
@@ -197,7 +199,7 @@ def load_checkpoint(
     """
     call = "fdp.load_checkpoint"
     try:  # local work: where it fails on some ranks only, every rank raises (not a hang)
-        plan = _Load(call, path, like, strict=strict)
+        plan = _Load(call, path, like, strict=strict, rank=_rank(group), world=_world(group))
     except (ValueError, TypeError, OSError) as e:
         _together(call, e, group)
         raise
@@ -225,22 +227,35 @@ def load_checkpoint(
     results = [leaf.result(entries) for leaf in leaves]
     for later, first in _ties(plan.like).items():
         results[later] = results[first]
-    out: Any = plan.finish(optree.tree_unflatten(spec, results))
+    out: Any = plan.expanded.restore(plan.finish(optree.tree_unflatten(spec, results)))
     return out  # type: ignore[no-any-return]
 
 
 class _Load:
     """A load's local work before DCP's: the entries to read, checked against the metadata."""
 
-    def __init__(self, call: str, path: str | os.PathLike[str], like: Any, *, strict: bool) -> None:
+    def __init__(
+        self,
+        call: str,
+        path: str | os.PathLike[str],
+        like: Any,
+        *,
+        strict: bool,
+        rank: int,
+        world: int,
+    ) -> None:
         self.metadata = metadata = _metadata(call, path)
-        self.like, self.finish = _checkpoint_optim.for_load(like, metadata)
+        self.expanded = _per_rank.expand(call, "like", like, rank=rank, world=world)
+        others = self.expanded.others(call, metadata)
+        self.like, self.finish = _checkpoint_optim.for_load(self.expanded.tree, metadata)
         with _quietly():
             self.spec, leaves = _checkpoint_leaves.leaves_of(call, "like", self.like, fresh=True)
         self.leaves = leaves
         self.entries = entries = {k: v for leaf in leaves for k, v in leaf.entries.items()}
         if strict:
-            covered = set(entries).union(*(z.covers for z in leaves if isinstance(z, ZeroLeaf)))
+            covered = set(entries).union(
+                others, *(z.covers for z in leaves if isinstance(z, ZeroLeaf))
+            )
             _checkpoint_match.check_unread(call, os.fspath(path), covered, metadata)
         self.zeros = [leaf for leaf in leaves if isinstance(leaf, ZeroLeaf)]
         for zero in self.zeros:

@@ -42,8 +42,14 @@ def match(
     to run after the load.
     """
     after = []
-    for key in [k for k, v in entries.items() if v is None and k not in metadata]:
-        del entries[key]  # a None leaf: nothing to read (a ZeroState saves none)
+    for key in [k for k, v in entries.items() if v is None]:
+        saved = metadata.get(key)
+        if saved is None:
+            del entries[key]  # a None leaf: nothing to read (a ZeroState saves none)
+        elif isinstance(saved, _tensor_metadata()):
+            # None gives no shape: the checkpoint's, in a new CPU tensor (a DiLoCo
+            # state's reduction in flight, where a fresh state's slot is None).
+            entries[key] = torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
     for key, value in list(entries.items()):
         saved = metadata.get(key)
         if not (isinstance(value, torch.Tensor) and isinstance(saved, _tensor_metadata())):

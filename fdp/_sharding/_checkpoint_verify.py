@@ -3,7 +3,8 @@
 ``fdp.save_checkpoint`` writes an entry every rank holds under the same key
 once, from the group's rank 0. Where ranks hold other values under that key
 (fully sharded shards saved directly, parameters of ranks that trained
-apart, a per-rank counter), the others' values would be lost without a word,
+apart, a per-rank counter), the others' values would be lost without a word
+(what is each rank's own by design is marked ``fdp.PerRank`` and skipped here),
 so every such entry is checksummed (its bits, :func:`fdp._comm._agreement.
 tensor_fingerprint`; a Python value's pickle) and compared in one all-reduce
 for all of them, and a difference is refused on every rank with what the
@@ -30,7 +31,8 @@ _SHARDS = (
 )
 _APART = (
     "parameters that trained apart: compute the loss from ddp(params), not params, and step "
-    "every rank's optimizer alike"
+    "every rank's optimizer alike; or values each rank holds its own of by design (DiLoCo or "
+    "LocalSGD workers' parameters and inner states): wrap them in fdp.PerRank"
 )
 _BUFFERS = (
     "buffers that drift between broadcasts (BatchNorm statistics in a plain tree): "
@@ -38,8 +40,8 @@ _BUFFERS = (
 )
 _PER_RANK = (
     "a per-rank value (a position, a seed): save what every rank agrees on (a global "
-    "sample position, docs/checkpoints.md); each rank's random number generators are saved "
-    "for you"
+    "sample position, docs/checkpoints.md), or wrap it in fdp.PerRank (each rank's own, "
+    "loaded at the same world size); each rank's random number generators are saved for you"
 )
 _SHOWN = 5
 
