@@ -126,6 +126,117 @@ def test_buffers_inside_join_come_from_where_torchs_do() -> None:
         assert fdp_seen == [1.0 if m == 0 else rank for _ in range(BATCHES[rank]) for m in (0, 1)]
 
 
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _averaged_later(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """A user's hook whose division runs in the future's callback (fdp runs such hooks serially)."""
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    world = dist.get_world_size()
+    done: torch.futures.Future[torch.Tensor] = work.get_future().then(
+        lambda f: f.value()[0].div_(world)
+    )
+    return done
+
+
+# torch's register_comm_hook compares the annotations with the types (postponed: strings).
+_averaged_later.__annotations__.update(
+    {"bucket": getattr(dist, "GradBucket"), "return": torch.futures.Future[torch.Tensor]}  # noqa: B009
+)
+
+
+def _comm_hook(name: str) -> tuple[Any, Any]:
+    """A fresh (state, hook) of torch's own, run unmodified by both DDPs."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+
+    if name == "powersgd":  # stateful; compresses from its second step, with error feedback
+        state = powerSGD.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        return state, powerSGD.powerSGD_hook
+    hooks = {
+        "allreduce": default_hooks.allreduce_hook,
+        "fp16": default_hooks.fp16_compress_hook,
+        "callback": _averaged_later,
+    }
+    return None, hooks[name]
+
+
+def _join_hooked(rank: int, size: int, name: str, plain: bool) -> list[torch.Tensor]:
+    """torch's DDP with the hook inside Join, then fdp's: each rank's parameters after.
+
+    ``plain``: fdp's DDP made from tensors that need no grad (a functional
+    loop's), while the calls' tensors need it.
+    """
+    xs = [
+        torch.randn(4, 6, generator=torch.Generator().manual_seed(9 * rank + i)) for i in range(8)
+    ]
+    out = []
+    for side in ("torch", "fdp"):
+        net = _net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        if side == "torch":
+            model: Any = torch.nn.parallel.DistributedDataParallel(net)
+            model.register_comm_hook(*_comm_hook(name))
+            joined: Any = Join([model])
+        else:
+            model, joined, _made = _fdp_hooked(net, name, plain)
+        with joined:
+            for x in xs[: BATCHES[rank]]:
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        out.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+    return out
+
+
+def _fdp_hooked(net: torch.nn.Module, name: str, plain: bool) -> tuple[Any, Any, Any]:
+    """fdp's DDP of ``net`` with the hook: the model, its join block, the construction tree.
+
+    The tree is held: a rank that never calls ddp(params) (rank 2) ends the
+    block with its final synchronisation (``plain``'s shares the storage).
+    """
+    fn, state = fdp.make_functional(net)
+    made = {k: v.detach() for k, v in state.items()} if plain else state
+    ddp = fdp.DistributedDataParallel(made)
+    ddp.register_comm_hook(*_comm_hook(name))
+    return (lambda x: fn(ddp(state), x)), ddp.join(), made
+
+
+@pytest.mark.parametrize(
+    ("name", "plain"),
+    [("allreduce", False), ("allreduce", True), ("fp16", False), ("powersgd", False),
+     ("callback", True)],
+)  # fmt: skip
+def test_a_comm_hook_inside_join_trains_as_torchs_join(name: str, plain: bool) -> None:
+    # Before, join refused every hook but the default's own, and with that one
+    # hung where the DDP was made from tensors that need no grad: the ranks
+    # that left counted the leaves requiring grad at construction (none).
+    for torch_params, fdp_params in ranks.world(3).run(_join_hooked, name, plain):
+        torch.testing.assert_close(fdp_params, torch_params, rtol=0, atol=0)
+
+
+def _hook_dividing_by_training_ranks(rank: int, size: int) -> str:
+    ddp = fdp.DistributedDataParallel(mlp_params(depth=2))
+    ddp.register_comm_hook(None, fdp.allreduce_hook)
+    try:
+        with ddp.join(divide_by_initial_world_size=False):
+            pass
+    except ValueError as e:
+        return str(e)
+    return "entered"
+
+
+def test_dividing_by_the_ranks_training_under_a_comm_hook_is_refused() -> None:
+    # torch's DDP ignores divide_by_initial_world_size under a hook, which divides itself.
+    for message in ranks.world(3).run(_hook_dividing_by_training_ranks):
+        assert message.startswith(
+            "fdp.DistributedDataParallel.join: `divide_by_initial_world_size` expected True "
+            "with a comm hook"
+        )
+
+
 def twice(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``w`` used in two reentrant checkpoints: its second gradient misses its bucket."""
 

@@ -418,7 +418,14 @@ def _sparse_hooked(rank: int, size: int, how: str, hook: str) -> Any:
     }[hook]
     ddp = fdp.DistributedDataParallel(params, comm_hook=comm_hook, **TINY)
     SEEN.clear()
-    torch.autograd.backward(sparse_loss(ddp(params), rank, 0, how))
+    if how == "join":  # rank 1 leaves at once: it mirrors the hook on zeros, sparse bucket too
+        with ddp.join():
+            if rank == 0:
+                torch.autograd.backward(sparse_loss(ddp(params), rank, 0, how))
+        if rank == 1:
+            return {}, list(SEEN)
+    else:
+        torch.autograd.backward(sparse_loss(ddp(params), rank, 0, how))
     embed = params["embed"].grad
     assert embed is not None
     assert embed.is_sparse
@@ -426,16 +433,20 @@ def _sparse_hooked(rank: int, size: int, how: str, hook: str) -> Any:
 
 
 @pytest.mark.parametrize("hook", ["torch_test", "fdp", "torch_default"])
-@pytest.mark.parametrize("how", ["both_ranks", "one_rank"])
+@pytest.mark.parametrize("how", ["both_ranks", "one_rank", "join"])
 def test_a_comm_hook_reduces_a_sparse_bucket(how: str, hook: str) -> None:
-    # torch's test_ddp_comm_hook_sparse_gradients: before, fdp refused any hook but its own.
+    # torch's test_ddp_comm_hook_sparse_gradients: before, fdp refused any hook but its own,
+    # and any hook inside join.
     size = 2
     params = sparse_params()
-    losses = [sparse_loss(params, r, 0, how) for r in range(size)]
+    active = [0] if how == "join" else list(range(size))
+    losses = [sparse_loss(params, r, 0, how) for r in active]
     torch.autograd.backward(torch.stack(losses).sum() / size)
     for got, seen in ranks.world(size).run(_sparse_hooked, how, hook):
         if hook == "torch_test":
             assert seen == [False, False, True]  # two dense buckets, then the sparse one
+        if not got:  # the rank that left
+            continue
         for name, p in params.items():
             assert p.grad is not None
             expected = p.grad.to_dense() if p.grad.is_sparse else p.grad

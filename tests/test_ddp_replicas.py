@@ -94,10 +94,12 @@ def test_ranks_that_train_together_pass_the_check(every: int) -> None:
             torch.testing.assert_close(got[k], t, **TOL)
 
 
-def _frozen_on_one_rank(rank: int, size: int) -> Any:
+def _frozen_on_one_rank(rank: int, size: int, hooked: bool) -> Any:
     """Rank 0 freezes the head after the first step; rank 1 trains it on."""
     params = mlp_params()
     ddp = fdp.DistributedDataParallel(params, check_replicas_every=2)
+    if hooked:  # the usage counts in an all-reduce of their own, not riding a bucket
+        ddp.register_comm_hook(None, fdp.allreduce_hook)
     try:
         for step in range(STEPS):
             if step == 1 and rank == 0:
@@ -111,10 +113,13 @@ def _frozen_on_one_rank(rank: int, size: int) -> Any:
     return None, None
 
 
-def test_a_leaf_frozen_on_one_rank_only_is_caught_at_the_check() -> None:
+@pytest.mark.parametrize("hooked", [False, True], ids=["default", "comm_hook"])
+def test_a_leaf_frozen_on_one_rank_only_is_caught_at_the_check(hooked: bool) -> None:
     # Before, the check fingerprinted the leaves each rank's backward reduced
-    # (rank 0 one fewer): the ranks' payloads differed, and gloo aborted.
-    for step, message in ranks.world(2).run(_frozen_on_one_rank):
+    # (rank 0 one fewer): the ranks' payloads differed, and gloo aborted. With a
+    # comm hook the usage counts had one slot per leaf the rank's call reduced:
+    # rank 0's all-reduce was shorter, and both waited until the timeout.
+    for step, message in ranks.world(2).run(_frozen_on_one_rank, hooked):
         assert step == 3  # the fourth reduced backward: rank 1 stepped the head twice
         assert message.startswith(
             "fdp.DistributedDataParallel: `params` leaf params['head'].first expected the "

@@ -25,7 +25,7 @@ from fdp._comm import _agreement, _comm_hooks, _transforms
 from fdp._comm._comm_hooks import CommHook
 from fdp._ddp import _buffers, _forgotten, _join, _reuse, _traced
 from fdp._ddp._join import Joiner
-from fdp._ddp._reducer import Reducer, hooked_leaves
+from fdp._ddp._reducer import Reducer
 from fdp._ddp._reduction import Reduction
 from fdp._ddp._replicas import Replicas
 
@@ -244,21 +244,15 @@ class DistributedDataParallel:
     def _plan_join(
         self, leaves: list[Any], group: ProcessGroup | None, final: _buffers.Buffers
     ) -> _join.JoinPlan:
-        """What ranks that left ``join`` mirror: buckets, counted leaves, buffers."""
-        # The leaves a step's usage all-reduce counts (hooked: needing grad,
-        # each tensor once), for join's mirroring ranks.
-        hooked = hooked_leaves(self._layout, leaves)
-        counted = [leaves[i] for i in hooked]
-        slots = self._reducer.reduction.slots  # where a riding count sits in the tail
+        """What ranks that left ``join`` mirror: buckets, buffers, where counts ride."""
         return _join.JoinPlan(
             group=group,
             buckets=tuple(self._layout.buckets),
-            counted=len(counted),
-            counted_meta=tuple((t.shape, t.dtype, t.device) for t in counted),
-            counted_slots=tuple(slots[i] for i in hooked),
             buffers=self._buffers,
             final=final,  # join's final synchronisation
             meta=tuple(self._meta),
+            order=tuple(self._layout.order),  # the usage counts' slots
+            paths=tuple(self._reducer.reduction.paths),
         )
 
     def __repr__(self) -> str:
@@ -314,8 +308,10 @@ class DistributedDataParallel:
         latest ``ddp(params)``, so parameters updated in place (``torch.optim``)
         agree. An optimizer's own state (Adam's moments) is not synchronised,
         as in torch. ``fdp.sync_batch_norm`` inside the block takes its
-        statistics over the ranks still training. Eager only, with the default reduction
-        (``fdp/_ddp/_join.py``).
+        statistics over the ranks still training. A comm hook runs on zeros on the
+        ranks that left, with their own state, as in torch; the hook divides the
+        sum, so ``divide_by_initial_world_size=False`` is refused with one. Eager
+        only (``fdp/_ddp/_join.py``).
 
         Example::
 
@@ -325,18 +321,22 @@ class DistributedDataParallel:
                     opt.step()
                     opt.zero_grad()
         """
-        if self._reducer.reduction.hook not in (None, _comm_hooks.allreduce_hook):
-            raise NotImplementedError(
-                "fdp.DistributedDataParallel.join: a rank that has left mirrors the default "
-                "reduction only; got a comm hook, whose collectives it cannot know"
+        reduction = self._reducer.reduction
+        if reduction.hook is not None and not divide_by_initial_world_size:
+            raise ValueError(
+                "fdp.DistributedDataParallel.join: `divide_by_initial_world_size` expected "
+                "True with a comm hook, which divides the sum itself (torch's hooks by the "
+                "group's size); got False"
             )
         if self._joiner is not None:
             raise RuntimeError("fdp.DistributedDataParallel.join: already inside join")
+        hooks = _join.HookPlan(reduction.hook, reduction.state, reduction.serial)
         self._joiner = Joiner(
             self._join_plan,
             self._refs,
             divide_by_initial_world_size=divide_by_initial_world_size,
-            usage_tail=self._reducer.reduction.usage_tail,
+            usage_tail=reduction.usage_tail,
+            hooks=hooks,
         )
         try:
             with self._joiner.active():
@@ -391,7 +391,10 @@ class DistributedDataParallel:
         if self._joiner is not None:
             refused = synchronised and self._under_transform(leaves)
             src, prescale, broadcast = self._joiner.step(
-                leaves, synchronised=synchronised, refused=refused, broadcast=broadcast
+                leaves,
+                synchronised=synchronised,
+                refused=refused,
+                broadcast=broadcast,
             )
         if self._buffers is not None and broadcast:
             self._buffers.sync(leaves, src=src)

@@ -54,7 +54,7 @@ def finish(step: StepState) -> None:
     """``.grad`` becomes the average over ranks, differentiably."""
     counts, work = step.launch_usage()
     work.wait()
-    *used, _ = counts.tolist()
+    used = step.plan.counts(counts.tolist())
     grads: list[torch.Tensor | None] = [None] * len(step.leaves)
     for i in step.hooked:
         grads[i] = step.leaves[i].grad

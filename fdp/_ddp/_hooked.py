@@ -50,8 +50,7 @@ class Hooked:
     bucket that holds some, their :class:`Part`; ``counts``: the hooked
     leaves' usage counts out of the usage slots (``Reduction.slots``), in
     ``indices``' order; ``used``: the usage tail of a step in which every
-    hooked leaf had a dense gradient and none came late (empty where the
-    counts do not ride the last bucket).
+    hooked leaf had a dense gradient and none came late.
     """
 
     indices: list[int]
@@ -75,8 +74,8 @@ class Hooked:
         parts = tuple(
             Part(k, picker(views), picker(leaves)) for k, (views, leaves) in by_bucket.items()
         )
-        used = [0.0] * reduction.usage_tail
-        for i in indices if used else ():
+        used = [0.0] * (len(layout.order) + 1)  # the usage slots, riding or not
+        for i in indices:
             used[reduction.slots[i]] = 1.0
         counts = picker([reduction.slots[i] for i in indices])
         return Hooked(list(indices), expected, parts, counts, used)

@@ -11,8 +11,9 @@ highest rank still training, as torch's), one all-reduce of zeros per bucket,
 and the all-reduce of usage counts. When every flag is 0, all ranks have left
 and the block ends everywhere.
 
-Only the default reduction is mirrored (a comm hook's collectives are its
-own). ``fdp.sync_batch_norm`` is not mirrored: its collectives (one per
+A comm hook is mirrored by running it on zeros (``fdp/_ddp/_join_hooks.py``).
+The usage counts have a slot per bucketed leaf, whichever leaves the
+training ranks' calls reduce. ``fdp.sync_batch_norm`` is not mirrored: its collectives (one per
 layer in forward, one in backward, interleaved with the buckets'
 all-reduces) are known only to the model. Instead, while some rank has
 left, it runs among the ranks still training, in a group made for them
@@ -36,9 +37,11 @@ from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _compat
 from fdp._comm import _groups
+from fdp._comm._comm_hooks import CommHook
 from fdp._comm._training import ALONE, TRAINING, Group, Training
+from fdp._ddp import _join_hooks
 from fdp._ddp._buffers import Buffers
-from fdp._ddp._sparse import empty_sparse
+from fdp._ddp._sparse import empty_sparse, reduce_sparse
 
 UNDER_TRANSFORM = (
     "fdp.DistributedDataParallel.join: ddp(params) under a torch.func transform (or on "
@@ -60,21 +63,29 @@ def weak(leaves: Sequence[Any]) -> list[weakref.ref[torch.Tensor] | None]:
 class JoinPlan:
     """What a DDP fixes at construction for its ``join`` blocks.
 
-    ``counted``: the length of a step's usage-count all-reduce; ``buffers``:
-    the buffer broadcast to mirror (None without ``broadcast_buffers``);
-    ``final``: every tensor leaf, for the final synchronisation; ``meta``:
-    each leaf's (shape, dtype, device), None for non-tensors.
+    ``buffers``: the buffer broadcast to mirror (None without
+    ``broadcast_buffers``); ``final``: every tensor leaf, for the final
+    synchronisation; ``meta``: each leaf's (shape, dtype, device), None for
+    non-tensors; ``order``: the bucketed leaves in the order of their usage
+    slots (Note [usage rides the last bucket]); ``paths``: each leaf's path.
     """
 
     group: ProcessGroup | None
     buckets: tuple[_bucket.Bucket, ...]
-    counted: int
     buffers: Buffers | None
     final: Buffers
     meta: tuple[tuple[torch.Size, torch.dtype, torch.device] | None, ...]
-    counted_meta: tuple[tuple[torch.Size, torch.dtype, torch.device], ...] = ()  # per count
-    # per count, its slot in the last bucket's tail (Note [usage rides the last bucket])
-    counted_slots: tuple[int, ...] = ()
+    order: tuple[int, ...]
+    paths: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class HookPlan:
+    """The comm hook that reduces each bucket (None: the default sum) and its state."""
+
+    hook: CommHook | None = None
+    state: Any = None
+    serial: bool = False  # a bucket's reduction waits for the one before (PowerSGD)
 
 
 class Joiner:
@@ -87,14 +98,14 @@ class Joiner:
         *,
         divide_by_initial_world_size: bool,
         usage_tail: int = 0,
+        hooks: HookPlan | None = None,
     ) -> None:
         group = plan.group
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.buckets = list(plan.buckets)
-        self.counted, self.counted_meta = plan.counted, plan.counted_meta
-        self.usage_tail, self.counted_slots = usage_tail, plan.counted_slots
+        self.buckets, self.plan = list(plan.buckets), plan
+        self.usage_tail, self.hooks = usage_tail, hooks or HookPlan()
         self.buffers = plan.buffers
         self.by_initial = divide_by_initial_world_size
         self.training = Training(group, tuple(range(self.world)), group)
@@ -133,7 +144,12 @@ class Joiner:
         self.training.ranks, self.training.sub = ranks, sub
 
     def _exchange(
-        self, *, training: bool, synchronised: bool, refused: bool = False, broadcast: bool = False
+        self,
+        *,
+        training: bool,
+        synchronised: bool,
+        refused: bool = False,
+        broadcast: bool = False,
     ) -> tuple[int, int, tuple[bool, bool]]:
         """(ranks still training, the last of them, (whether it reduces, broadcasts buffers)).
 
@@ -160,7 +176,12 @@ class Joiner:
         return len(active), last, (bool(flags[self.world] > 0), bool(flags[self.world + 2] > 0))
 
     def step(
-        self, leaves: Sequence[Any], *, synchronised: bool, refused: bool, broadcast: bool
+        self,
+        leaves: Sequence[Any],
+        *,
+        synchronised: bool,
+        refused: bool,
+        broadcast: bool,
     ) -> tuple[int, float | None, bool]:
         """A training rank's call: (the buffers' source, the gradient scale or None, broadcast?).
 
@@ -193,24 +214,54 @@ class Joiner:
                     self._mirror_sparse(counts)
 
     def _mirror_reduction(self) -> list[float]:
-        """Zeros for each bucket and the usage counts: the summed counts, then late ones."""
+        """Zeros for each bucket and the usage counts: the summed counts (a slot per
+        bucketed leaf, in ``plan.order``), then whether any rank has late gradients."""
+        if self.hooks.hook is not None:
+            return _join_hooks.mirror(self.hooks, self.buckets, self._usage, self._params)
         last = len(self.buckets) - 1
         for k, bucket in enumerate(self.buckets):
             tail = self.usage_tail if k == last else 0
             flat = bucket.empty(tail).zero_()
             dist.all_reduce(flat, group=self.group)
         if self.usage_tail:  # Note [usage rides the last bucket] (fdp/_ddp/_reduction.py)
-            summed = flat[self.buckets[-1].numel :].tolist()
-            return [summed[p] for p in self.counted_slots] + [summed[-1]]
-        usage = torch.zeros(self.counted + 1)  # the last: late gradients
-        dist.all_reduce(usage, group=self.group)
-        return usage.tolist()
+            return list(flat[self.buckets[-1].numel :].tolist())
+        usage = self._usage()
+        usage.work.wait()
+        return list(usage.summed.tolist())
+
+    def _usage(self) -> _join_hooks.Usage:
+        """The usage all-reduce of counts of their own (zeros, a slot per leaf), started."""
+        usage = torch.zeros(len(self.plan.order) + 1, device=self.buckets[0].device)
+        return _join_hooks.Usage(usage, dist.all_reduce(usage, group=self.group, async_op=True))
+
+    def _params(self, bucket: _bucket.Bucket) -> list[torch.Tensor]:
+        """A bucket's leaves for a comm hook's ``bucket.parameters()``: this rank's latest."""
+        out = []
+        for i in bucket.indices:
+            ref, meta = self.refs[i], self.meta[i]
+            t = None if ref is None else ref()
+            if t is None and meta is not None:
+                t = torch.zeros(meta[0], dtype=meta[1], device=meta[2])
+            if t is not None:
+                out.append(t)
+        return out
 
     def _mirror_sparse(self, counts: list[float]) -> None:
         """Takes part, with nothing, in the reduction of each sparse gradient (in order)."""
-        for count, (shape, dtype, device) in zip(counts, self.counted_meta, strict=True):
-            if count >= self.world + 1:  # a sparse user counts world + 1
+        sparse = [i for i, c in zip(self.plan.order, counts, strict=True) if c >= self.world + 1]
+        for n, i in enumerate(sparse):  # a sparse user counts world + 1
+            meta = self.meta[i]
+            if meta is None:
+                raise RuntimeError("fdp internal error: a sparse gradient for a non-tensor leaf")
+            shape, dtype, device = meta
+            if self.hooks.hook is None:
                 dist.all_reduce(empty_sparse(shape, dtype, device), group=self.group)
+                continue
+            # As the training ranks: the hook's bucket of its own, after the dense ones.
+            k, last = len(self.buckets) + n, i == sparse[-1]
+            bucket = (self.hooks.state, k, last, self.plan.paths[i])
+            placeholder = torch.zeros(shape, dtype=dtype, device=device)
+            reduce_sparse(placeholder, None, 1.0, self.group, hook=self.hooks.hook, bucket=bucket)
 
     def _sync_final(self) -> None:
         """Every rank takes the tensors of the last rank to leave (torch's final model sync).

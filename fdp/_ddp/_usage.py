@@ -43,9 +43,15 @@ def counts(step: StepState) -> list[float]:
 
 
 def launch(step: StepState) -> tuple[torch.Tensor, Any]:
-    """The counts in an all-reduce of their own: the tensor and its work."""
-    device = step.reduction.layout.buckets[0].device
-    summed = torch.tensor(counts(step), device=device)
+    """The counts in an all-reduce of their own: the tensor and its work.
+
+    Laid out as the riding tail is, a slot per bucketed leaf: the same
+    length on every rank, whichever leaves each rank's call hooked (a leaf
+    frozen on some ranks only), and for ``join``'s mirroring ranks.
+    """
+    layout = step.reduction.layout
+    summed = torch.empty(len(layout.order) + 1, device=layout.buckets[0].device)
+    write(step, summed)
     return summed, _compat.all_reduce_sum(summed, step.reduction.group)
 
 
@@ -81,5 +87,5 @@ def summed(
         return None
     reduced, work = usage
     work.wait()
-    *used, late = reduced.tolist()
-    return used, late
+    values = reduced.tolist()
+    return step.plan.counts(values), values[-1]
