@@ -237,6 +237,70 @@ def test_dividing_by_the_ranks_training_under_a_comm_hook_is_refused() -> None:
         )
 
 
+def _collective_in_join(rank: int, size: int, path: str, where: str) -> tuple[str, Any]:
+    """Each rank's error (or "ok") and the mean losses ``fdp.all_reduce`` gave (steps 0-2)."""
+    params = mlp_params(depth=2)
+    ddp = fdp.DistributedDataParallel(params)
+    means: list[float] = []
+    try:
+        with ddp.join():
+            for step in range(BATCHES[rank]):
+                value = loss(ddp(params), *data(step, rank))
+                torch.autograd.backward(value)
+                if step < 3 and where == "one_left_at_once":  # rank 2 has no batch: it left
+                    means.append(float(fdp.all_reduce(value.detach(), "mean")))
+                if step == 1 and where == "after_one_left" and rank == 1:
+                    fdp.save_checkpoint(path, {"step": step})  # rank 0 is still training
+            if where == "after_the_loop":  # inside the block: the others still train
+                fdp.save_checkpoint(path, {"done": True})
+    except RuntimeError as e:
+        return str(e), means
+    return "ok", means
+
+
+@pytest.mark.parametrize("where", ["one_left_at_once", "after_one_left", "after_the_loop"])
+def test_a_collective_inside_join_is_made_by_every_rank_or_raises_on_every_rank(
+    tmp_path: Any, where: str
+) -> None:
+    # Before, a rank that had left answered the collective with the join's flags
+    # exchange: garbage on one side, and the others waited (240 s, past the process
+    # group's timeout, in a group made from garbage flags).
+    got = ranks.world(3).run(_collective_in_join, str(tmp_path / "c"), where)
+    if where == "one_left_at_once":  # rank 2 has no batch: it left before step 0
+        for message, _ in got:
+            assert message.startswith("fdp.")
+            assert "a collective inside DistributedDataParallel.join that not every rank" in message
+        assert got[0][0].startswith("fdp.all_reduce: ")
+        assert got[2][0].startswith("fdp.DistributedDataParallel.join: ")
+        return
+    for rank, (message, _) in enumerate(got):
+        assert "not every rank makes at the same point" in message, (rank, message)
+    caller = 1 if where == "after_one_left" else 2  # rank 2 has no batch: its loop ends first
+    assert got[caller][0].startswith("fdp.save_checkpoint: ")
+
+
+def _metric_while_every_rank_trains(rank: int, size: int) -> list[float]:
+    params = mlp_params(depth=2)
+    ddp = fdp.DistributedDataParallel(params)
+    means = []
+    with ddp.join():
+        for step in range([2, 3, 2][rank]):
+            value = loss(ddp(params), *data(step, rank))
+            torch.autograd.backward(value)
+            if step < 2:  # every rank takes steps 0 and 1
+                means.append(float(fdp.all_reduce(value.detach(), "mean")))
+    return means
+
+
+def test_a_collective_every_rank_makes_inside_join_gives_its_result() -> None:
+    expected = [
+        sum(float(loss(mlp_params(depth=2), *data(step, r)).detach()) for r in range(3)) / 3
+        for step in range(2)
+    ]
+    for means in ranks.world(3).run(_metric_while_every_rank_trains):
+        torch.testing.assert_close(means, expected)
+
+
 def twice(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``w`` used in two reentrant checkpoints: its second gradient misses its bucket."""
 

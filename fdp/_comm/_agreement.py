@@ -23,25 +23,29 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _compat, _tree
-from fdp._comm import _launch
+from fdp._comm import _launch, _training
 
 
 def require_member(call: str, group: object) -> None:
-    """Raises unless torch.distributed is initialized and this rank is in ``group``."""
+    """Raises unless torch.distributed is initialized and this rank is in ``group``.
+
+    Inside ``DistributedDataParallel.join``, the call then announces itself
+    (:func:`fdp._comm._training.before_collective`).
+    """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"{call}: torch.distributed is not initialized; call fdp.init_distributed() "
             "first, in a script launched by torchrun (docs/launch.md)"
         )
     _launch.warn_if_restarts_fail(call)
-    if group is None:
-        return
-    if not isinstance(group, ProcessGroup) or dist.get_rank(group) < 0:
+    if group is not None and (not isinstance(group, ProcessGroup) or dist.get_rank(group) < 0):
         raise ValueError(
             f"{call}: `group` expected a process group that contains this process (global "
             f"rank {dist.get_rank()}); got {group!r}. dist.new_group returns a non-member "
             "placeholder on ranks outside the group: call fdp only on the group's ranks"
         )
+    if group is None or isinstance(group, ProcessGroup):  # inside DDP's join: all, or all raise
+        _training.before_collective(call, group)
 
 
 def check_cap(value: object, name: str, *, call: str) -> int:

@@ -1,15 +1,22 @@
 """The ranks still training inside ``DistributedDataParallel.join``, for collectives that ask.
 
-``join`` (``fdp/_ddp/_join.py``) sets the context variable while some rank has
-left; ``fdp.sync_batch_norm`` reads it to run among the ranks still
-training. A module of its own so that the batch-norm layer, which
-``make_functional`` uses in a single process too, needs nothing of DDP.
+``join`` (``fdp/_ddp/_join.py``) sets the context variable for its block;
+``fdp.sync_batch_norm`` reads it to run among the ranks still training, and
+fdp's other collective calls (the public collectives, the tree
+collectives, checkpoints, making a DDP, ZeRO or FSDP) announce themselves
+through it (:func:`before_collective`): the ranks that left mirror ddp's
+reduction only, so such a call made after some rank left, or by some
+ranks while others take a step, raises on every rank instead of pairing
+with a collective of another kind. A module of its own so that the
+batch-norm layer, which ``make_functional`` uses in a single process too,
+needs nothing of DDP.
 """
 
 from __future__ import annotations
 
 import contextvars
 import dataclasses
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -33,6 +40,8 @@ class Training:
     group: ProcessGroup | None
     ranks: tuple[int, ...]
     sub: Group
+    # The join's exchange for a collective call of a training rank (see before_collective).
+    announce: Callable[[str], None] | None = None
 
 
 TRAINING: contextvars.ContextVar[Training | None] = contextvars.ContextVar(
@@ -65,3 +74,29 @@ def training_group(group: ProcessGroup | None) -> Group:
             "ddp's group holds every process; got a smaller group"
         )
     return training.sub
+
+
+def _before_collective_traced(call: str, group: ProcessGroup | None) -> None:
+    return None  # join is eager; dynamo cannot read a ContextVar
+
+
+@_mode.traced_as(_before_collective_traced)
+def before_collective(call: str, group: ProcessGroup | None) -> None:
+    """Inside a ``join`` block on a group that meets ``group``: every rank there agrees first.
+
+    The call takes part in the join's exchange of flags, where every rank
+    either announces the same call or raises (a rank left, or took a step).
+    """
+    training = TRAINING.get()
+    if training is None or training.announce is None or not _meets(group, training.group):
+        return
+    training.announce(call)
+
+
+def _meets(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:
+    """Whether the groups share a rank besides this one."""
+    if _groups.same(a, b):
+        return dist.get_world_size(a) > 1
+    ours = set(dist.get_process_group_ranks(_groups.resolve(a)))
+    theirs = set(dist.get_process_group_ranks(_groups.resolve(b)))
+    return bool((ours & theirs) - {dist.get_rank()})

@@ -108,7 +108,7 @@ class Joiner:
         self.usage_tail, self.hooks = usage_tail, hooks or HookPlan()
         self.buffers = plan.buffers
         self.by_initial = divide_by_initial_world_size
-        self.training = Training(group, tuple(range(self.world)), group)
+        self.training = Training(group, tuple(range(self.world)), group, announce=self.announce)
         self.made: list[ProcessGroup] = []
         self.final, self.meta, self.refs = plan.final, list(plan.meta), refs
         self.last = self.training.ranks  # the last ranks seen training
@@ -150,23 +150,29 @@ class Joiner:
         synchronised: bool,
         refused: bool = False,
         broadcast: bool = False,
+        call: str | None = None,
     ) -> tuple[int, int, tuple[bool, bool]]:
         """(ranks still training, the last of them, (whether it reduces, broadcasts buffers)).
 
         The refusal flag says a training rank refuses its step: then every
         rank raises the same error, the ranks that have left too, instead of
-        waiting for collectives that will not come.
+        waiting for collectives that will not come. ``call``: a collective a
+        training rank is about to make (:meth:`announce`).
         """
-        flags = torch.zeros(self.world + 3)
+        flags = torch.zeros(self.world + 4)
         if training:
             flags[self.rank] = 1.0
             flags[self.world] = 1.0 if synchronised else 0.0
             flags[self.world + 1] = 1.0 if refused else 0.0
             flags[self.world + 2] = 1.0 if broadcast else 0.0
+            flags[self.world + 3] = 0.0 if call is None else 1.0
         with _compat.functorch_disabled():  # plain flags, also under a torch.func transform
             dist.all_reduce(flags, group=self.group)
         if flags[self.world + 1] > 0:
             raise NotImplementedError(UNDER_TRANSFORM)
+        announced = int(flags[self.world + 3])
+        if announced not in (0, self.world):
+            raise RuntimeError(self._unmirrored(call, announced))
         active = tuple(int(r) for r in flags[: self.world].nonzero())
         if active and active != self.training.ranks:
             self._regroup(active)
@@ -174,6 +180,21 @@ class Joiner:
             self.last = active
         last = active[-1] if active else 0
         return len(active), last, (bool(flags[self.world] > 0), bool(flags[self.world + 2] > 0))
+
+    def announce(self, call: str) -> None:
+        """A training rank's collective ``call`` (not ddp's): every rank makes it, or all raise."""
+        self._exchange(training=True, synchronised=False, call=call)
+
+    def _unmirrored(self, call: str | None, announced: int) -> str:
+        what = call or "fdp.DistributedDataParallel.join"
+        return (
+            f"{what}: a collective inside DistributedDataParallel.join that not every rank "
+            f"makes at the same point ({announced} of the {self.world} ranks made it; the "
+            "others had left or took a step; an fdp collective, checkpoint or construction "
+            "announces itself): the ranks that left mirror ddp's reduction only, so every "
+            "rank raises. Make it after the join block, or at a point every rank reaches "
+            "before any runs out of data"
+        )
 
     def step(
         self,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from fdp import _tree
-from fdp._comm import _agreement
+from fdp._comm import _agreement, _training
 from fdp._sharding import (
     _checkpoint_files,
     _checkpoint_leaves,
@@ -88,6 +88,8 @@ def save_checkpoint(
         fdp.save_checkpoint(f"ckpt/{step}", {"params": params, "opt": state, "step": step})
     """
     call = "fdp.save_checkpoint"
+    if _distributed():  # inside DDP's join: every rank saves here, or all raise
+        _training.before_collective(call, group)
     try:  # local work: where it fails on some ranks only, every rank raises (not a hang)
         expanded = _per_rank.expand(call, "state", state, rank=_rank(group), world=_world(group))
         state = _checkpoint_optim.for_save(expanded.tree)
@@ -198,6 +200,8 @@ def load_checkpoint(
         state = fdp.load_checkpoint(latest, like)
     """
     call = "fdp.load_checkpoint"
+    if _distributed():
+        _training.before_collective(call, group)
     try:  # local work: where it fails on some ranks only, every rank raises (not a hang)
         plan = _Load(call, path, like, strict=strict, rank=_rank(group), world=_world(group))
     except (ValueError, TypeError, OSError) as e:

@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from fdp._comm import _groups
+from fdp._comm import _groups, _training
 
 _NUMBER = re.compile(r"(\d+)$")
 
@@ -61,6 +61,7 @@ def latest_checkpoint(
         )
     if not (dist.is_available() and dist.is_initialized()):
         return _newest(Path(directory))
+    _training.before_collective("fdp.latest_checkpoint", group)  # inside DDP's join
     found: list[Any] = [None]
     error: OSError | None = None
     if dist.get_rank(group) == 0:
