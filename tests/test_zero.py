@@ -629,6 +629,40 @@ def test_join_steps_ranks_with_different_numbers_of_batches(scaled: bool) -> Non
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
+def _save_in_join(rank: int, size: int, path: str, every_rank: bool) -> str:
+    """A checkpoint after step 0 (``every_rank``: a step every rank takes), or after step 2."""
+    params = _plain(mlp_params())
+    zero = fdp.ZeroRedundancy(fdp.optim.adamw(0.05), params)
+    state = zero.init(params)
+    at = 0 if every_rank else 2
+    try:
+        with zero.join(params, state):
+            for step in range([2, 4, 3][rank]):  # every rank takes steps 0 and 1
+                batch_now = _uneven_batch(step, rank)
+                grads = torch.func.grad(lambda p, b=batch_now: _mlp_loss(_as_mlp(p), *b))(params)
+                params, state = zero.step(grads, state, params)
+                if step == at:
+                    fdp.save_checkpoint(path, {"params": params, "opt": state}, rng=False)
+    except RuntimeError as e:
+        return str(e)
+    return "saved"
+
+
+@pytest.mark.parametrize("every_rank", [True, False], ids=["all_there", "after_one_left"])
+def test_a_checkpoint_inside_join_is_saved_by_every_rank_or_refused_on_every_rank(
+    tmp_path: Any, every_rank: bool
+) -> None:
+    # Before, a save after a rank had left met its mirrored step: a hang.
+    messages = ranks.world(len(UNEVEN)).run(_save_in_join, str(tmp_path / "c"), every_rank)
+    if every_rank:
+        assert messages == ["saved"] * len(UNEVEN)
+        assert (tmp_path / "c" / ".metadata").exists()
+        return
+    for message in messages:
+        assert "a collective inside ZeroRedundancy.join that not every rank makes" in message
+    assert sum(m.startswith("fdp.save_checkpoint: ") for m in messages) >= 1
+
+
 def _mixed_groups(kind: str) -> fdp.optim.ParamGroups:
     """Groups with different slots: AdamW's moments on matrices, SGD's momentum elsewhere;
     or ("muon") Muon's momentum on matrices (each on one owner rank), AdamW's elsewhere."""

@@ -14,9 +14,10 @@ needs nothing of DDP.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -40,8 +41,6 @@ class Training:
     group: ProcessGroup | None
     ranks: tuple[int, ...]
     sub: Group
-    # The join's exchange for a collective call of a training rank (see before_collective).
-    announce: Callable[[str], None] | None = None
 
 
 TRAINING: contextvars.ContextVar[Training | None] = contextvars.ContextVar(
@@ -76,6 +75,28 @@ def training_group(group: ProcessGroup | None) -> Group:
     return training.sub
 
 
+@dataclasses.dataclass(frozen=True)
+class Join:
+    """An open ``join`` block over ``group``: how a training rank's collective call announces
+    itself there (it returns where every rank makes the call, else raises on every rank)."""
+
+    group: ProcessGroup | None
+    announce: Callable[[str], None]
+
+
+JOINS: contextvars.ContextVar[tuple[Join, ...]] = contextvars.ContextVar("fdp_joins", default=())
+
+
+@contextlib.contextmanager
+def joining(group: ProcessGroup | None, announce: Callable[[str], None]) -> Iterator[None]:
+    """A join block (DDP's, ZeRO's, DiLoCo's): fdp's collective calls inside announce themselves."""
+    token = JOINS.set((*JOINS.get(), Join(group, announce)))
+    try:
+        yield
+    finally:
+        JOINS.reset(token)
+
+
 def _before_collective_traced(call: str, group: ProcessGroup | None) -> None:
     return None  # join is eager; dynamo cannot read a ContextVar
 
@@ -87,10 +108,9 @@ def before_collective(call: str, group: ProcessGroup | None) -> None:
     The call takes part in the join's exchange of flags, where every rank
     either announces the same call or raises (a rank left, or took a step).
     """
-    training = TRAINING.get()
-    if training is None or training.announce is None or not _meets(group, training.group):
-        return
-    training.announce(call)
+    for join in JOINS.get():
+        if _meets(group, join.group):
+            join.announce(call)
 
 
 def _meets(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:

@@ -38,7 +38,7 @@ from torch.distributed import ProcessGroup
 from fdp import _bucket, _compat
 from fdp._comm import _groups
 from fdp._comm._comm_hooks import CommHook
-from fdp._comm._training import ALONE, TRAINING, Group, Training
+from fdp._comm._training import ALONE, TRAINING, Group, Training, joining
 from fdp._ddp import _join_hooks
 from fdp._ddp._buffers import Buffers
 from fdp._ddp._sparse import empty_sparse, reduce_sparse
@@ -108,7 +108,7 @@ class Joiner:
         self.usage_tail, self.hooks = usage_tail, hooks or HookPlan()
         self.buffers = plan.buffers
         self.by_initial = divide_by_initial_world_size
-        self.training = Training(group, tuple(range(self.world)), group, announce=self.announce)
+        self.training = Training(group, tuple(range(self.world)), group)
         self.made: list[ProcessGroup] = []
         self.final, self.meta, self.refs = plan.final, list(plan.meta), refs
         self.last = self.training.ranks  # the last ranks seen training
@@ -122,7 +122,8 @@ class Joiner:
         """The block: ``fdp.sync_batch_norm`` inside it runs among the ranks still training."""
         token = TRAINING.set(self.training)
         try:
-            yield
+            with joining(self.group, self.announce):
+                yield
         finally:
             TRAINING.reset(token)
             for pg in self.made:

@@ -21,7 +21,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _mode, _sharded, _tree
-from fdp._comm import _agreement, _transforms
+from fdp._comm import _agreement, _training, _transforms
 from fdp._sharding import _owners, _shards, _zero_comm, _zero_join
 from fdp._sharding._shards import Part, Shards, ZeroState
 from fdp.optim import _base, _clip, _whole
@@ -225,8 +225,9 @@ class ZeroRedundancy:
         joined = _zero_join.Joined(params, state, self.group)
         self._joined = joined
         try:
-            yield joined
-            joined.mirror(lambda g, st, p: self._step(g, st, p, False, None))
+            with _training.joining(self.group, joined.announce):
+                yield joined
+                joined.mirror(lambda g, st, p: self._step(g, st, p, False, None))
         finally:
             self._joined = None
 

@@ -43,14 +43,34 @@ class Joined:
         self.grads: Any = None  # the structure of the latest gradients, for zeros
         self.mirroring = False
 
-    def exchange(self, *, training: bool) -> int:
-        """The number of ranks still training (one all-reduce of one flag per rank)."""
-        flags = torch.zeros(self.world)
+    def exchange(self, *, training: bool, call: str | None = None) -> int:
+        """The number of ranks still training (one all-reduce of one flag per rank).
+
+        ``call``: a collective this training rank is about to make instead of
+        a step (:meth:`announce`); unless every rank makes it, every rank raises.
+        """
+        flags = torch.zeros(self.world + 1)
         if training:
             flags[self.rank] = 1.0
+            flags[self.world] = 0.0 if call is None else 1.0
         with _compat.functorch_disabled():
             dist.all_reduce(flags, group=self.group)
-        return int(flags.sum().item())
+        announced = int(flags[self.world])
+        if announced not in (0, self.world):
+            raise RuntimeError(
+                f"{call or 'fdp.ZeroRedundancy.join'}: a collective inside "
+                "ZeroRedundancy.join that not every rank makes at the same point "
+                f"({announced} of the {self.world} ranks made it; the others had left or "
+                "took a step): the ranks that left mirror the steps only, so every rank "
+                "raises. Make it after the join block, or at a point every rank reaches "
+                "before any runs out of data"
+            )
+        return int(flags[: self.world].sum().item())
+
+    def announce(self, call: str) -> None:
+        """A training rank's collective ``call`` (not a step): every rank makes it, or all raise."""
+        if not self.mirroring:
+            self.exchange(training=True, call=call)
 
     def before(self, grads: Any) -> None:
         """A training rank's step begins: announce it, remember the gradients' structure."""
