@@ -29,7 +29,7 @@ from fdp._comm import _launch, _training
 def require_member(call: str, group: object) -> None:
     """Raises unless torch.distributed is initialized and this rank is in ``group``.
 
-    Inside ``DistributedDataParallel.join``, the call then announces itself
+    Inside a join block (DDP's, ZeRO's), the call then announces itself
     (:func:`fdp._comm._training.before_collective`).
     """
     if not dist.is_available() or not dist.is_initialized():
@@ -44,7 +44,7 @@ def require_member(call: str, group: object) -> None:
             f"rank {dist.get_rank()}); got {group!r}. dist.new_group returns a non-member "
             "placeholder on ranks outside the group: call fdp only on the group's ranks"
         )
-    if group is None or isinstance(group, ProcessGroup):  # inside DDP's join: all, or all raise
+    if group is None or isinstance(group, ProcessGroup):  # inside a join: all, or all raise
         _training.before_collective(call, group)
 
 

@@ -1,15 +1,15 @@
 """The ranks still training inside ``DistributedDataParallel.join``, for collectives that ask.
 
 ``join`` (``fdp/_ddp/_join.py``) sets the context variable for its block;
-``fdp.sync_batch_norm`` reads it to run among the ranks still training, and
+``fdp.sync_batch_norm`` reads it to run among the ranks still training.
 fdp's other collective calls (the public collectives, the tree
 collectives, checkpoints, making a DDP, ZeRO or FSDP) announce themselves
-through it (:func:`before_collective`): the ranks that left mirror ddp's
-reduction only, so such a call made after some rank left, or by some
-ranks while others take a step, raises on every rank instead of pairing
-with a collective of another kind. A module of its own so that the
-batch-norm layer, which ``make_functional`` uses in a single process too,
-needs nothing of DDP.
+to every open join block, DDP's or ZeRO's (:func:`before_collective`): the
+ranks that left mirror the block's own collectives only, so such a call
+made after some rank left, or by some ranks while others take a step,
+raises on every rank instead of pairing with a collective of another
+kind. A module of its own so that the batch-norm layer, which
+``make_functional`` uses in a single process too, needs nothing of DDP.
 """
 
 from __future__ import annotations
@@ -89,12 +89,23 @@ JOINS: contextvars.ContextVar[tuple[Join, ...]] = contextvars.ContextVar("fdp_jo
 
 @contextlib.contextmanager
 def joining(group: ProcessGroup | None, announce: Callable[[str], None]) -> Iterator[None]:
-    """A join block (DDP's, ZeRO's, DiLoCo's): fdp's collective calls inside announce themselves."""
+    """A join block (DDP's, ZeRO's): fdp's collective calls inside announce themselves."""
     token = JOINS.set((*JOINS.get(), Join(group, announce)))
     try:
         yield
     finally:
         JOINS.reset(token)
+
+
+def unmirrored(call: str, owner: str, announced: int, world: int) -> str:
+    """The error of a collective call that ``announced`` of ``world`` ranks made in a join."""
+    return (
+        f"{call}: a collective inside {owner}.join that not every rank makes at the same "
+        f"point ({announced} of the {world} ranks made it; the others had left or took a "
+        "step; an fdp collective, checkpoint or construction announces itself): the ranks "
+        "that left mirror the block's own collectives only, so every rank raises. Make it "
+        "after the join block, or at a point every rank reaches before any runs out of data"
+    )
 
 
 def _before_collective_traced(call: str, group: ProcessGroup | None) -> None:

@@ -391,10 +391,7 @@ class DistributedDataParallel:
         if self._joiner is not None:
             refused = synchronised and self._under_transform(leaves)
             src, prescale, broadcast = self._joiner.step(
-                leaves,
-                synchronised=synchronised,
-                refused=refused,
-                broadcast=broadcast,
+                leaves, synchronised=synchronised, refused=refused, broadcast=broadcast
             )
         if self._buffers is not None and broadcast:
             self._buffers.sync(leaves, src=src)

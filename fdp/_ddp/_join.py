@@ -13,9 +13,11 @@ and the block ends everywhere.
 
 A comm hook is mirrored by running it on zeros (``fdp/_ddp/_join_hooks.py``).
 The usage counts have a slot per bucketed leaf, whichever leaves the
-training ranks' calls reduce. ``fdp.sync_batch_norm`` is not mirrored: its collectives (one per
-layer in forward, one in backward, interleaved with the buckets'
-all-reduces) are known only to the model. Instead, while some rank has
+training ranks' calls reduce. fdp's other collective calls inside the
+block take part in the flags exchange first (:meth:`Joiner.announce`).
+``fdp.sync_batch_norm`` is not mirrored: its collectives (one per layer in
+forward, one in backward, interleaved with the buckets' all-reduces) are
+known only to the model. Instead, while some rank has
 left, it runs among the ranks still training, in a group made for them
 when the flags change (``dist.new_group``, which every process calls, so
 this needs ``ddp``'s group to hold every process; with one rank left it
@@ -38,7 +40,7 @@ from torch.distributed import ProcessGroup
 from fdp import _bucket, _compat
 from fdp._comm import _groups
 from fdp._comm._comm_hooks import CommHook
-from fdp._comm._training import ALONE, TRAINING, Group, Training, joining
+from fdp._comm._training import ALONE, TRAINING, Group, Training, joining, unmirrored
 from fdp._ddp import _join_hooks
 from fdp._ddp._buffers import Buffers
 from fdp._ddp._sparse import empty_sparse, reduce_sparse
@@ -173,7 +175,8 @@ class Joiner:
             raise NotImplementedError(UNDER_TRANSFORM)
         announced = int(flags[self.world + 3])
         if announced not in (0, self.world):
-            raise RuntimeError(self._unmirrored(call, announced))
+            what = call or "fdp.DistributedDataParallel.join"
+            raise RuntimeError(unmirrored(what, "DistributedDataParallel", announced, self.world))
         active = tuple(int(r) for r in flags[: self.world].nonzero())
         if active and active != self.training.ranks:
             self._regroup(active)
@@ -186,24 +189,8 @@ class Joiner:
         """A training rank's collective ``call`` (not ddp's): every rank makes it, or all raise."""
         self._exchange(training=True, synchronised=False, call=call)
 
-    def _unmirrored(self, call: str | None, announced: int) -> str:
-        what = call or "fdp.DistributedDataParallel.join"
-        return (
-            f"{what}: a collective inside DistributedDataParallel.join that not every rank "
-            f"makes at the same point ({announced} of the {self.world} ranks made it; the "
-            "others had left or took a step; an fdp collective, checkpoint or construction "
-            "announces itself): the ranks that left mirror ddp's reduction only, so every "
-            "rank raises. Make it after the join block, or at a point every rank reaches "
-            "before any runs out of data"
-        )
-
     def step(
-        self,
-        leaves: Sequence[Any],
-        *,
-        synchronised: bool,
-        refused: bool,
-        broadcast: bool,
+        self, leaves: Sequence[Any], *, synchronised: bool, refused: bool, broadcast: bool
     ) -> tuple[int, float | None, bool]:
         """A training rank's call: (the buffers' source, the gradient scale or None, broadcast?).
 

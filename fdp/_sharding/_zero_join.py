@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from fdp import _compat, _tree
+from fdp._comm import _training
 
 Step = Callable[[Any, Any, Any], tuple[Any, Any]]
 
@@ -57,14 +58,8 @@ class Joined:
             dist.all_reduce(flags, group=self.group)
         announced = int(flags[self.world])
         if announced not in (0, self.world):
-            raise RuntimeError(
-                f"{call or 'fdp.ZeroRedundancy.join'}: a collective inside "
-                "ZeroRedundancy.join that not every rank makes at the same point "
-                f"({announced} of the {self.world} ranks made it; the others had left or "
-                "took a step): the ranks that left mirror the steps only, so every rank "
-                "raises. Make it after the join block, or at a point every rank reaches "
-                "before any runs out of data"
-            )
+            what = call or "fdp.ZeroRedundancy.join"
+            raise RuntimeError(_training.unmirrored(what, "ZeroRedundancy", announced, self.world))
         return int(flags[: self.world].sum().item())
 
     def announce(self, call: str) -> None:
