@@ -67,14 +67,19 @@ def test_another_world_size_is_refused_naming_both(tmp_path: Path) -> None:
     tree_allclose(loaded, {"shared": torch.ones(3)}, rtol=0, atol=0)
 
 
+def _saved(path: str, state: Any) -> str:
+    """ "saved", or the message save_checkpoint raised."""
+    try:
+        fdp.save_checkpoint(path, state)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return "saved"
+
+
 def _zero_inside(rank: int, size: int, path: str) -> str:
     params = {"w": torch.ones(6)}
     zero = fdp.ZeroRedundancy(fdp.optim.sgd(0.1), params)
-    try:
-        fdp.save_checkpoint(path, {"opt": fdp.PerRank({"z": zero.init(params)})})
-    except TypeError as e:
-        return str(e)
-    return "saved"
+    return _saved(path, {"opt": fdp.PerRank({"z": zero.init(params)})})
 
 
 def test_a_zero_state_inside_is_refused_on_every_rank(tmp_path: Path) -> None:
@@ -91,11 +96,7 @@ def _unwrapped_diloco(rank: int, size: int, path: str) -> str:
     diloco = fdp.DiLoCo(fdp.optim.adamw(0.1), sync_every=4)
     state = diloco.init(params)
     params, state = diloco.update({"w": torch.full((3,), rank + 1.0)}, state, params)
-    try:
-        fdp.save_checkpoint(path, {"params": params, "opt": state})
-    except ValueError as e:
-        return str(e)
-    return "saved"
+    return _saved(path, {"params": params, "opt": state})
 
 
 def test_an_unwrapped_diloco_state_is_refused_pointing_at_per_rank(tmp_path: Path) -> None:
