@@ -68,7 +68,7 @@ def test_another_world_size_is_refused_naming_both(tmp_path: Path) -> None:
 
 
 def _saved(path: str, state: Any) -> str:
-    """ "saved", or the message save_checkpoint raised."""
+    """The message save_checkpoint raised, or "saved"."""
     try:
         fdp.save_checkpoint(path, state)
     except (TypeError, ValueError) as e:
