@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 from fdp import _bucket, _compat, _mode, _tree
 from fdp._comm import _agreement, _comm_hooks, _transforms
 from fdp._comm._comm_hooks import CommHook
-from fdp._ddp import _buffers, _forgotten, _join, _reuse, _traced
+from fdp._ddp import _buffers, _forgotten, _join, _join_hooks, _reuse, _traced
 from fdp._ddp._join import Joiner
 from fdp._ddp._reducer import Reducer
 from fdp._ddp._reduction import Reduction
@@ -330,7 +330,7 @@ class DistributedDataParallel:
             )
         if self._joiner is not None:
             raise RuntimeError("fdp.DistributedDataParallel.join: already inside join")
-        hooks = _join.HookPlan(reduction.hook, reduction.state, reduction.serial)
+        hooks = _join_hooks.HookPlan(reduction.hook, reduction.state, reduction.serial)
         self._joiner = Joiner(
             self._join_plan,
             self._refs,

@@ -39,10 +39,10 @@ from torch.distributed import ProcessGroup
 
 from fdp import _bucket, _compat
 from fdp._comm import _groups
-from fdp._comm._comm_hooks import CommHook
 from fdp._comm._training import ALONE, TRAINING, Group, Training, joining, unmirrored
 from fdp._ddp import _join_hooks
 from fdp._ddp._buffers import Buffers
+from fdp._ddp._join_hooks import HookPlan
 from fdp._ddp._sparse import empty_sparse, reduce_sparse
 
 UNDER_TRANSFORM = (
@@ -79,15 +79,6 @@ class JoinPlan:
     meta: tuple[tuple[torch.Size, torch.dtype, torch.device] | None, ...]
     order: tuple[int, ...]
     paths: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class HookPlan:
-    """The comm hook that reduces each bucket (None: the default sum) and its state."""
-
-    hook: CommHook | None = None
-    state: Any = None
-    serial: bool = False  # a bucket's reduction waits for the one before (PowerSGD)
 
 
 class Joiner:

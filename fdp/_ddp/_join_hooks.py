@@ -15,17 +15,24 @@ contribution to the sum, as a module's unused gradients would be.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from fdp import _bucket
 from fdp._comm import _comm_hooks
-from fdp._comm._comm_hooks import GradBucket
+from fdp._comm._comm_hooks import CommHook, GradBucket
 
-if TYPE_CHECKING:
-    from fdp._ddp._join import HookPlan
+
+@dataclasses.dataclass(frozen=True)
+class HookPlan:
+    """The comm hook that reduces each bucket (None: the default sum) and its state."""
+
+    hook: CommHook | None = None
+    state: Any = None
+    serial: bool = False  # a bucket's reduction waits for the one before (PowerSGD)
 
 
 class Usage(NamedTuple):
