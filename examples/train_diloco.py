@@ -26,6 +26,11 @@ held-out text (lower is better):
     torchrun --standalone --nproc_per_node=2 examples/train_diloco.py --model lm \
         --fragments 4 --overlap 1 --sync-dtype int8
 
+The DiLoCo run writes a checkpoint every ``--checkpoint-every`` steps and
+at its end: each worker's parameters and inner state are its own between
+synchronisations, saved as ``fdp.PerRank``; ``--resume`` continues from the
+newest, on as many workers (docs/checkpoints.md).
+
 Its last line is one JSON object. On torchft replica groups (a worker may
 die and heal): docs/fault_tolerance.md.
 """
@@ -78,6 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--max-loss", type=float, default=1.0, help="lm: exit 1 above this held-out loss"
     )
+    common.add_checkpoint_args(parser, "diloco", every=200)
     return parser.parse_args(argv)
 
 
@@ -196,7 +202,9 @@ def train(args: argparse.Namespace, task: Task, algorithm: str) -> tuple[Any, fl
     params, opt = task.init_params(), make_optimizer(args, algorithm)
     wire = "float32" if algorithm == "plain" else args.sync_dtype
     state, sent, peak = opt.init(params), 0.0, 0.0
-    progress = common.Progress(range(args.steps), unit=f"{algorithm} step")
+    saving = algorithm == "diloco"  # the run the script checkpoints
+    start, params, state = resumed(args, params, state) if saving else (0, params, state)
+    progress = common.Progress(range(start, args.steps), unit=f"{algorithm} step")
     for step in progress:
         x, y = task.batch(step, rank, world)
         grads, loss = fdp.grad_and_value(task.loss)(params, x, y)
@@ -210,7 +218,29 @@ def train(args: argparse.Namespace, task: Task, algorithm: str) -> tuple[Any, fl
         params, state = opt.update(grads, state, params)
         progress.step(len(x) * world)
         progress.show(loss=float(loss))
-    return params, sent / args.steps, peak
+        if saving and (step + 1 == args.steps or (step + 1) % args.checkpoint_every == 0):
+            save(args, step + 1, params, state)
+    return params, sent / max(1, args.steps - start), peak
+
+
+def save(args: argparse.Namespace, step: int, params: Any, state: Any) -> None:
+    """Each worker's own parameters and DiLoCo state (``fdp.PerRank``), and the step."""
+    path = args.checkpoint_dir / f"step_{step}"
+    fdp.save_checkpoint(
+        path, {"worker": fdp.PerRank({"params": params, "opt": state}), "step": step}
+    )
+    common.log(f"checkpoint written: {path}")
+
+
+def resumed(args: argparse.Namespace, params: Any, state: Any) -> tuple[int, Any, Any]:
+    """The step to start at, and this worker's parameters and state (``--resume``'s)."""
+    found = common.resume_from(args)
+    if found is None:
+        return 0, params, state
+    like: dict[str, Any] = {"worker": fdp.PerRank({"params": params, "opt": state}), "step": 0}
+    loaded = fdp.load_checkpoint(found, like)
+    worker = loaded["worker"].value
+    return int(loaded["step"]), worker["params"], worker["opt"]
 
 
 WIRES = {"float32": None, "bfloat16": torch.bfloat16, "int8": torch.int8}

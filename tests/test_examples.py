@@ -93,6 +93,10 @@ LM_MUON_ARGS = (*LM_ARGS, "--optimizer", "muon")  # each matrix on one owner ran
 HF = ("examples/finetune_hf.py", "--steps", "12", "--checkpoint-every", "5", "--resume")
 HF_FSDP_ARGS = (*HF, "--fsdp", "--loss-threshold", "100")
 HF_DDP_ARGS = (*HF, "--loss-threshold", "100")
+# Streaming DiLoCo (each worker's own state, fdp.PerRank): fragment 1 is in flight at step 10.
+DILOCO = ("examples/train_diloco.py", "--steps", "30", "--sync-every", "7", "--fragments", "2")
+DILOCO_ARGS = (*DILOCO, "--overlap", "1", "--checkpoint-every", "10", "--resume")
+DILOCO_ARGS = (*DILOCO_ARGS, "--min-accuracy", "0")
 # The ported torch script: 2 epochs of 23 steps, checkpoints at 10, 20, ... and 46.
 PORTED = ("examples/train_cnn_ported.py", "--epochs", "2", "--checkpoint-every", "10")
 PORTED_ARGS = (*PORTED, "--min-accuracy", "0", "--resume")
@@ -187,6 +191,7 @@ class _Uninterrupted:
             "lm": LM_ARGS,
             "lm_muon": LM_MUON_ARGS,
             "ported": PORTED_ARGS,
+            "diloco": DILOCO_ARGS,
         }
         if HAS_TRANSFORMERS:
             self.runs |= {"hf_fsdp": HF_FSDP_ARGS, "hf_ddp": HF_DDP_ARGS}
@@ -212,6 +217,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> _Uninterrupted:
         "lm",
         "lm_muon",
         "ported",
+        "diloco",
         pytest.param("hf_fsdp", marks=NEEDS_TRANSFORMERS),
         pytest.param("hf_ddp", marks=NEEDS_TRANSFORMERS),
     ],
@@ -225,6 +231,7 @@ def test_a_killed_rank_restarts_and_ends_where_an_uninterrupted_run_does(
         "lm": (LM_ARGS, "step_5"),
         "lm_muon": (LM_MUON_ARGS, "step_5"),
         "ported": (PORTED_ARGS, "step_10"),
+        "diloco": (DILOCO_ARGS, "step_10"),
         "hf_fsdp": (HF_FSDP_ARGS, "step_5"),
         "hf_ddp": (HF_DDP_ARGS, "step_5"),
     }[name]
