@@ -95,8 +95,8 @@ HF_FSDP_ARGS = (*HF, "--fsdp", "--loss-threshold", "100")
 HF_DDP_ARGS = (*HF, "--loss-threshold", "100")
 # Streaming DiLoCo (each worker's own state, fdp.PerRank): fragment 1 is in flight at step 10.
 DILOCO = ("examples/train_diloco.py", "--steps", "30", "--sync-every", "7", "--fragments", "2")
-DILOCO_ARGS = (*DILOCO, "--overlap", "1", "--checkpoint-every", "10", "--resume")
-DILOCO_ARGS = (*DILOCO_ARGS, "--min-accuracy", "0")
+STREAMING = ("--overlap", "1", "--checkpoint-every", "10", "--resume", "--min-accuracy", "0")
+DILOCO_ARGS = (*DILOCO, *STREAMING)
 # The ported torch script: 2 epochs of 23 steps, checkpoints at 10, 20, ... and 46.
 PORTED = ("examples/train_cnn_ported.py", "--epochs", "2", "--checkpoint-every", "10")
 PORTED_ARGS = (*PORTED, "--min-accuracy", "0", "--resume")
