@@ -351,6 +351,8 @@ def _sparse(rank: int, size: int, how: str, caps: str = "tiny") -> dict[str, tor
     # "one": both leaves in one bucket and one alias node, which packs the run
     # at once only where every gradient is dense (fdp/_ddp/_runs.py).
     ddp = fdp.DistributedDataParallel(params, **(TINY if caps == "tiny" else {}))
+    if how == "frozen" and rank == 1:  # this rank stops training the table
+        params["embed"].requires_grad_(False)
     if how == "no_sync":  # a local sparse gradient first, folded into the reduction
         with ddp.no_sync():
             torch.autograd.backward(sparse_loss(ddp(params), rank, 1, how))
@@ -363,9 +365,26 @@ def _sparse(rank: int, size: int, how: str, caps: str = "tiny") -> dict[str, tor
     embed = params["embed"].grad
     if how == "join" and rank == 1:  # it left at once: no gradient of its own
         return {}
+    if how == "frozen" and rank == 1:  # it took part in the reduction, with nothing
+        assert embed is None
+        return {"w": params["w"].grad}  # type: ignore[dict-item]
     assert embed is not None
     assert embed.is_sparse  # as torch's DDP gives it
     return {"embed": embed.to_dense(), "w": params["w"].grad}  # type: ignore[dict-item]
+
+
+def _sparse_reference(how: str, size: int) -> dict[str, torch.Tensor]:
+    """One process: the ranks' mean loss (a table frozen on rank 1 is a constant there)."""
+    params = sparse_params()
+    active = [0] if how == "join" else list(range(size))
+    frozen = {**params, "embed": params["embed"].detach()}
+    losses = [sparse_loss(frozen if how == "frozen" and r == 1 else params, r, 0, how)
+              for r in active]  # fmt: skip
+    if how == "no_sync":
+        losses += [sparse_loss(params, r, 1, how) for r in range(size)]
+    torch.autograd.backward(torch.stack(losses).sum() / size)
+    grads = {k: p.grad for k, p in params.items() if p.grad is not None}
+    return {k: g.to_dense() if g.is_sparse else g for k, g in grads.items()}
 
 
 @pytest.mark.parametrize(
@@ -375,24 +394,22 @@ def _sparse(rank: int, size: int, how: str, caps: str = "tiny") -> dict[str, tor
         ("one_rank", "tiny"),
         ("no_sync", "tiny"),
         ("join", "tiny"),
+        ("frozen", "tiny"),
         ("both_ranks", "one"),
         ("no_sync", "one"),
     ],
 )
 def test_sparse_gradients_are_reduced(how: str, caps: str) -> None:
     # nn.Embedding(sparse=True): torch's DDP reduces sparse gradients (before: refused).
-    size = 2
-    params = sparse_params()
-    active = [0] if how == "join" else list(range(size))
-    losses = [sparse_loss(params, r, 0, how) for r in active]
-    if how == "no_sync":
-        losses += [sparse_loss(params, r, 1, how) for r in range(size)]
-    torch.autograd.backward(torch.stack(losses).sum() / size)
-    for got in ranks.world(size).run(_sparse, how, caps)[: len(active)]:
-        for name, p in params.items():
-            assert p.grad is not None
-            expected = p.grad.to_dense() if p.grad.is_sparse else p.grad
-            torch.testing.assert_close(got[name], expected, **TOL, msg=name)
+    # "frozen": the table frozen on rank 1 only. Before, that rank skipped the sparse
+    # all-reduce the other made, and both waited for the process group's timeout.
+    expected = _sparse_reference(how, 2)
+    results = ranks.world(2).run(_sparse, how, caps)
+    for got in results[:1] if how == "join" else results:
+        assert got.keys() <= expected.keys()
+        for name, t in got.items():
+            torch.testing.assert_close(t, expected[name], **TOL, msg=name)
+    assert len(results[0]) == 2
 
 
 def _gloo_allreduce_hook(
@@ -417,6 +434,8 @@ def _sparse_hooked(rank: int, size: int, how: str, hook: str) -> Any:
         "torch_default": default_hooks.allreduce_hook,
     }[hook]
     ddp = fdp.DistributedDataParallel(params, comm_hook=comm_hook, **TINY)
+    if how == "frozen" and rank == 1:
+        params["embed"].requires_grad_(False)
     SEEN.clear()
     if how == "join":  # rank 1 leaves at once: it mirrors the hook on zeros, sparse bucket too
         with ddp.join():
@@ -427,30 +446,28 @@ def _sparse_hooked(rank: int, size: int, how: str, hook: str) -> Any:
     else:
         torch.autograd.backward(sparse_loss(ddp(params), rank, 0, how))
     embed = params["embed"].grad
+    if how == "frozen" and rank == 1:  # the hook ran on its empty sparse bucket too
+        assert embed is None
+        return {"w": params["w"].grad}, list(SEEN)
     assert embed is not None
     assert embed.is_sparse
     return {"embed": embed.to_dense(), "w": params["w"].grad}, list(SEEN)
 
 
 @pytest.mark.parametrize("hook", ["torch_test", "fdp", "torch_default"])
-@pytest.mark.parametrize("how", ["both_ranks", "one_rank", "join"])
+@pytest.mark.parametrize("how", ["both_ranks", "one_rank", "join", "frozen"])
 def test_a_comm_hook_reduces_a_sparse_bucket(how: str, hook: str) -> None:
     # torch's test_ddp_comm_hook_sparse_gradients: before, fdp refused any hook but its own,
-    # and any hook inside join.
-    size = 2
-    params = sparse_params()
-    active = [0] if how == "join" else list(range(size))
-    losses = [sparse_loss(params, r, 0, how) for r in active]
-    torch.autograd.backward(torch.stack(losses).sum() / size)
-    for got, seen in ranks.world(size).run(_sparse_hooked, how, hook):
+    # and any hook inside join. "frozen": see test_sparse_gradients_are_reduced.
+    expected = _sparse_reference(how, 2)
+    results = ranks.world(2).run(_sparse_hooked, how, hook)
+    for got, seen in results:
         if hook == "torch_test":
             assert seen == [False, False, True]  # two dense buckets, then the sparse one
-        if not got:  # the rank that left
-            continue
-        for name, p in params.items():
-            assert p.grad is not None
-            expected = p.grad.to_dense() if p.grad.is_sparse else p.grad
-            torch.testing.assert_close(got[name], expected, **TOL, msg=name)
+        assert got.keys() <= expected.keys()
+        for name, t in got.items():
+            torch.testing.assert_close(t, expected[name], **TOL, msg=name)
+    assert len(results[0][0]) == 2
 
 
 # --------------------------------------------------------------- hooks

@@ -127,6 +127,40 @@ def test_a_leaf_frozen_on_one_rank_only_is_caught_at_the_check(hooked: bool) -> 
         )
 
 
+def _sparse_frozen_on_one_rank(rank: int, size: int) -> Any:
+    """An embedding with sparse gradients that rank 0 freezes after the first step."""
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "embed": torch.randn(10, 4, generator=g).requires_grad_(),
+        "w": torch.randn(4, generator=g).requires_grad_(),
+    }
+    ddp = fdp.DistributedDataParallel(params, check_replicas_every=2)
+    try:
+        for step in range(STEPS):
+            if step == 1 and rank == 0:
+                params["embed"].requires_grad_(False)
+            p = ddp(params)
+            rows = torch.nn.functional.embedding(
+                torch.tensor([rank, 3, step]), p["embed"], sparse=True
+            )
+            torch.autograd.backward((rows * p["w"]).sum())
+            with torch.no_grad():
+                _sgd(params, 0.1)
+    except ValueError as e:
+        return step, str(e)
+    return None, None
+
+
+def test_a_sparse_table_frozen_on_one_rank_only_is_caught_at_the_check() -> None:
+    # Before, rank 0 skipped the sparse all-reduce rank 1 made: both waited for the timeout.
+    for step, message in ranks.world(2).run(_sparse_frozen_on_one_rank):
+        assert step == 3
+        assert message.startswith(
+            "fdp.DistributedDataParallel: `params` leaf params['embed'] expected the same "
+            "values on every rank after 4 reduced backwards; got different values"
+        )
+
+
 def _own_buffer(rank: int, size: int) -> Any:
     """A buffer each rank's forward updates from its own batch, as BatchNorm's statistics."""
     params: dict[str, Any] = {**mlp_params(), "seen": torch.zeros(())}

@@ -28,6 +28,7 @@ def reduce_sparse(
     *,
     hook: Any = None,
     bucket: tuple[Any, int, bool, str] | None = None,
+    own: bool = True,
 ) -> torch.Tensor:
     """``leaf.grad`` plus ``kept``, as a sparse tensor, summed over ranks, times ``scale``.
 
@@ -35,10 +36,11 @@ def reduce_sparse(
     flagged sparse (a rank without such a gradient, and ``join``'s ranks
     that left, with an empty one). With ``hook`` (a comm hook; ``bucket``:
     its state, the bucket's index, whether it is the last, the leaf's
-    path), the hook's average instead.
+    path), the hook's average instead. ``own=False``: ``leaf.grad`` left out
+    (a leaf this rank does not train takes part with nothing).
     """
     grad = empty_sparse(leaf.shape, leaf.dtype, leaf.device)
-    for part in (leaf.grad, kept):
+    for part in (leaf.grad if own else None, kept):
         if part is not None:
             grad = grad + (part if part.is_sparse else part.to_sparse(sparse_dim=1))
     grad = grad.coalesce()

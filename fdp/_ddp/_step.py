@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fdp import _compat, _grad
 from fdp._comm import _comm_hooks
@@ -428,31 +427,47 @@ class Step:
         """Counts, over ranks, which hooked leaves had a gradient (one small all-reduce)."""
         return _usage.launch(self)
 
-    def _hand_out(self, used: Sequence[float], late: float) -> None:
-        """``.grad`` becomes the reduced view; it stays ``None`` where no rank had one."""
-        strided = torch.strided
+    def _hand_out(self, used: Sequence[float], late: float, sparse: list[int]) -> None:
+        """``.grad`` becomes the reduced view; it stays ``None`` where no rank had one.
+
+        ``sparse``: the leaves any rank flagged sparse, reduced on every rank
+        in that order (:func:`_usage.summed`), a leaf this rank does not
+        hook (frozen here only) too, whose result it drops: the replicas'
+        check then names the leaf, as for a dense one.
+        """
         if late > 0:
             _late.reduce(self)
-        sparse_count = dist.get_world_size(self.reduction.group) + 1
-        if used and min(used) > 0 and max(used) < sparse_count:  # every leaf dense, used
+        if sparse:
+            self._reduce_sparse(sparse)
+        if used and min(used) > 0 and not sparse:  # every leaf dense, used
             self.plan.hand_out_all(self.leaves, self.buckets)
             return
-        sparse = [i for i, count in zip(self.hooked, used, strict=True) if count >= sparse_count]
+        strided, flagged = torch.strided, set(sparse)
         for i, count in zip(self.hooked, used, strict=True):
-            if count >= sparse_count:
-                leaf, r = self.leaves[i], self.reduction
-                # With a hook: a bucket of its own, after the dense ones, as in torch.
-                k = len(self.buckets) + sparse.index(i)
-                bucket = (r.state, k, i == sparse[-1], r.paths[i])
-                leaf.grad = reduce_sparse(
-                    leaf, self.sparse.get(i), self.prescale, r.group, hook=r.hook, bucket=bucket
-                )
-            elif count > 0:
+            if count > 0 and i not in flagged:
                 leaf, view = self.leaves[i], self.view(i)
                 grad = leaf.grad
                 # Most already hold the alias into_bucket gave the engine: kept.
                 if grad is None or grad.layout is not strided or grad.data_ptr() != view.data_ptr():
                     leaf.grad = view.detach()
+
+    def _reduce_sparse(self, sparse: list[int]) -> None:
+        """Each flagged leaf's sparse reduction; with a hook, a bucket of its own after the
+        dense ones, as in torch."""
+        r, mine = self.reduction, set(self.hooked)
+        for n, i in enumerate(sparse):
+            leaf, bucket = (
+                self.leaves[i],
+                (r.state, len(self.buckets) + n, n == len(sparse) - 1, r.paths[i]),
+            )
+            if i in mine:
+                leaf.grad = reduce_sparse(
+                    leaf, self.sparse.get(i), self.prescale, r.group, hook=r.hook, bucket=bucket
+                )
+            else:
+                reduce_sparse(
+                    leaf, None, self.prescale, r.group, hook=r.hook, bucket=bucket, own=False
+                )
 
 
 def _pack_old(view: torch.Tensor, old: torch.Tensor | None, scale: float) -> None:

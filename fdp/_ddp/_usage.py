@@ -71,21 +71,33 @@ def write(step: StepState, tail: torch.Tensor) -> None:
 
 def summed(
     step: StepState, usage: tuple[torch.Tensor, Any] | None
-) -> tuple[Sequence[float], float] | None:
+) -> tuple[Sequence[float], float, list[int]] | None:
     """The counts of the hooked leaves and of late gradients over ranks, once reduced.
 
     From the last bucket's tail where they rode it, else from ``usage``
-    (:func:`launch`'s); None where the step counted nothing.
+    (:func:`launch`'s); None where the step counted nothing. Third, the
+    leaves any rank flagged sparse, of every bucketed leaf (hooked here or
+    not: a leaf frozen on this rank only still takes part in their
+    reductions), in the usage slots' order, the same on every rank.
     """
     if step.rides:
         last = step.buckets[-1].flat
         if last is None:
             raise RuntimeError("fdp internal error: the last bucket was never launched")
-        tail = last[step.reduction.layout.buckets[-1].numel :].tolist()
-        return step.plan.counts(tail), tail[-1]
-    if usage is None:
+        values = last[step.reduction.layout.buckets[-1].numel :].tolist()
+    elif usage is None:
         return None
-    reduced, work = usage
-    work.wait()
-    values = reduced.tolist()
-    return step.plan.counts(values), values[-1]
+    else:
+        reduced, work = usage
+        work.wait()
+        values = reduced.tolist()
+    return step.plan.counts(values), values[-1], _sparse(step, values)
+
+
+def _sparse(step: StepState, values: list[float]) -> list[int]:
+    """The bucketed leaves whose summed count says some rank's gradient was sparse."""
+    sparse = float(dist.get_world_size(step.reduction.group) + 1)
+    if max(values[:-1], default=0.0) < sparse:  # the common step: a C-level test
+        return []
+    order = step.reduction.layout.order
+    return [i for i, count in zip(order, values, strict=False) if count >= sparse]
