@@ -316,6 +316,10 @@ def _bad_input(rank: int, size: int) -> None:
         ValueError, match=r"`grads` leaf grads\['b'\]\[0\] expected a tensor of shape \(2, 2\)"
     ):
         zero.step({"a": torch.ones(3), "b": [torch.ones(4)]}, state, params)
+    csr = {"a": torch.ones(3), "b": [torch.ones(2, 2).to_sparse_csr()]}
+    with pytest.raises(ValueError, match=r"`grads` leaf grads\['b'\]\[0\] expected a dense .*"
+                       r"sparse COO tensor; got .* layout torch.sparse_csr"):  # fmt: skip
+        zero.step(csr, state, params)
     with pytest.raises(ValueError, match=r"`params` leaf params\['a'\] expected a tensor of shape"):
         zero.step(params, state, {"a": torch.ones(4), "b": [torch.ones(2, 2)]})
     with pytest.raises(ValueError, match=r"`state` expected the ZeroState this ZeroRedundancy"):
@@ -324,6 +328,64 @@ def _bad_input(rank: int, size: int) -> None:
 
 def test_bad_input_is_refused_with_the_argument_and_leaf_path() -> None:
     ranks.world(2).run(_bad_input)
+
+
+def _sparse_table(step: int, rank: int, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An embedding looked up with sparse gradients (no rows on rank 1 at step 1), and a weight."""
+    ids = (
+        torch.tensor([], dtype=torch.long)
+        if (step, rank) == (1, 1)
+        else torch.tensor([rank, 3, step])
+    )
+    rows = torch.nn.functional.embedding(ids, p["embed"], sparse=True)
+    return (torch.tanh(rows) * p["w"]).sum() + (p["w"] ** 2).sum()
+
+
+def _sparse_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"embed": torch.randn(6, 4, generator=g), "w": torch.randn(4, generator=g)}
+
+
+def _sparse_grads(step: int, rank: int, params: dict[str, torch.Tensor]) -> Any:
+    p = {k: v.detach().requires_grad_() for k, v in params.items()}
+    torch.autograd.backward(_sparse_table(step, rank, p))
+    return {k: v.grad for k, v in p.items()}
+
+
+def _sparse_steps(rank: int, size: int, stage: int, name: str) -> list[torch.Tensor]:
+    params = _sparse_params()
+    zero = fdp.ZeroRedundancy(_SPARSE_OPT[name](), params, stage=stage)
+    state = zero.init(params)
+    for step in range(3):
+        params, state = zero.step(_sparse_grads(step, rank, params), state, params)
+    return list(params.values())
+
+
+_SPARSE_OPT: dict[str, Callable[[], Any]] = {
+    "sgd": lambda: fdp.optim.sgd(0.1, momentum=0.9),
+    "adamw": lambda: fdp.optim.adamw(0.1),
+}
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sparse_gradients_step_as_one_process_on_their_mean(stage: int, name: str) -> None:
+    # nn.Embedding(sparse=True) under ZeRO (before: "reshape is not implemented for sparse
+    # tensors" from the packing). Reduced as the dense tensors they stand for: SGD steps
+    # to what one process's sparse step gives, AdamW (which has no sparse kernels, as
+    # torch's) to its step on the dense mean.
+    opt, params = _SPARSE_OPT[name](), _sparse_params()
+    state = opt.init(params)
+    for step in range(3):
+        parts = [_sparse_grads(step, r, params) for r in range(2)]
+        mean = {k: (parts[0][k] + parts[1][k]) / 2 for k in params}
+        assert mean["embed"].is_sparse
+        if name == "adamw":
+            mean = {k: g.to_dense() for k, g in mean.items()}
+        params, state = opt.update(mean, state, params)
+    for got in ranks.world(2).run(_sparse_steps, stage, name):
+        for t, expected in zip(got, params.values(), strict=True):
+            torch.testing.assert_close(t, expected)
 
 
 def _kept_results(rank: int, size: int, stage: int) -> tuple[bool, int]:

@@ -26,7 +26,7 @@ from fdp._sharding import _owners, _shards, _zero_comm, _zero_join
 from fdp._sharding._shards import Part, Shards, ZeroState
 from fdp.optim import _base, _clip, _whole
 from fdp.optim._base import OptimizerProtocol
-from fdp.optim._checks import check_grad
+from fdp.optim._checks import check_grad, dense_grad
 
 T = TypeVar("T")
 
@@ -421,7 +421,7 @@ class ZeroRedundancy:
         for i in self._trained:
             if leaves[i] is not None:
                 check_grad(call, params, i, p[i], leaves[i])
-                out[i] = leaves[i]
+                out[i] = dense_grad(call, params, i, leaves[i])  # the buckets are dense
         return out
 
     def _share_traced(self, call: str, error: Exception, grads: Any) -> None:

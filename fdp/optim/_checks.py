@@ -126,3 +126,20 @@ def check_grad(call: str, params: Any, i: int, p: torch.Tensor, g: Any) -> None:
             f"{call}: `grads` leaf {_tree.path(params, i, 'grads')} expected a tensor of shape "
             f"{tuple(p.shape)} and dtype {p.dtype}; got {_tree.describe(g)}"
         )
+
+
+def dense_grad(call: str, params: Any, i: int, g: torch.Tensor) -> torch.Tensor:
+    """``g`` as a dense tensor for a dense bucket: a sparse COO gradient densified.
+
+    ``nn.Embedding(sparse=True)`` gives one; its reduction as the dense
+    tensor it stands for steps SGD to the values of torch's sparse step.
+    Other layouts are refused by name.
+    """
+    if g.layout is torch.strided:
+        return g
+    if g.layout is torch.sparse_coo:
+        return g.to_dense()
+    raise ValueError(
+        f"{call}: `grads` leaf {_tree.path(params, i, 'grads')} expected a dense (strided) or "
+        f"sparse COO tensor; got {_tree.describe(g)}, layout {g.layout}"
+    )
