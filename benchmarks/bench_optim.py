@@ -18,6 +18,13 @@ The default and the donated step are also timed against torch's step head to
 head, each pair alone, alternating, four times the rounds
 (``head_to_head.<optimizer>.fdp_vs_torch``, ``...fdp_donated_vs_torch``).
 
+Last, SGD with momentum head to head once more on a tree larger than this
+machine's caches (50 leaves of 1024x1024, 200 MiB a tree, against 12.8 MiB
+above): ``large.sgd_momentum.fdp_vs_torch``, ``...fdp_donated_vs_torch``.
+At 12.8 MiB torch's in-place step keeps its three trees (38 MiB) mostly in
+a 32 MiB L3, while a pure step's five (64 MiB) do not; past the caches both
+stream from memory, and what is left is the pure step's two new trees.
+
     python benchmarks/bench_optim.py
     python benchmarks/bench_optim.py --quick
 """
@@ -38,6 +45,7 @@ from timing import STEADY_ALLOCATOR, interleaved, paired
 import fdp
 
 LEAVES, SHAPE = 200, (128, 128)
+LARGE = 50, (1024, 1024)
 # The targets' comparisons, timed again as a pair alone, alternating
 # (timing.paired: the median of the rounds' ratios). In the six-way rotation
 # the pure steps' new trees, freed and faulted in again, sit between the
@@ -45,9 +53,9 @@ LEAVES, SHAPE = 200, (128, 128)
 HEAD_TO_HEAD = ("fdp", "fdp_donated")
 
 
-def tree() -> dict[str, torch.Tensor]:
+def tree(leaves: int = LEAVES, shape: tuple[int, int] = SHAPE) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {f"w{i:03d}": torch.randn(*SHAPE, generator=g) for i in range(LEAVES)}
+    return {f"w{i:03d}": torch.randn(*shape, generator=g) for i in range(leaves)}
 
 
 OPTIMIZERS: dict[str, tuple[Any, type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -57,18 +65,21 @@ OPTIMIZERS: dict[str, tuple[Any, type[torch.optim.Optimizer], dict[str, Any]]] =
 }
 
 
-def bench(name: str, rounds: int, *, steady_child: bool = False) -> dict[str, float]:
+def bench(
+    name: str, rounds: int, *, steady_child: bool = False, large: bool = False
+) -> dict[str, float]:
     fdp_make, torch_cls, hyper = OPTIMIZERS[name]
-    grads = {k: torch.randn_like(v) for k, v in tree().items()}
+    sizes = LARGE if large else (LEAVES, SHAPE)
+    grads = {k: torch.randn_like(v) for k, v in tree(*sizes).items()}
 
     def torch_step(**how: Any) -> Any:
-        leaves = [t.requires_grad_() for t in tree().values()]
+        leaves = [t.requires_grad_() for t in tree(*sizes).values()]
         for t, g in zip(leaves, grads.values(), strict=True):
             t.grad = g
         return torch_cls(leaves, **how, **hyper).step
 
     def fdp_step(opt: Any, *, donate: bool = False, compiled: bool = False) -> Any:
-        box: dict[str, Any] = {"params": tree()}
+        box: dict[str, Any] = {"params": tree(*sizes)}
         box["state"] = opt.init(box["params"])
         update = torch.compile(opt.update, fullgraph=True) if compiled else opt.update
 
@@ -77,6 +88,12 @@ def bench(name: str, rounds: int, *, steady_child: bool = False) -> dict[str, fl
 
         return step
 
+    if large:  # past the caches: the two pure steps against torch's, head to head
+        base, out = torch_step(foreach=True), {}
+        for variant, donate in (("fdp", False), ("fdp_donated", True)):
+            step = fdp_step(fdp_make(**hyper), donate=donate)
+            out[variant], _, _ = paired(base, step, rounds=rounds, repeats=2)
+        return out
     if steady_child:  # the allocator's share: the eager default and torch's step only
         return interleaved({"torch": torch_step(foreach=True), "fdp": fdp_step(fdp_make(**hyper))},
                            rounds=rounds, repeats=5)  # fmt: skip
@@ -144,6 +161,10 @@ def main() -> None:
     print("glibc's allocator held steady: fdp eager / torch foreach "
           + ", ".join(f"{k.split('.')[0]} {v:.2f}x" for k, v in held.items()))  # fmt: skip
     figures |= {f"steady_allocator.{k}": v for k, v in held.items()}
+    big = bench("sgd_momentum", rounds, large=True)
+    print(f"sgd_momentum, {LARGE[0]} leaves of {LARGE[1]}, head to head: "
+          f"fdp {big['fdp']:.2f}x, donated {big['fdp_donated']:.2f}x")  # fmt: skip
+    figures |= {f"large.sgd_momentum.{v}_vs_torch": r for v, r in big.items()}
     results.record("bench_optim", figures)
 
 
