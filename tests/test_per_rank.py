@@ -67,6 +67,22 @@ def test_another_world_size_is_refused_naming_both(tmp_path: Path) -> None:
     tree_allclose(loaded, {"shared": torch.ones(3)}, rtol=0, atol=0)
 
 
+def test_per_rank_and_replicated_entries_that_do_not_match_are_named(tmp_path: Path) -> None:
+    # Before: a PerRank leaf over a replicated entry was reported as an entry `like`
+    # "has no leaf for", and a PerRank entry loaded as a plain leaf gave no hint.
+    fdp.save_checkpoint(tmp_path / "plain", {"seen": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"`like` leaf like\['seen'\] expected each rank's own "
+                       r"values \(it is an fdp.PerRank\); the checkpoint holds one for every "
+                       r"rank there \(\['seen'\], saved without PerRank\)"):  # fmt: skip
+        fdp.load_checkpoint(tmp_path / "plain", {"seen": fdp.PerRank(torch.zeros(2))})
+    fdp.save_checkpoint(tmp_path / "own", {"seen": fdp.PerRank(torch.ones(2))})
+    with pytest.raises(ValueError, match=r"\(\['seen'\] was saved in fdp.PerRank, each rank's "
+                       r"own: put an fdp.PerRank there in `like`\)"):  # fmt: skip
+        fdp.load_checkpoint(tmp_path / "own", {"seen": torch.zeros(2)})
+    loaded = fdp.load_checkpoint(tmp_path / "own", {"seen": fdp.PerRank(torch.zeros(2))})
+    assert torch.equal(loaded["seen"].value, torch.ones(2))
+
+
 def _saved(path: str, state: Any) -> str:
     """The message save_checkpoint raised, or "saved"."""
     try:

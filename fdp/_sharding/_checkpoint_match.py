@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
+from fdp._sharding._per_rank import MARK
+
 RNG = "_fdp/rng/"
 # A ZeroState's layout record: read when a ZeroState loads, else informational.
 ORDERS = ".memory_orders"
@@ -97,9 +99,16 @@ def check_unread(call: str, path: str, entries: Collection[str], metadata: dict[
         k for k in metadata if k not in entries and not k.startswith(RNG) and not k.endswith(ORDERS)
     )
     if unread:
+        ranked = next((k for k in unread if MARK in k), None)
         raise ValueError(
             f"{call}: the checkpoint at `path` {path!r} holds {len(unread)} entries that `like` "
             f"has no leaf for: {unread[:10]}{' ...' if len(unread) > 10 else ''}; give `like` "
             "those leaves (a torch optimizer: the Optimizer itself or its state_dict(), which "
             "load whole), or pass strict=False to load the rest without them"
+            + (
+                ""
+                if ranked is None
+                else f" ({ranked.partition(MARK)[0]} was saved in "
+                "fdp.PerRank, each rank's own: put an fdp.PerRank there in `like`)"
+            )
         )

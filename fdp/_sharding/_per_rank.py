@@ -28,6 +28,7 @@ __all__ = ["Expanded", "PerRank", "expand"]
 
 V = TypeVar("V")
 _PREFIX = "_fdp/rank "
+MARK = f"['{_PREFIX}"  # in an entry's key: one rank's own value lies under it
 _KEY = re.compile(r"\['_fdp/rank (\d+) of (\d+)'\]")
 
 
@@ -92,10 +93,22 @@ class Expanded:
         """The entries of the other ranks' ``PerRank`` values, checked against this world size.
 
         Raises where the checkpoint's ``PerRank`` entries at a path were
-        saved by another number of ranks.
+        saved by another number of ranks, or where it holds a value saved
+        for every rank (without ``PerRank``).
         """
         covered = set()
         for path, mine in self.prefixes.items():
+            shared = [
+                k
+                for k in metadata
+                if (k == path or k.startswith(f"{path}[")) and not _KEY.match(k, len(path))
+            ]
+            if shared:
+                raise ValueError(
+                    f"{call}: `like` leaf like{path} expected each rank's own values (it is an "
+                    f"fdp.PerRank); the checkpoint holds one for every rank there ({shared[0]}, "
+                    "saved without PerRank): load it without the PerRank"
+                )
             saved = {
                 int(m.group(2))
                 for k in metadata
