@@ -456,10 +456,8 @@ class Step:
         dense ones, as in torch."""
         r, mine = self.reduction, set(self.hooked)
         for n, i in enumerate(sparse):
-            leaf, bucket = (
-                self.leaves[i],
-                (r.state, len(self.buckets) + n, n == len(sparse) - 1, r.paths[i]),
-            )
+            leaf = self.leaves[i]
+            bucket = (r.state, len(self.buckets) + n, n == len(sparse) - 1, r.paths[i])
             if i in mine:
                 leaf.grad = reduce_sparse(
                     leaf, self.sparse.get(i), self.prescale, r.group, hook=r.hook, bucket=bucket
