@@ -9,7 +9,8 @@ references are exact. Each is run through ``fdp.make_functional`` and:
   the module on each half (a BatchNorm normalises each replica's half);
 - ``fdp.DistributedDataParallel`` on 2 ranks, against torch's
   ``DistributedDataParallel`` on the same rank and one process averaging
-  the ranks' losses: gradients and buffers;
+  the ranks' losses: gradients and buffers (and with Hugging Face's
+  gradient checkpointing, reentrant or not);
 - ``fdp.ZeroRedundancy`` (AdamW), against torch's
   ``ZeroRedundancyOptimizer`` and one process: parameters after a step;
 - ``fdp.FullyShardedDataParallel`` with its default units (one per block of
@@ -184,6 +185,46 @@ def test_ddp_matches_torch_ddp_and_one_process(name: str) -> None:
         # Buffers: rank 0's broadcast before the forward, then this rank's update.
         check(buffers, torch_buffers, f"{name} rank {rank}: buffers against torch's DDP")
         check(buffers, buffers_of(own[rank]), f"{name} rank {rank}: buffers")
+
+
+def _ddp_checkpointed(rank: int, size: int, name: str, reentrant: bool, how: str) -> Any:
+    """fdp DDP over the model with Hugging Face's gradient checkpointing, and torch's DDP."""
+    model, torch_model = build(name), build(name)
+    for m in (model, torch_model):
+        m.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+        )
+    fn, state = fdp.make_functional(model)
+    ddp = fdp.DistributedDataParallel(state)
+    if how == "backward":
+        torch.autograd.backward(fn(ddp(state), **inputs(name, rank)).loss)
+        got = grads_of(model)
+    else:
+        params = {k: v.detach() for k, v in state.items() if v.requires_grad}
+        buffers = {k: v for k, v in state.items() if not v.requires_grad}
+        got = fdp.grad(lambda p: fn(ddp({**p, **buffers}), **inputs(name, rank)).loss)(params)
+    torch_ddp = torch.nn.parallel.DistributedDataParallel(torch_model)
+    torch.autograd.backward(torch_ddp(**inputs(name, rank)).loss)
+    return got, grads_of(torch_model)
+
+
+@pytest.mark.parametrize(
+    ("reentrant", "how"), [(False, "backward"), (False, "fdp.grad"), (True, "backward")]
+)
+def test_ddp_with_gradient_checkpointing_matches_torch_ddp_and_one_process(
+    reentrant: bool, how: str
+) -> None:
+    # model.gradient_checkpointing_enable(): each block is recomputed in backward, on the
+    # call's shells (non-reentrant) or in a nested backward (reentrant), and its
+    # gradients reach the reduction from there. Reentrant checkpointing refuses
+    # autograd.grad (fdp.grad's) in torch itself.
+    name = "gpt2"
+    ref, _ = reference(name, 2)
+    for rank, (grads, torch_grads) in enumerate(
+        ranks.world(2).run(_ddp_checkpointed, name, reentrant, how)
+    ):
+        check(grads, torch_grads, f"rank {rank}: fdp against torch's DDP")
+        check(grads, grads_of(ref), f"rank {rank}: fdp against one process")
 
 
 # --------------------------------------------------------------- ZeRO
