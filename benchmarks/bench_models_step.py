@@ -10,8 +10,9 @@ processes; the figures are ratios to torch DDP's eager step:
 - fdp DDP + torch AdamW: ``fn(ddp(state))`` (``make_functional``),
   ``loss.backward()``, the same optimizer;
 - fdp pure: ``fdp.grad`` of the loss, ``fdp.optim.adamw`` (pure: new
-  parameters every step); and the same with ``torch.func.grad`` (the loop
-  before ``fdp.grad``);
+  parameters every step); the same with ``torch.func.grad`` (the loop
+  before ``fdp.grad``), and with ``donate=True`` (the step writes into the
+  parameters and state it is given);
 - compiled: torch ``torch.compile(DDP(model))``; fdp's ``fn(ddp(state))``
   loss compiled with the same optimizer; fdp's pure loop with the loss and
   ``fdp.optim``'s update compiled. Their first step (the compile) runs
@@ -21,7 +22,7 @@ processes; the figures are ratios to torch DDP's eager step:
 The comparisons with targets (fdp DDP and fdp's pure loop against torch
 DDP eager; fdp's pure loop compiled against torch's compiled DDP) are then
 timed again head to head, each pair alone, alternating, four times the
-rounds (``timing.paired``: the median of each round's ratio; the seven-way
+rounds (``timing.paired``: the median of each round's ratio; the eight-way
 rotation above puts other methods, and their memory, between the two, and
 moves a ratio by up to 10% from run to run).
 
@@ -62,6 +63,7 @@ BASE = "torch DDP"
 HEAD_TO_HEAD = (
     (BASE, "fdp DDP + torch AdamW"),
     (BASE, "fdp pure (fdp.grad + fdp.optim)"),
+    (BASE, "fdp pure, donate=True"),
     ("torch DDP compiled", "fdp pure compiled"),
 )
 
@@ -136,6 +138,7 @@ def fdp_pure(
     *,
     grad: Any,
     compiled: bool = False,
+    donate: bool = False,
 ) -> Step:
     fn, state = fdp.make_functional(build(name))
     ddp = fdp.DistributedDataParallel(state)
@@ -152,7 +155,7 @@ def fdp_pure(
 
     def step() -> None:
         grads = run(box[0], buffers)
-        box[0], box[1] = update(grads, box[1], box[0])
+        box[0], box[1] = update(grads, box[1], box[0], donate=donate)
 
     return step
 
@@ -163,6 +166,7 @@ def methods(name: str, ids: torch.Tensor) -> dict[str, Callable[[], Step]]:
         "fdp DDP + torch AdamW": lambda: fdp_ddp_torch_optim(name, ids),
         "fdp pure (fdp.grad + fdp.optim)": lambda: fdp_pure(name, ids, grad=fdp.grad),
         "fdp pure, torch.func.grad": lambda: fdp_pure(name, ids, grad=torch.func.grad),
+        "fdp pure, donate=True": lambda: fdp_pure(name, ids, grad=fdp.grad, donate=True),
         "torch DDP compiled": lambda: torch_ddp(name, ids, compiled=True),
         "fdp DDP compiled + torch AdamW": lambda: fdp_ddp_torch_optim(name, ids, compiled=True),
         "fdp pure compiled": lambda: fdp_pure(name, ids, grad=fdp.grad, compiled=True),
@@ -274,6 +278,7 @@ SLUGS = {
     "fdp DDP + torch AdamW": "fdp_ddp_torch_optim",
     "fdp pure (fdp.grad + fdp.optim)": "fdp_pure",
     "fdp pure, torch.func.grad": "fdp_pure_func_grad",
+    "fdp pure, donate=True": "fdp_pure_donated",
     "torch DDP compiled": "torch_ddp_compiled",
     "fdp DDP compiled + torch AdamW": "fdp_ddp_compiled_torch_optim",
     "fdp pure compiled": "fdp_pure_compiled",
@@ -284,6 +289,7 @@ SLUGS = {
     "optim: fdp.optim.adamw": "optim_fdp",
     "head to head: fdp DDP + torch AdamW": "head_to_head.fdp_ddp_torch_optim",
     "head to head: fdp pure (fdp.grad + fdp.optim)": "head_to_head.fdp_pure",
+    "head to head: fdp pure, donate=True": "head_to_head.fdp_pure_donated",
     "head to head: fdp pure compiled": "head_to_head.fdp_pure_compiled",
 }
 
