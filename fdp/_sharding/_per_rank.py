@@ -29,7 +29,7 @@ __all__ = ["Expanded", "PerRank", "expand"]
 V = TypeVar("V")
 _PREFIX = "_fdp/rank "
 MARK = f"['{_PREFIX}"  # in an entry's key: one rank's own value lies under it
-_KEY = re.compile(r"\['_fdp/rank (\d+) of (\d+)'\]")
+_KEY = re.compile(re.escape(MARK) + r"(\d+) of (\d+)'\]")
 
 
 class PerRank(Generic[V]):
